@@ -1,0 +1,153 @@
+"""The Plan: one parallel layout, as versioned data.
+
+A plan written by hand and a plan returned by the solver are the same JSON and
+pass the same validation; the estimator, the simulator and the executor all
+take a `Plan`. Stage boundaries index the workload's expanded layer list
+(embedding, blocks..., head). With an interleaved schedule there are
+`pp * vpp` virtual stages, and virtual stage `i` runs on pipeline rank `i % pp`.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+SCHEMA_VERSION = 1
+
+Recompute = Literal["none", "selective", "full"]
+Schedule = Literal["gpipe", "1f1b", "interleaved"]
+Compression = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
+
+
+class StagePlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    start: int = Field(ge=0, description="first layer index (inclusive)")
+    end: int = Field(gt=0, description="last layer index (exclusive)")
+    recompute: list[Recompute] = Field(description="one checkpointing policy per layer of the stage")
+
+    @model_validator(mode="after")
+    def _one_policy_per_layer(self):
+        if self.end <= self.start:
+            raise ValueError(f"stage end ({self.end}) must be greater than start ({self.start})")
+        if len(self.recompute) != self.end - self.start:
+            raise ValueError(
+                f"stage [{self.start}, {self.end}) has {self.end - self.start} layers "
+                f"but {len(self.recompute)} recompute entries"
+            )
+        return self
+
+
+class StageEstimate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    start: int
+    end: int
+    forward_s: float = Field(description="forward time of one micro-batch")
+    backward_s: float = Field(description="backward (with recomputation) of one micro-batch")
+    memory_bytes: dict[str, float] = Field(description="peak memory by category on this stage's ranks")
+
+    @property
+    def peak_bytes(self) -> float:
+        return sum(self.memory_bytes.values())
+
+
+class Estimate(BaseModel):
+    """Predicted step: time by category, throughput and per-rank memory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    step_time_s: float
+    breakdown_s: dict[str, float]
+    tokens_per_s: float
+    tflops_per_gpu_model: float
+    tflops_per_gpu_hw: float = Field(description="includes recomputed forwards")
+    mfu: float
+    peak_memory_bytes: float
+    memory_capacity_bytes: float
+    stages: list[StageEstimate]
+    usd_per_hour: float | None = None
+    usd_per_million_tokens: float | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.peak_memory_bytes <= self.memory_capacity_bytes
+
+
+class SolverReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    status: str
+    wall_s: float
+    layouts_considered: int
+    layouts_solved: int
+    gap: float = Field(description="relative gap between the plan and the solver's proven bound")
+    notes: list[str] = Field(default_factory=list)
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str
+    hardware: str
+    global_batch: int = Field(gt=0)
+    seq_len: int = Field(gt=0)
+    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dp: int = Field(ge=1)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    sp: bool = False
+    zero: int = Field(0, ge=0, le=3)
+    micro_batch: int = Field(ge=1)
+    schedule: Schedule = "1f1b"
+    vpp: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedule)")
+    compression: Compression = "none"
+    stages: list[StagePlan]
+    objective: Literal["time", "cost"] = "time"
+    estimate: Estimate | None = None
+    alternatives: list["Plan"] = Field(default_factory=list)
+    solver: SolverReport | None = None
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def n_gpus(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def num_micro_batches(self) -> int:
+        return self.global_batch // (self.dp * self.micro_batch)
+
+    @property
+    def n_virtual_stages(self) -> int:
+        return self.pp * self.vpp
+
+    @model_validator(mode="after")
+    def _consistent_layout(self):
+        if self.global_batch % (self.dp * self.micro_batch):
+            raise ValueError(
+                f"global_batch {self.global_batch} is not divisible by dp*micro_batch "
+                f"= {self.dp}*{self.micro_batch}"
+            )
+        if self.schedule != "interleaved" and self.vpp != 1:
+            raise ValueError(f"vpp={self.vpp} needs schedule 'interleaved'")
+        if self.schedule == "interleaved" and self.pp < 2:
+            raise ValueError("schedule 'interleaved' needs pp >= 2")
+        if len(self.stages) != self.n_virtual_stages:
+            raise ValueError(f"{len(self.stages)} stages given, pp*vpp = {self.n_virtual_stages} expected")
+        for before, after in zip(self.stages, self.stages[1:]):
+            if after.start != before.end:
+                raise ValueError(f"stages must be contiguous: one ends at {before.end}, next starts at {after.start}")
+        if self.stages[0].start != 0:
+            raise ValueError("the first stage must start at layer 0")
+        if self.sp and self.tp == 1:
+            raise ValueError("sp (sequence parallel) needs tp > 1")
+        return self
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.model_validate_json(text)

@@ -1,0 +1,98 @@
+"""What the cost model prices: a model reduced to an ordered list of layers.
+
+Tracing (planner/) and the analytic transformer builder both produce a
+`Workload`; the cost model never sees torch. Quantities are per *sequence* of
+`seq_len` tokens at tensor-parallel degree 1, so that micro-batch size and TP
+degree are applied by the cost model alone. Repeated layers are stored once
+as a `Segment` with a count, so a 126-layer model is priced from one block.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+LayerKind = Literal["embedding", "block", "head", "other"]
+
+
+class LayerProfile(BaseModel):
+    """One layer's forward work, parameters and saved activations, per sequence."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    kind: LayerKind
+    params: int = Field(ge=0)
+    matmul_flops: float = Field(ge=0, description="forward GEMM FLOPs")
+    matmul_min_dim: int = Field(ge=1, description="smallest GEMM dimension at tp=1 (sets GEMM efficiency)")
+    attention_flops: float = Field(0.0, ge=0, description="forward FLOPs of the s^2 attention core")
+    elementwise_bytes: float = Field(0.0, ge=0, description="forward memory-bound traffic (norms, activations, softmax)")
+    act_replicated: float = Field(0.0, ge=0, description="saved bytes TP leaves replicated (SP splits them)")
+    act_tp_sharded: float = Field(0.0, ge=0, description="saved bytes TP splits")
+    act_attention_scores: float = Field(0.0, ge=0, description="saved s^2 bytes (dropped by selective recompute)")
+    act_input: float = Field(0.0, ge=0, description="bytes kept under full recompute (the layer input)")
+    tp_shardable: bool = True
+    tp_allreduces_fwd: int = Field(0, ge=0, description="activation all-reduces per forward under TP")
+    tp_comm_bytes: float = Field(0.0, ge=0, description="bytes of one such all-reduce, per sequence")
+    boundary_bytes: float = Field(0.0, ge=0, description="output bytes sent to the next pipeline stage")
+
+
+class Segment(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    layer: LayerProfile
+    count: int = Field(1, ge=1)
+
+
+class Workload(BaseModel):
+    """A model as a sequence of (layer, repeat count) segments at one sequence length."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    seq_len: int = Field(gt=0)
+    dtype_bytes: int = Field(2, gt=0)
+    segments: list[Segment]
+    heads: int | None = None
+    kv_heads: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+    flash_attention: bool = True
+
+    @cached_property
+    def layers(self) -> list[LayerProfile]:
+        """The expanded layer list; stage boundaries index into it."""
+        return [seg.layer for seg in self.segments for _ in range(seg.count)]
+
+    @property
+    def n_layers(self) -> int:
+        return sum(seg.count for seg in self.segments)
+
+    @property
+    def n_blocks(self) -> int:
+        return sum(seg.count for seg in self.segments if seg.layer.kind == "block")
+
+    @property
+    def params(self) -> int:
+        return sum(seg.layer.params * seg.count for seg in self.segments)
+
+    def forward_flops(self) -> float:
+        """Model forward FLOPs per sequence (GEMMs plus the attention core)."""
+        return sum((s.layer.matmul_flops + s.layer.attention_flops) * s.count for s in self.segments)
+
+    def max_tp(self) -> int | None:
+        """Largest TP degree any layer could take, or None when only divisibility limits it."""
+        if any(not seg.layer.tp_shardable and seg.layer.kind == "block" for seg in self.segments):
+            return 1
+        return None
+
+    def tp_divides(self, tp: int) -> bool:
+        """Whether every TP-split dimension divides evenly by `tp`."""
+        if tp == 1:
+            return True
+        if self.max_tp() == 1:
+            return False
+        for dim in (self.heads, self.kv_heads):
+            if dim is not None and dim % tp != 0 and tp % dim != 0:
+                return False
+        return self.heads is None or self.heads % tp == 0

@@ -1,0 +1,39 @@
+"""Typed, human-readable errors shared by every Parallax layer.
+
+Every error that user input can cause names the offending field and a valid
+alternative, so that the CLI can print one line instead of a traceback.
+"""
+from __future__ import annotations
+
+
+class ParallaxError(ValueError):
+    """Wrong user input: `field` is what was wrong, `hint` what would be valid."""
+
+    def __init__(self, field: str, problem: str, hint: str = "") -> None:
+        self.field = field
+        self.problem = problem
+        self.hint = hint
+        message = f"{field}: {problem}"
+        if hint:
+            message += f" ({hint})"
+        super().__init__(message)
+
+
+class HardwareError(ParallaxError):
+    """A hardware spec string or profile file is invalid."""
+
+
+class ModelError(ParallaxError):
+    """A model name, config or module cannot be traced or described."""
+
+
+class PlanError(ParallaxError):
+    """A plan is inconsistent with the model, the hardware or itself."""
+
+
+class InfeasibleError(ParallaxError):
+    """No layout fits; `report` carries the numbers that explain why."""
+
+    def __init__(self, field: str, problem: str, hint: str = "", report: dict | None = None) -> None:
+        super().__init__(field, problem, hint)
+        self.report = report or {}

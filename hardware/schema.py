@@ -1,0 +1,119 @@
+"""Validated hardware profiles: a GPU, the node it sits in, and the cluster.
+
+Profiles are data. Every numeric field of a catalog entry carries a source
+(datasheet, paper, or `calibrate` run) in the model's `sources` mapping, and
+validation refuses a profile whose numbers are not all sourced. The cost model
+reads only these objects, never the machine it runs on.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+
+
+class _Sourced(BaseModel):
+    """Base for models whose numeric fields must each name their source."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    sources: dict[str, str] = Field(default_factory=dict)
+    # Fields the user states (counts, names), which need no citation.
+    unsourced_fields: ClassVar[frozenset[str]] = frozenset()
+
+    @model_validator(mode="after")
+    def _every_number_has_a_source(self):
+        missing = [
+            name
+            for name, info in type(self).model_fields.items()
+            if name != "sources" and name not in self.unsourced_fields
+            and isinstance(getattr(self, name), (int, float, dict))
+            and not isinstance(getattr(self, name), bool)
+            and getattr(self, name) not in (None, {})
+            and name not in self.sources
+        ]
+        if missing:
+            raise ValueError(f"no source given for {', '.join(missing)}; add them under 'sources'")
+        return self
+
+
+class Efficiency(_Sourced):
+    """Achievable fractions of peak, calibrated per GPU type.
+
+    A matmul whose smallest dimension is `d` runs at
+    `matmul_max * d / (d + matmul_half_dim)` of peak: small, TP-split GEMMs
+    under-fill the streaming multiprocessors.
+    """
+
+    matmul_max: float = Field(gt=0, le=1)
+    matmul_half_dim: float = Field(ge=0)
+    attention: float = Field(gt=0, le=1)
+    memory_bound: float = Field(gt=0, le=1)
+    intra_node_bw: float = Field(gt=0, le=1)
+    inter_node_bw: float = Field(gt=0, le=1)
+
+
+class GPU(_Sourced):
+    name: str
+    peak_tflops: dict[Dtype, float]
+    hbm_gb: float = Field(gt=0)
+    hbm_gbps: float = Field(gt=0, description="HBM bandwidth, GB/s")
+    efficiency: Efficiency
+    mtbf_hours: float | None = Field(default=None, gt=0)
+
+    @field_validator("peak_tflops")
+    @classmethod
+    def _positive_peaks(cls, peaks: dict[str, float]) -> dict[str, float]:
+        bad = [k for k, v in peaks.items() if v <= 0]
+        if bad:
+            raise ValueError(f"peak_tflops must be positive, got {bad}")
+        return peaks
+
+    def peak_flops(self, dtype: str) -> float:
+        """Dense peak in FLOP/s for `dtype` (fp16 and bf16 fall back to each other)."""
+        for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype), "fp32"):
+            if key in self.peak_tflops:
+                return self.peak_tflops[key] * 1e12
+        raise ValueError(f"GPU {self.name} has no peak for {dtype}")
+
+
+IntraFabric = Literal["nvswitch", "mesh", "pcie"]
+
+
+class Node(_Sourced):
+    gpus_per_node: int = Field(gt=0)
+    fabric: IntraFabric
+    link_gbps: float = Field(gt=0, description="per-GPU unidirectional intra-node bandwidth, GB/s")
+    link_latency_us: float = Field(ge=0)
+
+
+class Cluster(_Sourced):
+    """`n_nodes` identical nodes joined by one NIC per GPU."""
+
+    unsourced_fields: ClassVar[frozenset[str]] = frozenset({"n_nodes"})
+
+    name: str
+    gpu: GPU
+    node: Node
+    n_nodes: int = Field(gt=0)
+    nic_gbps: float = Field(gt=0, description="per-GPU inter-node NIC bandwidth, Gb/s (bits)")
+    nic_latency_us: float = Field(ge=0)
+    inter_fabric: str = "infiniband"
+    price_per_gpu_hour: float | None = Field(default=None, ge=0)
+
+    @property
+    def n_gpus(self) -> int:
+        return self.n_nodes * self.node.gpus_per_node
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.node.gpus_per_node
+
+    @property
+    def nic_bytes_per_s(self) -> float:
+        return self.nic_gbps * 1e9 / 8
+
+    def spec(self) -> str:
+        """The spec string that `hardware.load` turns back into this cluster."""
+        return f"{self.n_gpus}x{self.name}"
