@@ -1,0 +1,117 @@
+"""Built-in named models, stored as HuggingFace-style config dicts.
+
+The configs are data (one JSON file per model next to this module) so that a
+user can read, copy or add one without touching code. Each carries the generic
+HF keys (hidden_size, num_hidden_layers, ...) that every `transformers` config
+maps to its own names, plus the family-specific keys where the generic one is
+not mapped (`n_inner` for GPT-2, `d_ff`/`d_kv` for T5), and a `_source`.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from hardware.errors import ModelError
+
+_DIR = Path(__file__).parent
+
+
+def list_models() -> list[str]:
+    """Names of the built-in models, sorted."""
+    return sorted(path.stem for path in _DIR.glob("*.json"))
+
+
+@lru_cache(maxsize=None)
+def _load(name: str) -> dict[str, Any]:
+    return json.loads((_DIR / f"{name}.json").read_text())
+
+
+def model_config(name: str) -> dict[str, Any]:
+    """The config dict of a built-in model (a fresh copy: callers may edit it)."""
+    names = list_models()
+    if name not in names:
+        close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
+        hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(names)}"
+        raise ModelError("model", f"unknown model {name!r}", hint)
+    return json.loads(json.dumps(_load(name)))
+
+
+def hf_config(name_or_dict: str | dict[str, Any]):
+    """A `transformers` config object for a built-in name or an HF-style dict.
+
+    transformers is an optional extra, so it is imported here and only here.
+    """
+    cfg = model_config(name_or_dict) if isinstance(name_or_dict, str) else dict(name_or_dict)
+    try:
+        from transformers import AutoConfig
+    except ImportError as error:  # pragma: no cover - depends on the install
+        raise ModelError("model", "HuggingFace configs need the `transformers` package",
+                         "pip install 'parallax[hf]'") from error
+    model_type = cfg.pop("model_type", None)
+    if model_type is None:
+        raise ModelError("model_type", "the config dict has no model_type", "e.g. 'llama', 'gpt2', 't5'")
+    cfg = {k: v for k, v in cfg.items() if not k.startswith("_")}
+    try:
+        return AutoConfig.for_model(model_type, **cfg)
+    except (ValueError, KeyError) as error:
+        raise ModelError("model_type", str(error).splitlines()[0], "a model_type that transformers knows") from error
+
+
+def family(cfg: dict[str, Any]) -> str:
+    """The architecture family: what the param count and the tracer dispatch on."""
+    return str(cfg.get("model_type", "?"))
+
+
+def _dims(cfg: dict[str, Any]) -> tuple[int, int, int, int, int, int]:
+    """(hidden, layers, heads, kv_heads, ffn, vocab), from generic or family keys."""
+    h = cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model")
+    layers = cfg.get("num_hidden_layers") or cfg.get("n_layer") or cfg.get("num_layers")
+    heads = cfg.get("num_attention_heads") or cfg.get("n_head") or cfg.get("num_heads")
+    kv = cfg.get("num_key_value_heads") or heads
+    ffn = cfg.get("intermediate_size") or cfg.get("n_inner") or cfg.get("d_ff") or 4 * h
+    return h, layers, heads, kv, ffn, cfg["vocab_size"]
+
+
+def param_count(cfg: dict[str, Any]) -> int:
+    """Parameters of the model a config describes, counted analytically.
+
+    Matches what `transformers` instantiates for the config's architecture
+    (GPT-2 with tied head; Llama/Mistral gated MLP and GQA; BERT with its MLM
+    head; T5 encoder-decoder); a sanity check for the traced count.
+    """
+    h, L, heads, kv, f, V = _dims(cfg)
+    kind = family(cfg)
+    tied = cfg.get("tie_word_embeddings", True)
+    if kind == "gpt2":
+        block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
+        return V * h + cfg.get("max_position_embeddings", 1024) * h + L * block + 2 * h + (0 if tied else V * h)
+    if kind == "t5":
+        inner = heads * cfg.get("d_kv", h // heads)
+        gated = str(cfg.get("feed_forward_proj", "relu")).startswith("gated")
+        mlp = (3 if gated else 2) * h * f
+        enc = 4 * h * inner + mlp + 2 * h
+        dec = 8 * h * inner + mlp + 3 * h
+        buckets = cfg.get("relative_attention_num_buckets", 32) * heads
+        n_dec = cfg.get("num_decoder_layers") or L
+        return V * h + L * enc + n_dec * dec + 2 * buckets + 2 * h + (0 if tied else V * h)
+    if kind == "bert":
+        emb = (V + cfg.get("max_position_embeddings", 512) + cfg.get("type_vocab_size", 2)) * h + 2 * h
+        block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        mlm_head = h * h + h + 2 * h + V  # transform dense + LayerNorm + decoder bias (weight tied)
+        return emb + L * block + mlm_head
+    hd = h // heads  # Llama / Mistral and other gated-MLP decoders
+    block = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * f + 2 * h
+    return V * h + L * block + h + (0 if tied else V * h)
+
+
+def summary(name: str) -> dict[str, Any]:
+    """One row of `parallax models`."""
+    cfg = model_config(name)
+    h, L, heads, kv, _, _ = _dims(cfg)
+    if family(cfg) == "t5":
+        L = L + (cfg.get("num_decoder_layers") or L)
+    return {"name": name, "family": family(cfg), "layers": L, "hidden": h, "heads": heads,
+            "kv_heads": kv, "params_b": param_count(cfg) / 1e9}
