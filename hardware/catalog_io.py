@@ -55,7 +55,7 @@ def read_json(path: Path) -> object:
     except FileNotFoundError:
         raise HardwareError("hw", f"profile file {path} does not exist",
                             "give a catalog name such as 8xh100-sxm or an existing JSON file") from None
-    except (OSError, UnicodeDecodeError) as error:
+    except (OSError, UnicodeDecodeError, ValueError) as error:
         raise HardwareError("hw", f"cannot read profile file {path}: {error}") from None
     try:
         return json.loads(text)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -37,6 +37,7 @@ class _Base:
     network: Network
     count: int | None = None
     price: PriceQuote | None = None
+    origin: str = ""  # " in FILE" for profile files, so count errors name the file
 
 
 def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gbps: float | None = None,
@@ -47,7 +48,7 @@ def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gb
     base = _resolve(spec)
     node = _override_node(base.node, gpus_per_node, intra_gbps, intra_latency_us)
     count = base.count if base.count is not None else node.gpus_per_node
-    node, n_nodes = _fit_count(count, node, base.name)
+    node, n_nodes = _fit_count(count, node, base.name, base.origin)
     nic, nic_lat, net_sources = _network(base.network, nic_gbps, nic_latency_us)
     price, price_sources = _price(base, price_per_gpu_hour, price_table)
     fields = dict(name=base.name, gpu=base.gpu, node=node, n_nodes=n_nodes, nic_gbps=nic,
@@ -132,16 +133,16 @@ def _from_file(path: Path) -> _Base:
     data = read_json(path)
     if isinstance(data, dict) and "n_nodes" in data:
         try:
-            return _from_cluster(Cluster.model_validate(data))
+            return replace(_from_cluster(Cluster.model_validate(data)), origin=f" in {path}")
         except ValidationError as error:
             where, message = first_error(error)
             raise HardwareError(where, f"{message} in {path}", "compare with Cluster.model_dump_json()") from None
-    return _from_entry(parse_entry(data, str(path)), None)
+    return replace(_from_entry(parse_entry(data, str(path)), None), origin=f" in {path}")
 
 
 # --- counts and overrides -----------------------------------------------------
 
-def _fit_count(count: int, node: Node, name: str) -> tuple[Node, int]:
+def _fit_count(count: int, node: Node, name: str, origin: str = "") -> tuple[Node, int]:
     """(node, n_nodes) for `count` GPUs: whole nodes, or one partial node dividing the node."""
     per_node = node.gpus_per_node
     if count % per_node == 0:
@@ -151,7 +152,7 @@ def _fit_count(count: int, node: Node, name: str) -> tuple[Node, int]:
         return _rebuild(node, {"gpus_per_node": count}, note, "gpus_per_node"), 1
     lower, upper = _nearest_counts(count, per_node)
     options = " or ".join(f"{c}x{name}" for c in (lower, upper) if c)
-    raise HardwareError("hw", f"{count} GPUs do not fill whole nodes of {per_node}",
+    raise HardwareError("hw", f"{count} GPUs do not fill whole nodes of {per_node}{origin}",
                         f"nearest valid counts: {options}")
 
 
