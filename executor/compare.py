@@ -1,0 +1,21 @@
+"""Gather a rank's trained parameters under their original names (for equivalence checks)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def canonical_name(name: str) -> str:
+    """Drop wrapper prefixes (DDP's "module.") so names match the unwrapped model."""
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def full_parameters(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Every parameter this rank's chunks hold, unsharded (a collective over dp/tp groups)."""
+    out = {}
+    for module in modules:
+        for name, param in module.named_parameters():
+            value = param.full_tensor() if isinstance(param, DTensor) else param
+            out[canonical_name(name)] = value.detach().cpu().clone()
+    return out

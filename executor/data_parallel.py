@@ -1,0 +1,59 @@
+"""Data parallelism and ZeRO on the "dp" mesh dimension.
+
+zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
+re-gathered for backward; zero 2: FSDP2 keeping the gathered parameters from
+forward to backward; zero 1: replicated parameters (DDP) with the optimizer
+state sharded by ZeroRedundancyOptimizer; zero 0: DDP. Blocks are sharded one
+by one so that only one block's parameters are gathered at a time.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from costmodel.plan import Plan
+from executor.layers import LayerMap, get_or_none
+
+
+def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap) -> nn.Module:
+    """Wrap or shard `module` over the dp dimension; a no-op when dp == 1."""
+    if plan.dp == 1:
+        return module
+    dp_mesh = mesh["dp"]
+    if plan.zero >= 2:
+        reshard = plan.zero == 3
+        for name in lmap.block_names:
+            block = get_or_none(module, name)
+            if block is not None and any(True for _ in block.parameters()):
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+        return module
+    if plan.tp > 1:
+        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+
+        _pre_dp_module_transform(module)
+    return DDP(module, process_group=dp_mesh.get_group())
+
+
+def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
+    """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1."""
+    params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if plan.zero == 1 and plan.dp > 1:
+        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
+                                       process_group=mesh["dp"].get_group(), lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def sync_context(module: nn.Module, last_micro_batch: bool):
+    """Skip gradient synchronisation on all but the last micro-batch of a step."""
+    import contextlib
+
+    if isinstance(module, DDP) and not last_micro_batch:
+        return module.no_sync()
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(last_micro_batch)
+    return contextlib.nullcontext()

@@ -1,0 +1,83 @@
+"""Turn (plan, model) into what one rank trains: chunks, schedule, optimizer.
+
+The appliers run in one fixed order, each `apply_x(module, mesh, plan)`:
+
+1. pipeline   - cut first, so later appliers only touch what this rank keeps;
+2. tensor     - DTensor sharding needs the plain nn.Linear/nn.Embedding modules;
+3. checkpoint - wraps whole layers, whose inner linears are already split;
+4. data       - FSDP2/DDP go outermost: they must see the final (DTensor)
+                parameters and the checkpointed forward.
+
+The pipeline schedule is built last, around the fully wrapped chunks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from costmodel.plan import Plan
+from executor.checkpointing import apply_checkpointing
+from executor.data_parallel import apply_data_parallel, build_optimizer
+from executor.layers import LayerMap, layer_map
+from executor.mesh import build_mesh, local_device
+from executor.pipeline import apply_pipeline, build_schedule
+from executor.tensor_parallel import apply_tensor_parallel
+from executor.tp_styles import TPAnalysis, analyse_tp
+from executor.validate import validate
+
+APPLY_ORDER = ("pipeline", "tensor_parallel", "checkpointing", "data_parallel")
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the micro-batch."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+@dataclass
+class Materialized:
+    modules: list[nn.Module]
+    schedule: object | None
+    optimizer: torch.optim.Optimizer
+    mesh: DeviceMesh
+    device: torch.device
+    tp_replicated: list[str] = field(default_factory=list)
+
+    def as_tuple(self):
+        return (self.modules if len(self.modules) > 1 else self.modules[0]), self.schedule, self.optimizer
+
+
+def tp_analysis(model: nn.Module, plan: Plan) -> TPAnalysis | None:
+    """Styles from the planner's traced OpGraph when available, else from our own data-flow walk."""
+    if plan.tp == 1:
+        return None
+    example = torch.randint(0, 8, (2, min(8, plan.seq_len)), device=next(model.parameters()).device)
+    return analyse_tp(model, example)
+
+
+def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = None, lr: float = 1e-3) -> Materialized:
+    """Apply every parallelism of `plan` to `model` for the calling rank (process group must exist)."""
+    validate(plan, model)
+    mesh = mesh if mesh is not None else build_mesh(plan)
+    device = local_device()
+    model = model.to(device)
+    lmap: LayerMap = layer_map(model)
+    analysis = tp_analysis(model, plan)
+    chunks = apply_pipeline(model, mesh, plan)
+    replicated: list[str] = []
+    if analysis is not None:
+        chunks = [apply_tensor_parallel(c, mesh, plan, analysis) for c in chunks]
+        replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
+    chunks = [apply_checkpointing(c, mesh, plan, lmap) for c in chunks]
+    chunks = [apply_data_parallel(c, mesh, plan, lmap) for c in chunks]
+    schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
+    optimizer = build_optimizer(chunks, mesh, plan, lr)
+    return Materialized(chunks, schedule, optimizer, mesh, device, replicated)
+
+
+def materialize(plan: Plan, model: nn.Module):
+    """(stage module or list of chunks, schedule or None, optimizer) for a user's own loop."""
+    return materialize_rank(plan, model).as_tuple()

@@ -1,0 +1,63 @@
+"""One validated DeviceMesh per plan, the same code path on GPU and CPU.
+
+The mesh's dimensions are ("pp", "dp", "tp"): TP innermost, so the ranks that
+exchange activations every layer are neighbours (same node, fastest links),
+and PP outermost, so only point-to-point stage traffic crosses the widest gap.
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from costmodel.plan import Plan
+from hardware.errors import PlanError
+
+MESH_DIMS = ("pp", "dp", "tp")
+
+
+def device_and_backend() -> tuple[str, str]:
+    """Pick the accelerator if there is one; gloo on CPU otherwise."""
+    if torch.cuda.is_available():
+        return "cuda", "nccl"
+    return "cpu", "gloo"
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on (its own GPU under torchrun's LOCAL_RANK)."""
+    kind, _ = device_and_backend()
+    if kind == "cuda":
+        index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 120.0, init_method: str | None = None,
+                     rank: int | None = None, world_size: int | None = None) -> None:
+    """Start the default process group unless one exists; a timeout makes a hung peer visible."""
+    if dist.is_initialized():
+        return
+    _, backend = device_and_backend()
+    kwargs = {"timeout": timedelta(seconds=timeout_s)}
+    if init_method is not None:
+        kwargs.update(init_method=init_method, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, **kwargs)
+
+
+def build_mesh(plan: Plan) -> DeviceMesh:
+    """The (pp, dp, tp) mesh of `plan`; its degrees must multiply to the world size."""
+    world = dist.get_world_size()
+    if plan.n_gpus != world:
+        raise PlanError("dp*tp*pp", f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world} processes run",
+                        f"launch {plan.n_gpus} processes or change the degrees")
+    kind, _ = device_and_backend()
+    return init_device_mesh(kind, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+
+
+def coords(mesh: DeviceMesh) -> dict[str, int]:
+    """This rank's coordinate along each mesh dimension."""
+    return {name: mesh.get_local_rank(name) for name in MESH_DIMS}

@@ -1,0 +1,103 @@
+"""Pipeline parallelism: cut the model at the plan's stage boundaries.
+
+Each pipeline rank keeps, per virtual stage it owns (stage i runs on rank
+i % pp), a copy of the model stripped of what the stage does not own. Names of
+the kept parameters are unchanged, so checkpoints and comparisons line up with
+the unsplit model. The reference GPT tolerates missing modules (None / deleted
+from the ModuleDict); HuggingFace models get parameter-free stand-ins instead,
+because their forward code calls every module it registered.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+from costmodel.plan import Plan
+from executor.layers import LayerMap, layer_map
+from executor.models import HFStage
+
+
+class Skipped(nn.Module):
+    """A block another stage owns: hands its hidden states through."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return hidden_states
+
+
+class ZeroEmbedding(nn.Module):
+    """A position embedding another stage owns: adds nothing to the incoming hidden states."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dim = dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+
+
+class Passthrough(nn.Module):
+    def forward(self, x, *args, **kwargs):
+        return x
+
+
+def owned_stages(plan: Plan, pp_rank: int) -> list[int]:
+    """Virtual stage indices that run on pipeline rank `pp_rank`."""
+    return list(range(pp_rank, plan.n_virtual_stages, plan.pp))
+
+
+def _drop(model: nn.Module, name: str, lmap: LayerMap, hf: bool) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    if isinstance(parent, nn.ModuleDict):
+        del parent[attr]
+    elif isinstance(parent, nn.ModuleList):
+        parent[int(attr)] = Skipped()
+    elif not hf:
+        setattr(parent, attr, None)
+    else:
+        old = getattr(parent, attr)
+        setattr(parent, attr, ZeroEmbedding(old.embedding_dim) if isinstance(old, nn.Embedding) else Passthrough())
+
+
+def cut(model: nn.Module, lmap: LayerMap, start: int, end: int) -> nn.Module:
+    """Strip `model` (in place) down to expanded layers [start, end)."""
+    hf = isinstance(model, HFStage)
+    for layer in range(lmap.n_layers):
+        if not start <= layer < end:
+            for name in lmap.modules_of(layer):
+                _drop(model, name, lmap, hf)
+    if hf:
+        model.first = start == 0
+    return model
+
+
+def apply_pipeline(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> list[nn.Module]:
+    """The model chunks this rank runs, one per owned virtual stage (the whole model when pp == 1)."""
+    if plan.pp == 1:
+        return [module]
+    lmap = layer_map(module)
+    stages = owned_stages(plan, mesh.get_local_rank("pp"))
+    chunks = []
+    for i, index in enumerate(stages):
+        source = module if i == len(stages) - 1 else copy.deepcopy(module)
+        spec = plan.stages[index]
+        chunks.append(cut(source, lmap, spec.start, spec.end))
+    return chunks
+
+
+def build_schedule(chunks: list[nn.Module], mesh: DeviceMesh, plan: Plan, loss_fn, device: torch.device):
+    """PipelineStage objects plus the schedule the plan names; None when pp == 1."""
+    if plan.pp == 1:
+        return None
+    group = mesh["pp"].get_group()
+    stages = [PipelineStage(chunk, index, plan.n_virtual_stages, device, group=group)
+              for chunk, index in zip(chunks, owned_stages(plan, mesh.get_local_rank("pp")))]
+    n = plan.num_micro_batches
+    if plan.schedule == "interleaved":
+        return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
+    return kind(stages[0], n, loss_fn=loss_fn)

@@ -1,0 +1,89 @@
+"""Tensor (and sequence) parallelism from derived styles, with DTensor.
+
+Without SP the residual stream stays a plain replicated tensor: embeddings are
+vocabulary-split (RowwiseParallel, all-reduced), linears follow the derived
+colwise/rowwise styles, and the LM head is column-split with its logits
+gathered. With SP the residual stream is a sequence-sharded DTensor (so code
+that reads `x.shape[1]`, e.g. rotary embeddings and causal masks, still sees
+the full sequence), norms run as SequenceParallel, column-split linears
+all-gather their input and row-split linears reduce-scatter their output.
+"""
+from __future__ import annotations
+
+import logging
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                               parallelize_module)
+
+from costmodel.plan import Plan
+from executor.layers import get_or_none
+from executor.tp_styles import TPAnalysis
+
+log = logging.getLogger(__name__)
+
+
+def split_styles(model: nn.Module, analysis: TPAnalysis, tp: int) -> tuple[dict[str, str], list[str]]:
+    """Drop groups whose dimensions `tp` does not divide; return (styles, replicated modules)."""
+    styles = dict(analysis.styles)
+    for group in analysis.groups:
+        if not all(_divides(model, name, styles[name], tp) for name in group if get_or_none(model, name) is not None):
+            for name in group:
+                styles[name] = "replicate"
+    for name, style in list(styles.items()):
+        module = get_or_none(model, name)
+        if module is not None and isinstance(module, nn.Embedding) and not _divides(model, name, style, tp):
+            styles[name] = "replicate"
+    replicated = sorted(n for n, s in styles.items() if s == "replicate" and not _is_norm(get_or_none(model, n)))
+    return styles, replicated
+
+
+def _is_norm(module: nn.Module | None) -> bool:
+    return module is not None and "norm" in type(module).__name__.lower()
+
+
+def _divides(model: nn.Module, name: str, style: str, tp: int) -> bool:
+    module = model.get_submodule(name)
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings % tp == 0
+    if isinstance(module, nn.Linear):
+        return (module.out_features if style == "colwise" else module.in_features) % tp == 0
+    return True
+
+
+def _style(name: str, style: str, analysis: TPAnalysis, sp: bool):
+    """The DTensor ParallelStyle for one module."""
+    if name in analysis.embeddings:
+        first = name == analysis.token_embedding
+        return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp and first else Replicate(),
+                               use_local_output=not sp)
+    if style == "colwise":
+        gather = name in analysis.gather_output
+        return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
+                               output_layouts=Replicate() if gather else Shard(-1))
+    return RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)
+
+
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, analysis: TPAnalysis) -> nn.Module:
+    """Shard `module` over the "tp" mesh dimension; modules TP cannot split stay replicated (logged)."""
+    if plan.tp == 1:
+        return module
+    styles, replicated = split_styles(module, analysis, plan.tp)
+    sp = plan.sp and bool(analysis.groups)
+    if plan.sp and not sp:
+        log.warning("sequence parallelism skipped: no linear of this model can be tensor-split")
+    layout = {}
+    for name, style in styles.items():
+        if get_or_none(module, name) is None:
+            continue
+        if style in ("colwise", "rowwise"):
+            layout[name] = _style(name, style, analysis, sp)
+        elif sp and _is_norm(get_or_none(module, name)):
+            layout[name] = SequenceParallel()
+    parallelize_module(module, mesh["tp"], layout)
+    if replicated:
+        log.info("tensor parallelism left replicated: %s", ", ".join(replicated))
+    module.tp_replicated = replicated
+    return module

@@ -1,0 +1,105 @@
+"""The per-rank training loop: synthetic tokens, AdamW, timed steps, peak memory, losses."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from costmodel.plan import Plan
+from executor.data_parallel import sync_context
+from executor.materialize import Materialized, lm_loss, materialize_rank
+from executor.memory import PeakMemory
+from executor.mesh import coords
+from executor.models import build_model, vocab_size
+
+MEMORY_STEPS = 2  # steps 0-1 run under the CPU memory tracker (its dispatch overhead would skew timing)
+
+
+def global_batch(plan: Plan, step: int, seed: int, vocab: int) -> torch.Tensor:
+    """The step's [global_batch, seq_len + 1] tokens, identical on every rank."""
+    gen = torch.Generator().manual_seed(seed * 100_003 + step)
+    return torch.randint(0, vocab, (plan.global_batch, plan.seq_len + 1), generator=gen)
+
+
+def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This DP rank's contiguous slice, split into inputs and next-token targets."""
+    per_rank = plan.global_batch // plan.dp
+    rows = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+    return rows[:, :-1], rows[:, 1:]
+
+
+def _plain_step(run: Materialized, plan: Plan, x, y) -> torch.Tensor:
+    module, n = run.modules[0], plan.num_micro_batches
+    total = torch.zeros((), device=run.device)
+    for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
+        with sync_context(module, i == n - 1):
+            loss = lm_loss(module(xs), ys)
+            (loss / n).backward()
+        total += loss.detach() / n
+    return total
+
+
+def _pipeline_step(run: Materialized, plan: Plan, x, y, pp_rank: int) -> torch.Tensor | None:
+    losses: list[torch.Tensor] = []
+    kwargs = {"target": y, "losses": losses} if pp_rank == plan.pp - 1 else {}
+    args = (x,) if pp_rank == 0 else ()
+    run.schedule.step(*args, **kwargs)
+    return torch.stack([l.detach() for l in losses]).mean() if losses else None
+
+
+def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], device) -> float:
+    """Mean over DP replicas of the last stage's loss, known to every rank."""
+    counts = loss is not None and at["pp"] == plan.pp - 1 and at["tp"] == 0
+    value = (loss.float() / plan.dp) if counts else torch.zeros((), device=device)
+    value = value.clone()
+    dist.all_reduce(value)
+    return float(value)
+
+
+def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int) -> dict:
+    """Run `steps` optimizer steps; return losses, step times and this rank's peak memory."""
+    at = coords(run.mesh)
+    params = [p for m in run.modules for p in m.parameters()]
+    memory = PeakMemory(run.device, params)
+    losses, times = [], []
+    for step in range(steps):
+        x, y = (t.to(run.device) for t in local_batch(plan, global_batch(plan, step, seed, vocab), at["dp"]))
+        with memory.measure() if step < MEMORY_STEPS else _null():
+            dist.barrier()
+            start = time.perf_counter()
+            if run.schedule is None:
+                loss = _plain_step(run, plan, x, y)
+            else:
+                loss = _pipeline_step(run, plan, x, y, at["pp"])
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+            if run.device.type == "cuda":
+                torch.cuda.synchronize(run.device)
+            times.append(time.perf_counter() - start)
+        losses.append(_global_loss(loss, plan, at, run.device))
+    return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes}
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def steady_step_time(times: list[float]) -> float:
+    """Median over steps after the tracked warm-up steps (all steps when there are too few)."""
+    steady = times[MEMORY_STEPS:] or times[1:] or times
+    return statistics.median(steady)
+
+
+def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3) -> dict:
+    """Build, materialise and train on this rank; every rank returns its own numbers."""
+    model = build_model(model_name, seed)
+    vocab = vocab_size(model)
+    run = materialize_rank(plan, model, lr=lr)
+    result = train_steps(run, plan, steps, seed, vocab)
+    result["tp_replicated"] = run.tp_replicated
+    result["rank"] = dist.get_rank()
+    return result
