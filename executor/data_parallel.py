@@ -33,9 +33,11 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
         return module
     if plan.tp > 1:
-        from torch.distributed.tensor.parallel.ddp import _pre_dp_module_transform
+        # DDP cannot hold DTensor parameters; FSDP2's replicate is DDP for them.
+        from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        _pre_dp_module_transform(module)
+        replicate(module, mesh=dp_mesh)
+        return module
     return DDP(module, process_group=dp_mesh.get_group())
 
 

@@ -71,9 +71,12 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, analy
     if plan.tp == 1:
         return module
     styles, replicated = split_styles(module, analysis, plan.tp)
-    sp = plan.sp and bool(analysis.groups)
+    # A sequence-sharded residual stream would meet the replicated modules'
+    # plain weights, so SP needs every non-norm module split.
+    sp = plan.sp and not replicated
     if plan.sp and not sp:
-        log.warning("sequence parallelism skipped: no linear of this model can be tensor-split")
+        log.warning("sequence parallelism skipped: %d modules cannot be tensor-split", len(replicated))
+        module.sp_skipped = True
     layout = {}
     for name, style in styles.items():
         if get_or_none(module, name) is None:
