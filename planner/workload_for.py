@@ -1,0 +1,94 @@
+"""One entry point from "a model" to the cost model's `Workload`.
+
+`model` may be a built-in name (see `planner.models.catalog`), a HuggingFace
+config object or dict, a path to an .onnx file, or an nn.Module (with example
+inputs; the ReferenceGPT's are made from its config). Built-in names are
+cached: the planner asks for the same (name, seq_len, dtype) many times.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from costmodel.workload import Workload
+from hardware.errors import ModelError
+from planner.graph import OpGraph
+from planner.workload_from_graph import to_workload
+
+__all__ = ["workload_for", "to_workload"]
+
+
+def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_inputs: Any = None,
+                 batch: int = 1) -> tuple[Workload, OpGraph]:
+    """(Workload, OpGraph) for `model` at `seq_len` tokens per sequence."""
+    if seq_len <= 0:
+        raise ModelError("seq_len", f"must be positive, got {seq_len}")
+    if isinstance(model, str) and not model.endswith(".onnx"):
+        return _named(model, seq_len, dtype)
+    if isinstance(model, (str, Path)):
+        from planner.trace_onnx import trace_onnx
+
+        graph = trace_onnx(model, seq_len=seq_len, batch=batch)
+        return to_workload(graph), graph
+    if isinstance(model, dict) or _is_hf_config(model):
+        return _hf(model, seq_len, dtype, batch)
+    return _module(model, seq_len, dtype, example_inputs, batch)
+
+
+@lru_cache(maxsize=64)
+def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
+    from planner.models.catalog import hf_config
+
+    config = hf_config(name)
+    from planner.trace_hf import trace_hf
+
+    graph = trace_hf(config, seq_len=seq_len, dtype=dtype, name=name)
+    return to_workload(graph), graph
+
+
+def _is_hf_config(model: Any) -> bool:
+    return any(cls.__name__ == "PretrainedConfig" or cls.__name__ == "PreTrainedConfig" for cls in type(model).__mro__)
+
+
+def _hf(config: Any, seq_len: int, dtype: str, batch: int) -> tuple[Workload, OpGraph]:
+    from planner.models.catalog import hf_config
+    from planner.trace_hf import trace_hf
+
+    if isinstance(config, dict):
+        config = hf_config(config)
+    graph = trace_hf(config, seq_len=seq_len, dtype=dtype, batch=batch)
+    return to_workload(graph), graph
+
+
+def _module_meta(module: Any) -> dict[str, Any]:
+    """heads / kv_heads / hidden / vocab from a module's `config` or `cfg` attribute."""
+    cfg = getattr(module, "config", None) or getattr(module, "cfg", None)
+    if cfg is None:
+        return {}
+
+    def pick(*names):
+        return next((getattr(cfg, n) for n in names if isinstance(getattr(cfg, n, None), int)), None)
+
+    heads = pick("num_attention_heads", "heads", "n_head", "num_heads")
+    return {"heads": heads, "kv_heads": pick("num_key_value_heads", "kv_heads") or heads,
+            "hidden": pick("hidden_size", "hidden", "n_embd", "d_model"), "vocab": pick("vocab_size", "vocab")}
+
+
+def _module(module: Any, seq_len: int, dtype: str, example_inputs: Any, batch: int) -> tuple[Workload, OpGraph]:
+    import torch
+
+    from planner.trace_torch import trace_module
+
+    if not isinstance(module, torch.nn.Module):
+        raise ModelError("model", f"cannot trace a {type(module).__name__}",
+                         "a built-in name, an HF config, an .onnx path or an nn.Module")
+    if example_inputs is None:
+        cfg = getattr(module, "cfg", None)
+        if cfg is None or not hasattr(cfg, "vocab_size"):
+            raise ModelError("example_inputs", f"needed to trace a {type(module).__name__}",
+                             "pass example_inputs=(tensor, ...)")
+        example_inputs = (torch.zeros(batch, seq_len, dtype=torch.long),)
+    graph = trace_module(module, example_inputs, seq_len=seq_len, dtype=dtype)
+    graph.meta.update({k: v for k, v in _module_meta(module).items() if v is not None})
+    return to_workload(graph), graph

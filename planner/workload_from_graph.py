@@ -1,0 +1,124 @@
+"""`OpGraph` → `costmodel.workload.Workload`: price each layer once.
+
+Layers come from `blocks.analyse`: the embedding (ops before the first block),
+one segment per repeated-block group (its representative member, repeated to
+the real depth), the ops between groups ("other") and the head. All amounts
+are per sequence: they are divided by the traced batch.
+
+Conventions:
+- matmul_flops: forward GEMMs against weights (and any activation GEMM that is
+  not attention); attention_flops: fused attention ops plus the q·kᵀ and
+  scores·v GEMMs of unfused attention, counted as torch does: 4·b·h·s²·d for
+  the full square (no causal halving).
+- Saved activations: each saved storage once, in the layer that saved it; its
+  TP state (R/S) and scores flag come from the op that produced it.
+- act_input: the layer's largest activation input (kept under full recompute).
+"""
+from __future__ import annotations
+
+from costmodel.workload import LayerProfile, Segment, Workload
+from planner.graph import OpGraph
+
+_ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
+         "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def nbytes(data: dict) -> float:
+    """Output bytes of a node (first output)."""
+    count = 1
+    for dim in data["shape"]:
+        count *= int(dim)
+    return float(count * _ELEM.get(data["dtype"], 4))
+
+
+def _is_attention(og: OpGraph, node: int, data: dict) -> bool:
+    if data["kind"] == "attention":
+        return True
+    if data["kind"] != "matmul":
+        return False
+    return data.get("scores") or any(og.graph.nodes[p].get("scores") for p in og.graph.predecessors(node))
+
+
+def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile:
+    """The LayerProfile of the forward nodes whose `layer` is `layer`."""
+    g, b = og.graph, og.batch
+    nodes = [(n, d) for n, d in og.nodes() if d.get("layer") == layer]
+    members = {n for n, _ in nodes}
+    matmul = attention = elementwise = 0.0
+    dims = [og.seq_len]
+    for node, data in nodes:
+        if _is_attention(og, node, data):
+            attention += data["flops"]
+        elif data["kind"] in ("linear", "matmul"):
+            matmul += data["flops"]
+            dims += list(data["weight_dims"] or ())
+        elif data["kind"] in ("elementwise", "embedding"):
+            elementwise += data["bytes"]
+    saved = _saved(og, layer)
+    reduces = [nbytes(d) for _, d in nodes if d.get("allreduce")]
+    inputs = [nbytes(g.nodes[p]) for n in members for p in g.predecessors(n)
+              if p not in members and not g.edges[p, n].get("param") and g.nodes[p]["phase"] != "backward"]
+    return LayerProfile(
+        name=name, kind=kind, params=int(sum(d["param_count"] for _, d in nodes)),
+        matmul_flops=matmul / b, matmul_min_dim=max(1, min(int(x) for x in dims)),
+        attention_flops=attention / b, elementwise_bytes=elementwise / b,
+        act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
+        act_input=max(inputs, default=0.0) / b,
+        tp_shardable=kind != "block" or bool(reduces),
+        tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(reduces) / len(reduces) / b) if reduces else 0.0,
+        boundary_bytes=_boundary(og, members) / b)
+
+
+def _saved(og: OpGraph, layer: str) -> dict[str, float]:
+    out = {"R": 0.0, "S": 0.0, "scores": 0.0}
+    for _, data in og.nodes(None):
+        if data["saved_bytes"] and data.get("saved_layer") == layer:
+            key = "scores" if data.get("scores") else data.get("tp", "R")
+            out[key] += data["saved_bytes"]
+    return out
+
+
+def _boundary(og: OpGraph, members: set[int]) -> float:
+    """Bytes of the layer's outputs that later forward ops outside it read."""
+    g = og.graph
+    outs = [n for n in members if any(s not in members and g.nodes[s]["phase"] == "forward" for s in g.successors(n))]
+    real = [nbytes(g.nodes[n]) for n in outs if g.nodes[n]["kind"] != "view"]
+    views = [nbytes(g.nodes[n]) for n in outs if g.nodes[n]["kind"] == "view"]
+    return sum(real) if real else max(views, default=0.0)
+
+
+def _counts(og: OpGraph, n_blocks: int | dict[str, int] | None) -> dict[str, int]:
+    counts = {}
+    for group in og.meta.get("blocks", []):
+        prefix = group["prefix"]
+        if isinstance(n_blocks, int):
+            counts[prefix] = n_blocks
+        elif isinstance(n_blocks, dict) and prefix in n_blocks:
+            counts[prefix] = n_blocks[prefix]
+        else:
+            counts[prefix] = og.block_counts.get(prefix, len(group["members"]))
+    return counts
+
+
+def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Workload:
+    """Segments: embedding, each block group × its depth, other, head.
+
+    `n_blocks` overrides the depth: one int for every group, or a dict keyed by
+    group prefix; by default the real depth recorded at trace time is used.
+    """
+    present = {d.get("layer") for _, d in og.nodes()}
+    counts = _counts(og, n_blocks)
+    segments = []
+    if "embedding" in present:
+        segments.append(Segment(layer=layer_profile(og, "embedding", "embedding", "embedding")))
+    for i, group in enumerate(og.meta.get("blocks", [])):
+        layer = layer_profile(og, group["rep"], group["prefix"], "block")
+        segments.append(Segment(layer=layer, count=max(1, counts[group["prefix"]])))
+        if i == 0 and "other" in present:
+            segments.append(Segment(layer=layer_profile(og, "other", "other", "other")))
+    if "head" in present:
+        segments.append(Segment(layer=layer_profile(og, "head", "head", "head")))
+    meta = og.meta
+    return Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
+                    heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
+                    vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)))
