@@ -151,3 +151,31 @@ class Plan(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.model_validate_json(text)
+
+
+def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") -> list[StagePlan]:
+    """Megatron-style partition: blocks split as evenly as possible, the
+    embedding joins the first stage and the head the last.
+
+    `kinds` is the workload's layer kinds in order. A remainder of blocks goes
+    to the middle stages, which carry neither embedding nor head.
+    """
+    first = next((i for i, k in enumerate(kinds) if k == "block"), 0)
+    last = max((i for i, k in enumerate(kinds) if k == "block"), default=len(kinds) - 1) + 1
+    n_blocks = last - first
+    if n_stages > n_blocks:
+        raise ValueError(f"{n_stages} stages but only {n_blocks} blocks")
+    base, extra = divmod(n_blocks, n_stages)
+    order = sorted(range(n_stages), key=lambda s: (s in (0, n_stages - 1), s))
+    counts = [base] * n_stages
+    for s in order[:extra]:
+        counts[s] += 1
+    bounds = [0]
+    position = first
+    for count in counts:
+        position += count
+        bounds.append(position)
+    bounds[0], bounds[-1] = 0, len(kinds)
+    return [
+        StagePlan(start=a, end=b, recompute=[policy] * (b - a)) for a, b in zip(bounds, bounds[1:])
+    ]

@@ -1,0 +1,133 @@
+"""Predict published large-scale training runs and report the error.
+
+    python benchmarks/published_runs.py [--csv FILE]
+
+Each CSV row gives a model's dimensions, the cluster and (some of) the layout,
+and one published metric. Blank layout fields are left to the planner under
+the fixed ones. The script prints published vs predicted with the signed
+error, then `MAPE: X% over N rows`.
+
+Row conventions (not per-row fudge factors): a blank kv_heads means
+kv_heads = heads, a blank ffn_hidden means 4*hidden, a blank gated_mlp means
+no. Rows with a gated MLP are taken as Llama-era models (flash attention, no
+dropout, no biases, rotary positions); the others as GPT-era Megatron models
+(attention scores materialised, dropout, biases, learned positions), which
+is what the 2021-22 Megatron-LM runs used.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import hardware  # noqa: E402
+from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
+from planner.search import best_plan  # noqa: E402
+
+DEFAULT_CSV = ROOT / "benchmarks" / "data" / "calibration_runs.csv"
+METRICS = ("tflops_per_gpu_incl_recompute", "tflops_per_gpu_model", "s_per_iter", "mfu_pct")
+
+
+def _int(row: dict, key: str, default: int | None = None) -> int | None:
+    value = (row.get(key) or "").strip()
+    return int(float(value)) if value else default
+
+
+def _yes(row: dict, key: str) -> bool | None:
+    value = (row.get(key) or "").strip().lower()
+    if not value:
+        return None
+    return value in ("yes", "true", "1", "y")
+
+
+def row_workload(row: dict):
+    hidden, heads = _int(row, "hidden"), _int(row, "heads")
+    gated = bool(_yes(row, "gated_mlp"))
+    dims = TransformerDims(
+        name=row["id"],
+        n_layers=_int(row, "n_layers"),
+        hidden=hidden,
+        heads=heads,
+        kv_heads=_int(row, "kv_heads", heads),
+        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden),
+        vocab=_int(row, "vocab"),
+        seq_len=_int(row, "seq_len"),
+        gated_mlp=gated,
+        dropout=not gated,
+        biases=not gated,
+        learned_positions=not gated,
+        flash_attention=gated,
+    )
+    return transformer_workload(dims)
+
+
+def row_cluster(row: dict):
+    return hardware.load(
+        f"{_int(row, 'n_gpus')}x{row['gpu']}",
+        gpus_per_node=_int(row, "gpus_per_node"),
+        nic_gbps=float(row["nic_gbps_per_gpu"]) if (row.get("nic_gbps_per_gpu") or "").strip() else None,
+    )
+
+
+def row_pins(row: dict) -> dict:
+    pins: dict = {}
+    for key, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero_stage", "zero")):
+        value = _int(row, key)
+        if value is not None:
+            pins[field] = value
+    vpp = _int(row, "vpp")
+    if vpp is not None:
+        pins["vpp"] = vpp
+        pins["schedule"] = "interleaved" if vpp > 1 else "1f1b"
+    sp = _yes(row, "seq_parallel")
+    if sp is not None:
+        pins["sp"] = sp
+    recompute = (row.get("recompute") or "").strip().lower()
+    if recompute:
+        pins["recompute"] = recompute
+    return pins
+
+
+def predict(row: dict) -> tuple[float, str]:
+    workload, cluster = row_workload(row), row_cluster(row)
+    plan = best_plan(workload, cluster, global_batch=_int(row, "global_batch"), fixed=row_pins(row), model=row["id"])
+    est = plan.estimate or estimate(workload, plan, cluster)
+    metric = row["metric"].strip()
+    value = {
+        "tflops_per_gpu_incl_recompute": est.tflops_per_gpu_hw,
+        "tflops_per_gpu_model": est.tflops_per_gpu_model,
+        "s_per_iter": est.step_time_s,
+        "mfu_pct": est.mfu * 100,
+    }[metric]
+    layout = f"dp{plan.dp} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
+    return value, layout
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    args = parser.parse_args(argv)
+    with open(args.csv, newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    errors = []
+    print(f"{'id':32} {'metric':32} {'published':>10} {'predicted':>10} {'error':>8}  layout")
+    for row in rows:
+        if row.get("metric", "").strip() not in METRICS:
+            print(f"{row.get('id', '?'):32} skipped: unknown metric {row.get('metric')!r}")
+            continue
+        predicted, layout = predict(row)
+        published = float(row["value"])
+        error = (predicted - published) / published
+        errors.append(abs(error))
+        print(f"{row['id']:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%}  {layout}")
+    if errors:
+        print(f"MAPE: {100 * sum(errors) / len(errors):.1f}% over {len(errors)} rows")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,124 @@
+"""Time of one layer for one micro-batch: roofline compute plus TP collectives.
+
+Each op class runs at an achievable fraction of peak kept in the hardware
+data: GEMMs at `matmul_max * d / (d + matmul_half_dim)` where `d` is the
+smallest GEMM dimension after the TP split (small GEMMs under-fill the
+chip), the attention core at `attention`, and memory-bound ops at
+`memory_bound` of HBM bandwidth. Backward costs twice the forward (two
+GEMMs per forward GEMM). Recomputation re-runs the forward (full) or the
+attention core and its softmax (selective), and TP collectives of a
+recomputed forward run again.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware.schema import Cluster
+
+from .collectives import Group, all_reduce
+from .workload import LayerProfile
+
+BACKWARD_FACTOR = 2.0
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a layer's cost depends on besides the layer itself."""
+
+    cluster: Cluster
+    dtype: str
+    tp: int
+    sp: bool
+    micro_batch: int
+    tp_group: Group
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    forward: float  # compute of one forward
+    backward: float  # compute of one backward, without recomputation
+    recompute: float  # extra compute in backward for the layer's policy
+    tp_comm: float  # TP collectives of forward + backward (+ recomputed forward)
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.recompute + self.tp_comm
+
+
+def gemm_efficiency(ctx: Context, min_dim: float) -> float:
+    eff = ctx.cluster.gpu.efficiency
+    return eff.matmul_max * min_dim / (min_dim + eff.matmul_half_dim)
+
+
+def _split(layer: LayerProfile, ctx: Context) -> int:
+    return ctx.tp if layer.tp_shardable else 1
+
+
+def _elementwise_share(layer: LayerProfile, ctx: Context) -> float:
+    """Fraction of the layer's memory-bound traffic each TP rank does."""
+    t = _split(layer, ctx)
+    if ctx.sp or t == 1:
+        return 1.0 / t
+    saved = layer.act_replicated + layer.act_tp_sharded
+    replicated = layer.act_replicated / saved if saved else 1.0
+    return replicated + (1.0 - replicated) / t
+
+
+def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, float]:
+    """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
+    gpu = ctx.cluster.gpu
+    peak = gpu.peak_flops(ctx.dtype)
+    t = _split(layer, ctx)
+    b = ctx.micro_batch
+    gemm = 0.0
+    if layer.matmul_flops:
+        min_dim = max(1.0, layer.matmul_min_dim / t)
+        gemm = layer.matmul_flops * b / t / (peak * gemm_efficiency(ctx, min_dim))
+    attention = layer.attention_flops * b / t / (peak * gpu.efficiency.attention)
+    memory = layer.elementwise_bytes * b * _elementwise_share(layer, ctx) / (
+        gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+    )
+    return gemm, attention, memory
+
+
+def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
+    """One forward's TP collectives (all-reduce, or all-gather + reduce-scatter with SP: same volume)."""
+    if _split(layer, ctx) == 1 or not layer.tp_allreduces_fwd:
+        return 0.0
+    one = all_reduce(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
+    return layer.tp_allreduces_fwd * one
+
+
+def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
+    gemm, attention, memory = forward_parts(layer, ctx)
+    forward = gemm + attention + memory
+    comm = tp_collective_time(layer, ctx)
+    if recompute == "full":
+        extra, extra_comm = forward, comm
+    elif recompute == "selective" and layer.act_attention_scores > 0:
+        # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
+        # the kernel's backward already recomputes them, so nothing is added.
+        extra, extra_comm = attention + _scores_traffic_time(layer, ctx), 0.0
+    else:
+        extra, extra_comm = 0.0, 0.0
+    return LayerTime(
+        forward=forward,
+        backward=BACKWARD_FACTOR * forward,
+        recompute=extra,
+        tp_comm=2 * comm + extra_comm,
+    )
+
+
+def _scores_traffic_time(layer: LayerProfile, ctx: Context) -> float:
+    gpu = ctx.cluster.gpu
+    nbytes = layer.act_attention_scores * ctx.micro_batch / _split(layer, ctx)
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+
+
+def recompute_flops(layer: LayerProfile, recompute: str) -> float:
+    """Extra FLOPs per sequence that recomputation adds (counted in hardware FLOP/s)."""
+    if recompute == "full":
+        return layer.matmul_flops + layer.attention_flops
+    if recompute == "selective" and layer.act_attention_scores > 0:
+        return layer.attention_flops
+    return 0.0

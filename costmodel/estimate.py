@@ -1,0 +1,242 @@
+"""Analytic step-time, throughput and memory estimate of one plan.
+
+The step is composed per pipeline rank r from per-micro-batch stage times
+T_r (compute, recomputation, TP collectives, exposed ZeRO-3 gathers and
+pipeline sends): a pipeline of m micro-batches and v chunks per rank takes
+m * max_r T_r + (sum_r T_r - max_r T_r) / v, which is the textbook
+(m + (p-1)/v) * T for uniform stages and lets the slowest stage set the pace
+otherwise. The data-parallel gradient reduction overlaps the last backward
+(and the pipeline drain on later ranks); what is left is exposed. The
+optimizer step is memory-bound. The solver uses the same per-layer terms.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import groupby
+
+from hardware.schema import Cluster
+
+from . import collectives as coll
+from .compute import Context, LayerTime, layer_time, recompute_flops
+from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
+from .plan import Estimate, Plan, StageEstimate
+from .validate import check_plan
+from .workload import LayerProfile, Workload
+
+DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buffers
+GIB = 2**30
+OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
+WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "int8": 1, "topk": None, "powersgd": None}
+
+
+@dataclass
+class RankTime:
+    """Per-micro-batch times of one pipeline rank (all its virtual stages)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    pp_comm: float = 0.0
+    zero_comm: float = 0.0
+    params: float = 0.0
+    stage_estimates: list[StageEstimate] = field(default_factory=list)
+
+    @property
+    def per_micro_batch(self) -> float:
+        return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.zero_comm
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Derived facts about where a plan's groups sit on the cluster."""
+
+    ctx: Context
+    dp_group: coll.Group
+    pp_inter_node: bool
+    m: int
+
+
+def layout_of(plan: Plan, cluster: Cluster) -> Layout:
+    """Mesh order is (pp, dp, tp): TP innermost, inside a node first."""
+    tp_group = coll.group_of(plan.tp, 1, cluster)
+    ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch, tp_group=tp_group)
+    return Layout(
+        ctx=ctx,
+        dp_group=coll.group_of(plan.dp, plan.tp, cluster),
+        pp_inter_node=plan.dp * plan.tp >= cluster.gpus_per_node,
+        m=plan.num_micro_batches,
+    )
+
+
+def layer_params_on_rank(layer: LayerProfile, tp: int) -> float:
+    return layer.params / (tp if layer.tp_shardable else 1)
+
+
+def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
+    """Send of the stage output forward plus its gradient backward, one micro-batch."""
+    nbytes = layer.boundary_bytes * plan.micro_batch / plan.tp  # scatter-gather over TP ranks
+    return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
+
+
+def zero3_exposed(params: float, forward: float, backward: float, plan: Plan, lay: Layout) -> float:
+    """ZeRO-3 gathers weights before forward and backward and reduce-scatters grads, per micro-batch."""
+    if plan.zero < 3 or plan.dp == 1:
+        return 0.0
+    nbytes = params * WEIGHT_BYTES[plan.dtype]
+    gather = coll.all_gather(nbytes, lay.dp_group, lay.ctx.cluster)
+    scatter = coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
+    return max(0.0, gather - forward) + max(0.0, gather + scatter - backward)
+
+
+def stage_runs(plan: Plan, workload: Workload, index: int) -> list[tuple[LayerProfile, str, int]]:
+    """Virtual stage `index` as runs of (identical layer, policy, count): repeated layers are priced once."""
+    stage = plan.stages[index]
+    runs = []
+    position = 0
+    for segment in workload.segments:
+        lo, hi = max(stage.start, position), min(stage.end, position + segment.count)
+        position += segment.count
+        if lo >= hi:
+            continue
+        for policy, group in groupby(stage.recompute[lo - stage.start : hi - stage.start]):
+            runs.append((segment.layer, policy, sum(1 for _ in group)))
+    return runs
+
+
+def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: RankTime) -> None:
+    """Add virtual stage `index` to its rank's per-micro-batch times."""
+    stage = plan.stages[index]
+    runs = stage_runs(plan, workload, index)
+    times = [(layer_time(layer, lay.ctx, policy), count) for layer, policy, count in runs]
+    fwd = sum(t.forward * n for t, n in times)
+    bwd = sum(t.backward * n for t, n in times)
+    params = sum(layer_params_on_rank(layer, plan.tp) * n for layer, _, n in runs)
+    rank.forward += fwd
+    rank.backward += bwd
+    rank.recompute += sum(t.recompute * n for t, n in times)
+    rank.tp_comm += sum(t.tp_comm * n for t, n in times)
+    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
+    # One-layer prefetch: each layer's gathers hide behind its own compute.
+    rank.zero_comm += sum(
+        zero3_exposed(layer_params_on_rank(layer, plan.tp), t.forward, t.backward, plan, lay) * n
+        for (layer, _, n), (t, _) in zip(runs, times)
+    )
+    rank.params += params
+    rank.stage_estimates.append(
+        StageEstimate(index=index, start=stage.start, end=stage.end, forward_s=fwd, backward_s=bwd, memory_bytes={})
+    )
+
+
+def dp_time(params: float, plan: Plan, lay: Layout) -> float:
+    """Once-per-step gradient reduction (ZeRO 0-2), before overlap."""
+    if plan.dp == 1 or plan.zero >= 3:
+        return 0.0
+    wire = WIRE_BYTES.get(plan.compression) or WEIGHT_BYTES[plan.dtype]
+    nbytes = params * wire
+    if plan.zero == 0:
+        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
+    gather = coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
+    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster) + gather
+
+
+def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
+    totals = [r.per_micro_batch for r in ranks]
+    slowest = max(totals)
+    return m * slowest + (sum(totals) - slowest) / vpp
+
+
+def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
+    """Gradient reduction left over after the last backward; rank r > 0 has r later backwards of slack."""
+    exposed = 0.0
+    slack = 0.0
+    for rank in ranks:
+        window = rank.backward + rank.recompute + slack
+        exposed = max(exposed, dp_time(rank.params, plan, lay) - window)
+        slack += rank.backward + rank.recompute
+    return max(0.0, exposed)
+
+
+def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:
+    owned = max(r.params for r in ranks) / (plan.dp if plan.zero >= 1 else 1)
+    gpu = cluster.gpu
+    return owned * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+
+
+def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
+    memory = model_state_bytes(rank.params, plan.dtype, plan.zero, plan.dp)
+    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
+    per_mb, transient, biggest = 0.0, 0.0, 0.0
+    for est in rank.stage_estimates:
+        for layer, policy, count in stage_runs(plan, workload, est.index):
+            per_mb += activation_bytes(layer, policy, **kw) * count
+            if policy == "full":  # one layer is rebuilt at a time in backward
+                transient = max(transient, activation_bytes(layer, "none", **kw))
+            biggest = max(biggest, layer_params_on_rank(layer, plan.tp))
+    in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
+    memory["activations"] = per_mb * in_flight + transient
+    if plan.zero >= 3 and plan.dp > 1:  # gathered weights and grads of the current and prefetched layer
+        memory["buffers"] = 4 * biggest * WEIGHT_BYTES[plan.dtype]
+    return memory
+
+
+def estimate(workload: Workload, plan: Plan, cluster: Cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+    check_plan(plan, workload, cluster)
+    lay = layout_of(plan, cluster)
+    ranks = [RankTime() for _ in range(plan.pp)]
+    for index in range(plan.n_virtual_stages):
+        stage_time(plan, workload, lay, index, ranks[index % plan.pp])
+    return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)
+
+
+def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
+    m = lay.m
+    pipe = pipeline_time(ranks, m, plan.vpp)
+    dp = exposed_dp(ranks, plan, lay)
+    opt = optimizer_time(ranks, plan, cluster)
+    step = pipe + dp + opt
+    crit = max(ranks, key=lambda r: r.per_micro_batch)
+    breakdown = {
+        "compute": m * (crit.forward + crit.backward),
+        "recompute": m * crit.recompute,
+        "tp_comm": m * crit.tp_comm,
+        "pp_comm": m * crit.pp_comm,
+        "zero_comm": m * crit.zero_comm,
+        "bubble": pipe - m * crit.per_micro_batch,
+        "dp_comm": dp,
+        "optimizer": opt,
+    }
+    stages = []
+    for r, rank in enumerate(ranks):
+        memory = rank_memory(plan, workload, r, rank)
+        for est in rank.stage_estimates:
+            stages.append(est.model_copy(update={"memory_bytes": memory}))
+    stages.sort(key=lambda s: s.index)
+    return _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
+
+
+def _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve) -> Estimate:
+    seqs = plan.global_batch
+    model_flops = 3 * workload.forward_flops() * seqs
+    extra = sum(
+        recompute_flops(layer, policy) * count * seqs
+        for index in range(len(plan.stages))
+        for layer, policy, count in stage_runs(plan, workload, index)
+    )
+    n = plan.n_gpus
+    per_gpu_model = model_flops / step / n
+    price = cluster.price_per_gpu_hour
+    tokens = seqs * plan.seq_len
+    return Estimate(
+        step_time_s=step,
+        breakdown_s=breakdown,
+        tokens_per_s=tokens / step,
+        tflops_per_gpu_model=per_gpu_model / 1e12,
+        tflops_per_gpu_hw=(model_flops + extra) / step / n / 1e12,
+        mfu=per_gpu_model / cluster.gpu.peak_flops(plan.dtype),
+        peak_memory_bytes=max(s.peak_bytes for s in stages),
+        memory_capacity_bytes=cluster.gpu.hbm_gb * GIB * (1 - memory_reserve),
+        stages=stages,
+        usd_per_hour=price * n if price is not None else None,
+        usd_per_million_tokens=price * n * step / 3600 / tokens * 1e6 if price is not None else None,
+    )

@@ -1,0 +1,63 @@
+"""Peak memory of one rank: model states under ZeRO, and saved activations.
+
+Model states follow the ZeRO paper (Rajbhandari et al. 2020) for mixed
+precision Adam: 2 bytes of 16-bit weights, 2 of gradients and 12 of fp32
+optimizer state (master weights, momentum, variance) per parameter; ZeRO
+stage 1 shards the 12, stage 2 also the gradients, stage 3 everything over
+the data-parallel group. In fp32 training the weights and gradients take 4
+bytes each and the optimizer 8.
+
+Activations follow Korthikanti et al. 2022 per policy: "none" keeps
+everything, "selective" drops the attention scores, "full" keeps only the
+layer input and rebuilds one layer at a time in backward. Each pipeline rank
+holds the activations of as many micro-batches as its schedule keeps in
+flight.
+"""
+from __future__ import annotations
+
+from .workload import LayerProfile
+
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def model_state_bytes(params: float, dtype: str, zero: int, dp: int) -> dict[str, float]:
+    """Weights, gradients and optimizer state of `params` parameters on one rank."""
+    w = WEIGHT_BYTES[dtype]
+    weights, grads, optimizer = w * params, w * params, OPTIMIZER_BYTES[dtype] * params
+    if zero >= 1:
+        optimizer /= dp
+    if zero >= 2:
+        grads /= dp
+    if zero >= 3:
+        weights /= dp
+    return {"weights": weights, "gradients": grads, "optimizer": optimizer}
+
+
+def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: int) -> float:
+    """Bytes one layer keeps for backward, per micro-batch, on one TP rank."""
+    t = tp if layer.tp_shardable else 1
+    replicated_split = t if sp else 1
+    if recompute == "full":
+        kept = layer.act_input / replicated_split
+    else:
+        kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
+        if recompute == "none":
+            kept += layer.act_attention_scores / t
+    return kept * micro_batch
+
+
+def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> float:
+    """How many micro-batches of a stage's activations pipeline rank `rank` holds at its peak.
+
+    GPipe runs all forwards first; 1F1B holds at most pp - rank; interleaved
+    1F1B warms up with 2*(pp-rank-1) + (vpp-1)*pp chunk forwards (Narayanan et
+    al. 2021), each holding 1/vpp of the rank's layers.
+    """
+    m = num_micro_batches
+    if schedule == "gpipe":
+        return float(m)
+    if schedule == "interleaved":
+        chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
+        return chunks / vpp
+    return float(min(m, pp - rank))

@@ -1,0 +1,129 @@
+"""Analytic workload of a decoder-only (GPT/Llama-style) transformer from its dimensions.
+
+Used where only dimensions are known (the published-runs benchmark, quick
+what-ifs) and as the cross-check for traced workloads. Activation bytes follow
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", Sec. 4: per layer and sequence, s*h*(34 + 5*a*s/h) bytes
+in 16-bit with dropout, of which 10*s*h stay replicated under tensor
+parallelism, 24*s*h are split, and 5*a*s^2 are attention scores. Here the
+same accounting is generalised to grouped-query attention, gated MLPs and
+models without dropout.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .workload import LayerProfile, Segment, Workload
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    n_layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    seq_len: int
+    kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    gated_mlp: bool = False
+    dropout: bool = False
+    biases: bool = True
+    tied_embeddings: bool = False
+    learned_positions: bool = True
+    flash_attention: bool = True
+    dtype_bytes: int = 2
+    name: str = "transformer"
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
+
+    @property
+    def ffn(self) -> int:
+        return self.ffn_hidden or 4 * self.hidden
+
+
+def _block(d: TransformerDims) -> LayerProfile:
+    s, h, f, b = d.seq_len, d.hidden, d.ffn, d.dtype_bytes
+    kv_dim = h * d.kv // d.heads
+    linear_params = h * (h + 2 * kv_dim) + h * h + (3 if d.gated_mlp else 2) * h * f
+    bias_params = (h + 2 * kv_dim + h + f + h) if d.biases else 0
+    norm_params = (4 if d.biases else 2) * h
+    mask = 1 if d.dropout else 0  # dropout masks are 1 byte per element
+    # Replicated under TP: both norm inputs, both norm outputs (inputs of the
+    # column-parallel GEMMs), and the two post-GEMM dropout masks.
+    replicated = s * h * (4 * b + 2 * mask)
+    # Split under TP: Q, K, V, the attention output (o_proj input), and the MLP
+    # intermediates (gelu: its input and output; gated: gate, up, act, product).
+    mlp_saved = (4 if d.gated_mlp else 2) * s * f * b
+    sharded = s * (h + 2 * kv_dim + h) * b + mlp_saved
+    scores = 0.0 if d.flash_attention else d.heads * s * s * (2 * b + mask + (b if d.dropout else 0))
+    softmax_traffic = 0 if d.flash_attention else 2 * d.heads * s * s * b
+    act_traffic = (5 if d.gated_mlp else 2) * s * f * b
+    return LayerProfile(
+        name="block",
+        kind="block",
+        params=linear_params + bias_params + norm_params,
+        matmul_flops=2.0 * s * linear_params,
+        matmul_min_dim=min(h, f),
+        attention_flops=4.0 * s * s * h,
+        # two norms and two residual adds (read+write), the MLP activation.
+        elementwise_bytes=float(s * h * b * 10 + act_traffic + softmax_traffic),
+        act_replicated=float(replicated),
+        act_tp_sharded=float(sharded),
+        act_attention_scores=float(scores),
+        act_input=float(s * h * b),
+        tp_allreduces_fwd=2,
+        tp_comm_bytes=float(s * h * b),
+        boundary_bytes=float(s * h * b),
+    )
+
+
+def _embedding(d: TransformerDims) -> LayerProfile:
+    s, h, b = d.seq_len, d.hidden, d.dtype_bytes
+    params = d.vocab * h + (d.seq_len * h if d.learned_positions else 0)
+    return LayerProfile(
+        name="embedding",
+        kind="embedding",
+        params=params,
+        matmul_flops=0.0,
+        matmul_min_dim=h,
+        elementwise_bytes=float(3 * s * h * b),
+        act_replicated=float(s * h * (1 if d.dropout else 0)),
+        act_input=0.0,
+        # vocab-parallel embedding: one all-reduce of the looked-up rows.
+        tp_allreduces_fwd=1,
+        tp_comm_bytes=float(s * h * b),
+        boundary_bytes=float(s * h * b),
+    )
+
+
+def _head(d: TransformerDims) -> LayerProfile:
+    s, h, v, b = d.seq_len, d.hidden, d.vocab, d.dtype_bytes
+    return LayerProfile(
+        name="head",
+        kind="head",
+        params=(0 if d.tied_embeddings else v * h) + 2 * h,
+        matmul_flops=2.0 * s * h * v,
+        matmul_min_dim=h,
+        # fp32 upcast and softmax of the logits for the loss.
+        elementwise_bytes=float(s * v * (b + 8)),
+        act_replicated=float(2 * s * h * b),
+        act_tp_sharded=float(s * v * 4),
+        act_input=float(s * h * b),
+        boundary_bytes=0.0,
+    )
+
+
+def transformer_workload(d: TransformerDims) -> Workload:
+    return Workload(
+        name=d.name,
+        seq_len=d.seq_len,
+        dtype_bytes=d.dtype_bytes,
+        segments=[Segment(layer=_embedding(d)), Segment(layer=_block(d), count=d.n_layers), Segment(layer=_head(d))],
+        heads=d.heads,
+        kv_heads=d.kv,
+        hidden=d.hidden,
+        vocab=d.vocab,
+        flash_attention=d.flash_attention,
+    )

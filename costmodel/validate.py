@@ -1,0 +1,29 @@
+"""Checks that a plan (solved or hand-written) fits its model and cluster."""
+from __future__ import annotations
+
+from hardware.errors import PlanError
+from hardware.schema import Cluster
+
+from .plan import Plan
+from .workload import Workload
+
+
+def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
+    """Raise PlanError naming the first field that does not fit."""
+    if plan.n_gpus != cluster.n_gpus:
+        raise PlanError(
+            "dp*tp*pp",
+            f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} GPUs but the hardware has {cluster.n_gpus}",
+            "make the degrees multiply to the GPU count",
+        )
+    if plan.stages[-1].end != workload.n_layers:
+        raise PlanError(
+            "stages",
+            f"the last stage ends at layer {plan.stages[-1].end} but {workload.name} has {workload.n_layers} layers",
+            f"end the last stage at {workload.n_layers}",
+        )
+    if not workload.tp_divides(plan.tp):
+        valid = [t for t in (1, 2, 4, 8, 16, 32, 64) if workload.tp_divides(t)]
+        raise PlanError("tp", f"tp={plan.tp} does not divide the attention heads ({workload.heads})", f"use one of {valid}")
+    if plan.tp > 1 and not plan.sp and plan.tp > cluster.n_gpus:
+        raise PlanError("tp", f"tp={plan.tp} exceeds the {cluster.n_gpus} GPUs", "lower tp")

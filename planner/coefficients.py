@@ -1,0 +1,108 @@
+"""Per-layout cost coefficients for the CP-SAT stage model, taken from the cost model.
+
+The solver prices one block per checkpointing policy once ("price repeated
+layers once") and the fixed layers (embedding, head) once, using the very
+functions the estimator composes, so that the solver's linear model and the
+estimator agree on uniform plans.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from costmodel.compute import layer_time
+from costmodel.estimate import OPTIMIZER_TRAFFIC_BYTES, dp_time, layer_params_on_rank, layout_of, p2p_time, zero3_exposed
+from costmodel.memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.plan import Plan
+from costmodel.workload import LayerProfile, Workload
+from hardware.schema import Cluster
+
+POLICIES = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class LayerCoefficients:
+    """One layer on one rank for one micro-batch, per policy."""
+
+    time: dict[str, float]  # fwd + bwd + recompute + TP comm + exposed ZeRO-3 gathers
+    backward: dict[str, float]  # bwd + recompute (the DP-overlap window)
+    activation: dict[str, float]  # bytes kept per micro-batch
+    params: float  # parameters on the rank
+
+
+@dataclass(frozen=True)
+class StageModelData:
+    """Everything the CP-SAT model needs for one layout."""
+
+    block: LayerCoefficients
+    prefix: list[LayerCoefficients]  # layers before the blocks (stage 0)
+    suffix: list[LayerCoefficients]  # layers after the blocks (last stage)
+    n_blocks: int
+    p2p: float  # per virtual stage boundary, per micro-batch
+    in_flight: list[float]  # per pipeline rank
+    state_bytes_per_param: float
+    dp_seconds_per_param: float
+    dp_latency: float
+    optimizer_seconds_per_param: float
+    zero3_buffer_bytes: float
+    capacity: float
+
+
+def _layer(layer: LayerProfile, plan: Plan, cluster: Cluster, ctx) -> LayerCoefficients:
+    lay = layout_of(plan, cluster)
+    params = layer_params_on_rank(layer, plan.tp)
+    time, backward, activation = {}, {}, {}
+    for policy in POLICIES:
+        t = layer_time(layer, ctx, policy)
+        zero = zero3_exposed(params, t.forward, t.backward, plan, lay)
+        time[policy] = t.total + zero
+        backward[policy] = t.backward + t.recompute
+        activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
+    return LayerCoefficients(time=time, backward=backward, activation=activation, params=params)
+
+
+def block_span(workload: Workload) -> tuple[int, int]:
+    """Index of the first block and one past the last; the blocks must be one segment."""
+    kinds = [layer.kind for layer in workload.layers]
+    first = kinds.index("block")
+    last = len(kinds) - kinds[::-1].index("block")
+    return first, last
+
+
+def single_block_profile(workload: Workload) -> bool:
+    return sum(1 for seg in workload.segments if seg.layer.kind == "block") == 1
+
+
+def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity: float) -> StageModelData:
+    """`plan` carries the layout (its stages are ignored)."""
+    lay = layout_of(plan, cluster)
+    first, last = block_span(workload)
+    layers = workload.layers
+    coeff = {}
+    for layer in layers:
+        if id(layer) not in coeff:
+            coeff[id(layer)] = _layer(layer, plan, cluster, lay.ctx)
+    block = coeff[id(layers[first])]
+    per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.dp).values())
+    probe = 1e9  # linearise the gradient reduction around a billion parameters
+    dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
+    gpu = cluster.gpu
+    owned_factor = 1 / plan.dp if plan.zero >= 1 else 1.0
+    biggest = max(layer_params_on_rank(layer, plan.tp) for layer in layers)
+    return StageModelData(
+        block=block,
+        prefix=[coeff[id(layer)] for layer in layers[:first]],
+        suffix=[coeff[id(layer)] for layer in layers[last:]],
+        n_blocks=last - first,
+        p2p=p2p_time(layers[first], plan, lay) if plan.pp > 1 else 0.0,
+        in_flight=[
+            in_flight_micro_batches(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)
+        ],
+        state_bytes_per_param=per_param,
+        dp_seconds_per_param=dp_slope,
+        dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 and plan.zero < 3 else 0.0,
+        optimizer_seconds_per_param=owned_factor * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound),
+        zero3_buffer_bytes=4 * biggest * WEIGHT_BYTES[plan.dtype] if plan.zero >= 3 and plan.dp > 1 else 0.0,
+        capacity=capacity,
+    )
+
+

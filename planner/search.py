@@ -1,0 +1,194 @@
+"""Search over layouts: branch and bound around the per-layout CP-SAT model.
+
+Layouts (DP/TP/PP/ZeRO/SP/micro-batch/schedule) come from planner/space.py.
+Each gets a lower bound on its step time (all blocks without recomputation,
+perfectly balanced over the pipeline ranks); layouts are visited in order of
+that bound and solved with the CP-SAT stage model until the bound exceeds
+the k-th best plan found or the time limit runs out. Every solved layout
+also prices its uniform partitions, so the result is never worse than the
+best uniform plan. All plans are finally priced by the estimator.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
+from costmodel.plan import Plan, SolverReport, StagePlan
+from costmodel.workload import Workload
+from hardware.schema import Cluster
+
+from .coefficients import POLICIES, StageModelData, block_span, single_block_profile, stage_model_data
+from .enumerate import Candidate
+from .solver import StageModel
+from .space import Layout, layouts, recompute_choices
+
+LAYOUT_SOLVE_LIMIT_S = 1.0
+
+
+@dataclass
+class SearchResult:
+    best: list[Candidate]  # best first, one per layout
+    report: SolverReport
+    smallest_peak: Candidate | None = None  # the least-memory plan seen, fitting or not
+    considered: int = 0
+    unfit: list[Candidate] = field(default_factory=list)
+
+
+def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
+    fixed = sum(l.time["none"] for l in data.prefix + data.suffix)
+    total = data.n_blocks * data.block.time["none"] + fixed + data.p2p * (pp * vpp - 1)
+    return (m - 1 / vpp) * total / pp + total / vpp
+
+
+def stages_from_counts(workload: Workload, counts: list[dict[str, int]]) -> list[StagePlan]:
+    """Blocks in order; inside a stage the fully recomputed ones first, then selective."""
+    first, last = block_span(workload)
+    stages, position = [], first
+    for s, stage in enumerate(counts):
+        start = 0 if s == 0 else position
+        policies = [p for p in ("full", "selective", "none") for _ in range(stage[p])]
+        position += len(policies)
+        end = workload.n_layers if s == len(counts) - 1 else position
+        policies = ["none"] * (first if s == 0 else 0) + policies + ["none"] * (end - position if s == len(counts) - 1 else 0)
+        stages.append(StagePlan(start=start, end=end, recompute=policies))
+    return stages
+
+
+def _priced(workload, cluster, layout, plan, reserve, policy) -> Candidate:
+    return Candidate(layout, policy, plan, estimate(workload, plan, cluster, memory_reserve=reserve))
+
+
+@dataclass
+class _Entry:
+    layout: Layout
+    template: Plan
+    data: StageModelData
+    bound: float
+    uniform_best: float = float("inf")
+    proven: float | None = None
+
+
+def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity) -> list[_Entry]:
+    entries = []
+    for layout in layouts(workload, cluster, global_batch, fixed):
+        template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none", model=model or workload.name)
+        data = stage_model_data(workload, template, cluster, capacity)
+        entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
+    entries.sort(key=lambda e: e.bound)
+    return entries
+
+
+class _Tally:
+    """Best plan per layout, and the least-memory plan seen."""
+
+    def __init__(self, top_k: int) -> None:
+        self.top_k = top_k
+        self.best: dict[Layout, Candidate] = {}
+        self.smallest: Candidate | None = None
+
+    def add(self, cand: Candidate) -> None:
+        if self.smallest is None or cand.estimate.peak_memory_bytes < self.smallest.estimate.peak_memory_bytes:
+            self.smallest = cand
+        current = self.best.get(cand.layout)
+        if cand.fits and (current is None or cand.estimate.step_time_s < current.estimate.step_time_s):
+            self.best[cand.layout] = cand
+
+    def kth(self) -> float:
+        times = sorted(c.estimate.step_time_s for c in self.best.values())
+        return times[self.top_k - 1] if len(times) >= self.top_k else float("inf")
+
+    def first(self) -> float:
+        return min((c.estimate.step_time_s for c in self.best.values()), default=float("inf"))
+
+
+def search(
+    workload: Workload,
+    cluster: Cluster,
+    *,
+    global_batch: int,
+    fixed: dict | None = None,
+    dtype: str = "bf16",
+    model: str | None = None,
+    top_k: int = 3,
+    time_limit_s: float = 8.0,
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+) -> SearchResult:
+    """Phase 1 prices the uniform plans of each layout in bound order (pruned by
+    the k-th best); phase 2 runs the CP-SAT stage model on the most promising
+    layouts until the bound or the time limit stops it."""
+    fixed = fixed or {}
+    started = time.perf_counter()
+    capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
+    entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity)
+    tally = _Tally(top_k)
+    priced = []
+    for entry in entries:
+        if entry.bound >= tally.kth():
+            break
+        for cand in uniform_plans(workload, cluster, entry.layout, entry.template, fixed, memory_reserve):
+            tally.add(cand)
+            if cand.fits:
+                entry.uniform_best = min(entry.uniform_best, cand.estimate.step_time_s)
+        priced.append(entry)
+    refined = 0
+    if single_block_profile(workload):
+        for entry in sorted(priced, key=lambda e: (e.uniform_best, e.bound)):
+            if time.perf_counter() - started > time_limit_s:
+                break
+            if entry.bound >= tally.first():
+                continue
+            cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve)
+            refined += 1
+            if cand is not None:
+                tally.add(cand)
+    ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
+    bound = _proven_bound(entries, priced)
+    report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
+    return SearchResult(best=ranked[:top_k], report=report, smallest_peak=tally.smallest, considered=len(entries))
+
+
+def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[Candidate]:
+    out = []
+    for policy in recompute_choices(fixed):
+        stages = [s.model_copy(update={"recompute": [policy] * (s.end - s.start)}) for s in template.stages]
+        out.append(_priced(workload, cluster, layout, template.model_copy(update={"stages": stages}), reserve, policy))
+    return out
+
+
+def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate | None, float | None]:
+    """CP-SAT partition and per-layer checkpointing of one layout."""
+    layout, template = entry.layout, entry.template
+    model = StageModel(entry.data, layout.pp, layout.vpp, template.num_micro_batches)
+    if "recompute" in fixed:
+        model.forbid_policies_except(fixed["recompute"])
+    solution = model.solve(LAYOUT_SOLVE_LIMIT_S)
+    if solution is None:
+        return None, None
+    plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
+    return _priced(workload, cluster, layout, plan, reserve, "mixed"), max(solution.bound_s, entry.bound)
+
+
+def _proven_bound(entries: list[_Entry], priced: list[_Entry]) -> float:
+    """Lowest step time any layout could still reach: CP-SAT bounds where solved, the analytic bound elsewhere."""
+    values = [e.proven if e.proven is not None else e.bound for e in priced]
+    values += [e.bound for e in entries[len(priced):]]
+    return min(values, default=float("inf"))
+
+
+def _report(ranked, bound, considered, refined, wall) -> SolverReport:
+    if not ranked:
+        return SolverReport(status="infeasible", wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=float("inf"))
+    best = ranked[0].estimate.step_time_s
+    gap = max(0.0, (best - min(best, bound)) / best)
+    status = "optimal" if gap < 1e-3 else "feasible"
+    return SolverReport(status=status, wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=gap)
+
+
+def best_plan(workload, cluster, *, global_batch, fixed=None, model=None, dtype="bf16", **kwargs) -> Plan | None:
+    """The fastest fitting plan with its estimate, or None."""
+    result = search(workload, cluster, global_batch=global_batch, fixed=fixed, model=model, dtype=dtype, top_k=1, **kwargs)
+    if not result.best:
+        return None
+    cand = result.best[0]
+    return cand.plan.model_copy(update={"estimate": cand.estimate, "solver": result.report})

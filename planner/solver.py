@@ -1,0 +1,176 @@
+"""CP-SAT model of the stage partition and per-layer checkpointing for one layout.
+
+The outer layout (DP, TP, PP, SP, ZeRO, micro-batch, schedule) is fixed by
+planner/search.py; this model chooses how the B identical blocks are spread
+over the S = pp * vpp virtual stages and which checkpointing policy each
+block uses. Identical blocks are priced once, so the model is over counts.
+
+Variables
+    n[s][k]   integer, blocks of virtual stage s that use policy k
+              (k in none / selective / full)
+    full[r]   boolean, pipeline rank r has at least one fully recomputed block
+    R[r]      per-micro-batch time of pipeline rank r (sum of its stages)
+    Rmax      max_r R[r]
+    opt       max_r optimizer time of rank r (its parameters / dp under ZeRO)
+    E         exposed data-parallel gradient reduction
+
+Constraints (one function each below)
+    partition:   sum_s sum_k n[s][k] = B, every stage holds >= 1 block;
+                 the embedding and other leading layers sit on stage 0, the
+                 head and other trailing layers on stage S-1 (not free).
+    time:        R[r] = sum_{s = r mod pp} (sum_k n[s][k] * t_k + fixed_s + p2p)
+    memory:      states(params[r]) + inflight[r] * act[r] + full[r] * a_none
+                 + zero3 buffers <= capacity          for every rank r
+    dp overlap:  E >= dp(P[r]) - window[r] - slack[r] for every r, E >= 0,
+                 where window is rank r's backward (+ recompute) and slack the
+                 backward of the ranks before it (they finish after it).
+
+Objective (time, in nanoseconds, multiplied by v to stay integral)
+    minimise (m*v - 1) * Rmax + sum_r R[r] + v * (E + opt)
+i.e. m * Rmax + (sum_r R[r] - Rmax)/v + E + optimizer, the estimator's
+pipeline composition. All coefficients come from planner/coefficients.py.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ortools.sat.python import cp_model
+
+from .coefficients import POLICIES, StageModelData
+
+NS = 1e9  # seconds -> integer nanoseconds
+KIB = 1 / 1024  # bytes -> integer KiB
+
+
+@dataclass(frozen=True)
+class StageSolution:
+    counts: list[dict[str, int]]  # per virtual stage: blocks per policy
+    objective_s: float
+    bound_s: float
+    optimal: bool
+
+
+def _i(x: float, scale: float) -> int:
+    return int(round(x * scale))
+
+
+class StageModel:
+    def __init__(self, data: StageModelData, pp: int, vpp: int, m: int) -> None:
+        self.d, self.pp, self.vpp, self.m = data, pp, vpp, m
+        self.S = pp * vpp
+        self.model = cp_model.CpModel()
+        B = data.n_blocks
+        self.n = [{k: self.model.NewIntVar(0, B, f"n_{s}_{k}") for k in POLICIES} for s in range(self.S)]
+        self.add_partition()
+        self.R = self.add_time()
+        self.add_memory()
+        self.E = self.add_dp_overlap()
+        self.add_objective()
+
+    def _stages_of(self, r: int) -> list[int]:
+        return list(range(r, self.S, self.pp))
+
+    def _fixed(self, s: int, attr: str, policy: str = "none") -> float:
+        """Contribution of the embedding/head layers that sit on stage s."""
+        layers = (self.d.prefix if s == 0 else []) + (self.d.suffix if s == self.S - 1 else [])
+        value = 0.0
+        for layer in layers:
+            field = getattr(layer, attr)
+            value += field[policy] if isinstance(field, dict) else field
+        return value
+
+    def _blocks(self, r: int):
+        return sum(self.n[s][k] for s in self._stages_of(r) for k in POLICIES)
+
+    def _fixed_params(self, r: int) -> float:
+        return sum(self._fixed(s, "params") for s in self._stages_of(r))
+
+    def add_partition(self) -> None:
+        self.model.Add(sum(v for stage in self.n for v in stage.values()) == self.d.n_blocks)
+        for stage in self.n:
+            self.model.Add(sum(stage.values()) >= 1)
+
+    def add_time(self):
+        d, R = self.d, []
+        for r in range(self.pp):
+            terms = [self.n[s][k] * _i(d.block.time[k], NS) for s in self._stages_of(r) for k in POLICIES]
+            fixed = sum(self._fixed(s, "time") + (d.p2p if s < self.S - 1 else 0.0) for s in self._stages_of(r))
+            rt = self.model.NewIntVar(0, 2**55, f"R_{r}")
+            self.model.Add(rt == sum(terms) + _i(fixed, NS))
+            R.append(rt)
+        return R
+
+    def add_memory(self) -> None:
+        d = self.d
+        for r in range(self.pp):
+            inflight = d.in_flight[r]
+            act = [self.n[s][k] * _i(d.block.activation[k] * inflight, KIB) for s in self._stages_of(r) for k in POLICIES]
+            fixed_act = sum(self._fixed(s, "activation") for s in self._stages_of(r)) * inflight
+            full_here = self.model.NewBoolVar(f"full_{r}")
+            for s in self._stages_of(r):
+                self.model.Add(self.n[s]["full"] <= d.n_blocks * full_here)
+            states = self._blocks(r) * _i(d.block.params * d.state_bytes_per_param, KIB)
+            fixed_states = self._fixed_params(r) * d.state_bytes_per_param
+            self.model.Add(
+                sum(act)
+                + states
+                + full_here * _i(d.block.activation["none"], KIB)
+                + _i(fixed_act + fixed_states + d.zero3_buffer_bytes, KIB)
+                <= _i(d.capacity, KIB)
+            )
+
+    def add_dp_overlap(self):
+        d, E = self.d, self.model.NewIntVar(0, 2**55, "E")
+        slack = 0
+        for r in range(self.pp):
+            window = sum(self.n[s][k] * _i(d.block.backward[k], NS) for s in self._stages_of(r) for k in POLICIES)
+            dp = self._blocks(r) * _i(d.block.params * d.dp_seconds_per_param, NS)
+            dp_fixed = self._fixed_params(r) * d.dp_seconds_per_param + d.dp_latency
+            self.model.Add(E >= dp + _i(dp_fixed, NS) - window - slack)
+            slack = slack + window
+        return E
+
+    def add_objective(self) -> None:
+        d = self.d
+        Rmax = self.model.NewIntVar(0, 2**55, "Rmax")
+        self.model.AddMaxEquality(Rmax, self.R)
+        opt_per_rank = []
+        for r in range(self.pp):
+            o = self.model.NewIntVar(0, 2**55, f"opt_{r}")
+            per_block = _i(d.block.params * d.optimizer_seconds_per_param, NS)
+            self.model.Add(o == self._blocks(r) * per_block + _i(self._fixed_params(r) * d.optimizer_seconds_per_param, NS))
+            opt_per_rank.append(o)
+        opt = self.model.NewIntVar(0, 2**55, "opt")
+        self.model.AddMaxEquality(opt, opt_per_rank)
+        v = self.vpp
+        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) + v * (self.E + opt))
+
+    def forbid_policies_except(self, policy: str) -> None:
+        """Honour a pinned checkpointing policy."""
+        for stage in self.n:
+            for k in POLICIES:
+                if k != policy:
+                    self.model.Add(stage[k] == 0)
+
+    def hint_uniform(self, counts: list[int], policy: str) -> None:
+        for s, count in enumerate(counts):
+            for k in POLICIES:
+                self.model.AddHint(self.n[s][k], count if k == policy else 0)
+
+    def solve(self, time_limit_s: float) -> StageSolution | None:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = time_limit_s
+        solver.parameters.num_workers = 1  # deterministic, and the machine has two cores
+        solver.parameters.random_seed = 0
+        status = solver.Solve(self.model)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return None
+        counts = [{k: solver.Value(self.n[s][k]) for k in POLICIES} for s in range(self.S)]
+        scale = NS * self.vpp
+        return StageSolution(
+            counts=counts,
+            objective_s=solver.ObjectiveValue() / scale,
+            bound_s=solver.BestObjectiveBound() / scale,
+            optimal=status == cp_model.OPTIMAL,
+        )
+

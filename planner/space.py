@@ -1,0 +1,118 @@
+"""The discrete layout space: which DP x TP x PP x micro-batch x schedule x
+ZeRO x SP combinations are legal for a workload on a cluster.
+
+Both the CP-SAT planner (which adds the per-stage partition and per-layer
+checkpointing on top) and the exhaustive uniform baseline draw from here, so
+the two search the same layouts. Pinned fields (`fixed`) filter the space.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator
+
+from costmodel.plan import Plan, uniform_stages
+from costmodel.workload import Workload
+from hardware.errors import PlanError
+from hardware.schema import Cluster
+
+PINNABLE = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "schedule", "vpp", "recompute", "compression")
+MAX_MICRO_BATCH = 16
+VPP_CHOICES = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Everything of a plan except the stage partition."""
+
+    dp: int
+    tp: int
+    pp: int
+    sp: bool
+    zero: int
+    micro_batch: int
+    schedule: str
+    vpp: int
+    compression: str = "none"
+
+    def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str) -> Plan:
+        kinds = [layer.kind for layer in workload.layers]
+        return Plan(
+            model=model,
+            hardware=cluster.spec(),
+            global_batch=global_batch,
+            seq_len=workload.seq_len,
+            dtype=dtype,
+            dp=self.dp,
+            tp=self.tp,
+            pp=self.pp,
+            sp=self.sp,
+            zero=self.zero,
+            micro_batch=self.micro_batch,
+            schedule=self.schedule,
+            vpp=self.vpp,
+            compression=self.compression,
+            stages=uniform_stages(kinds, self.pp * self.vpp, recompute),
+        )
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_pins(fixed: dict) -> None:
+    unknown = sorted(set(fixed) - set(PINNABLE))
+    if unknown:
+        raise PlanError("fixed", f"unknown field(s) {unknown}", f"pin any of {', '.join(PINNABLE)}")
+
+
+def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:
+    """Powers of two up to two nodes' worth that divide the heads (TP may cross a node if it pays)."""
+    limit = min(cluster.n_gpus, 2 * cluster.gpus_per_node)
+    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= limit and cluster.n_gpus % t == 0 and workload.tp_divides(t)]
+
+
+def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None) -> Iterator[tuple[str, int]]:
+    """GPipe takes the time of 1F1B with more micro-batches in flight, so it is
+    dominated and only offered when pinned."""
+    if pp == 1:
+        yield "1f1b", 1
+        return
+    yield "1f1b", 1
+    if pinned == "gpipe":
+        yield "gpipe", 1
+    if m % pp == 0:
+        for v in VPP_CHOICES:
+            if n_blocks >= pp * v:
+                yield "interleaved", v
+
+
+def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict | None = None) -> Iterator[Layout]:
+    """Every legal layout that honours the pinned fields."""
+    fixed = fixed or {}
+    n = cluster.n_gpus
+    for tp in tp_choices(workload, cluster):
+        for pp in divisors(n // tp):
+            if pp > workload.n_blocks:
+                continue
+            dp = n // (tp * pp)
+            if global_batch % dp:
+                continue
+            for mb in divisors(global_batch // dp):
+                if mb > MAX_MICRO_BATCH:
+                    break
+                m = global_batch // (dp * mb)
+                for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule")):
+                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                        for sp in (False, True) if tp > 1 else (False,):
+                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp)
+                            if _honours(layout, fixed):
+                                yield replace(layout, compression=fixed.get("compression", "none"))
+
+
+def _honours(layout: Layout, fixed: dict) -> bool:
+    return all(getattr(layout, key) == value for key, value in fixed.items() if key not in ("recompute", "compression"))
+
+
+def recompute_choices(fixed: dict | None) -> tuple[str, ...]:
+    fixed = fixed or {}
+    return (fixed["recompute"],) if "recompute" in fixed else ("none", "selective", "full")
