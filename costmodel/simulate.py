@@ -1,0 +1,170 @@
+"""Event-driven simulation of one training step of a plan.
+
+`estimate` composes a step from a closed formula; this module *plays* the
+step: one data-parallel replica's pipeline ranks (DP ranks are symmetric),
+each with a compute stream and intra-/inter-node links, running the plan's
+real schedule order (GPipe, 1F1B or interleaved 1F1B) against the data
+dependencies between stages. Non-uniform partitions, per-layer checkpointing,
+contention between pipeline sends and gradient buckets on one NIC, bucketed
+DP reduction overlapped with the last backward, ZeRO-3 gathers with one-layer
+prefetch and the optimizer step all appear as they happen, so the simulator
+is the reference where it and the formula differ.
+
+Prices are the analytic model's own per-layer terms (see `simulate_ops`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hardware.schema import Cluster
+
+from . import collectives as coll
+from .estimate import RankTime, layout_of, optimizer_time, rank_memory, stage_time
+from .memory import WEIGHT_BYTES
+from .plan import Plan
+from .simulate_engine import Engine, EngineInput, Event
+from .simulate_ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
+from .simulate_schedule import rank_orders
+from .simulate_stats import RankSim, breakdown, exposed_by_kind, memory_timeline
+from .validate import check_plan
+from .workload import Workload
+
+__all__ = ["SimResult", "RankSim", "Event", "simulate"]
+
+
+@dataclass
+class SimResult:
+    plan: Plan
+    step_time_s: float
+    pipeline_s: float  # when the last forward/backward ends
+    bubble_fraction: float  # pipeline idle of the busiest rank over its busy time
+    breakdown_s: dict[str, float]  # critical rank, sums to the step
+    exposed_comm_s: dict[str, float]  # worst rank per kind
+    ranks: list[RankSim]
+    peak_memory_bytes: float
+    peak_memory_rank: int
+    peak_memory_time_s: float
+    tokens_per_s: float
+    mfu: float
+    events: list[Event] = field(repr=False)
+
+    @property
+    def critical_rank(self) -> int:
+        return max(range(len(self.ranks)), key=lambda r: (self.ranks[r].end_s, -r))
+
+
+def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
+    """Simulate one step of `plan`; raises PlanError if the plan does not fit the model or cluster."""
+    check_plan(plan, workload, cluster)
+    lay = layout_of(plan, cluster)
+    rank_times = [RankTime() for _ in range(plan.pp)]
+    for index in range(plan.n_virtual_stages):
+        stage_time(plan, workload, lay, index, rank_times[index % plan.pp])
+    pricer = Pricer(plan, workload, lay)
+    spec = _engine_input(plan, pricer, lay, bucket_bytes)
+    out = Engine(spec).run()
+    return _assemble(plan, workload, cluster, lay, rank_times, spec, out)
+
+
+def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> EngineInput:
+    n = plan.n_virtual_stages
+    templates = {(s, ph): pricer.template(s, ph) for s in range(n) for ph in ("F", "B")}
+    fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
+    bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
+    grads = {}
+    if plan.dp > 1 and plan.zero < 3:
+        grads = {s: buckets(plan, pricer, s, templates[(s, "B")], bucket_bytes) for s in range(n)}
+    return EngineInput(
+        n_stages=n,
+        orders=rank_orders(plan.schedule, plan.pp, plan.num_micro_batches, plan.vpp),
+        templates=templates,
+        p2p_fwd=fwd,
+        p2p_bwd=bwd,
+        activation=[stage_activation(plan, pricer, s) for s in range(n)],
+        buckets=grads,
+        bucket_time=_bucket_pricer(plan, lay),
+        pp_stream=pricer.pp_stream,
+        dp_stream=pricer.dp_stream,
+    )
+
+
+def _bucket_pricer(plan: Plan, lay):
+    """ZeRO-0 all-reduces each bucket; ZeRO-1/2 reduce-scatter it (the owner updates its shard)."""
+    cluster, group = lay.ctx.cluster, lay.dp_group
+    if plan.zero == 0:
+        return lambda nbytes: (coll.all_reduce(nbytes, group, cluster), "allreduce")
+    return lambda nbytes: (coll.reduce_scatter(nbytes, group, cluster), "reduce-scatter")
+
+
+def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -> tuple[float, float]:
+    """Optimizer after the rank's compute and gradient reductions, then (ZeRO-1/2) the weight all-gather.
+
+    Returns (end of the rank's step, optimizer seconds).
+    """
+    start = max(out.compute_end[r], out.dp_end[r])
+    opt = optimizer_time([rank_time], plan, cluster)
+    out.events.append(Event(r, "compute", "optimizer", start, opt, "optimizer"))
+    end = start + opt
+    if plan.zero in (1, 2) and plan.dp > 1:
+        nbytes = rank_time.params * WEIGHT_BYTES[plan.dtype]
+        gather = coll.all_gather(nbytes, lay.dp_group, cluster)
+        stream = "intra" if lay.dp_group.nodes == 1 else "inter"
+        out.events.append(Event(r, stream, "allgather weights", end, gather, "dp"))
+        end += gather
+    return end, opt
+
+
+def _rank_sim(plan, workload, r, rank_time, spec, out, events, end) -> RankSim:
+    ops = out.ops[r]
+    tpls = [spec.templates[(op.stage, op.phase)] for op, _, _ in ops]
+    busy = sum(t.duration for t in tpls)
+    static = {k: v for k, v in rank_memory(plan, workload, r, rank_time).items() if k != "activations"}
+    timeline, peak, when = memory_timeline(out.memory_deltas[r], sum(static.values()))
+    return RankSim(
+        rank=r,
+        stages=list(range(r, plan.n_virtual_stages, plan.pp)),
+        busy_s=busy,
+        idle_s=max(0.0, out.compute_end[r] - busy),
+        compute_s=sum(t.compute for t in tpls),
+        recompute_s=sum(t.recompute for t in tpls),
+        tp_comm_s=sum(t.tp_comm for t in tpls),
+        zero_wait_s=sum(t.zero_wait for t in tpls),
+        compute_end_s=out.compute_end[r],
+        end_s=end,
+        exposed_comm_s={"tp": sum(t.tp_comm for t in tpls), "zero": sum(t.zero_wait for t in tpls),
+                        **exposed_by_kind(events, r, ("pp", "dp"))},
+        static_memory=static,
+        memory_timeline=timeline,
+        peak_memory_bytes=peak,
+        peak_memory_time_s=when,
+    )
+
+
+def _assemble(plan, workload, cluster, lay, rank_times, spec, out) -> SimResult:
+    tails = [_tail(plan, cluster, lay, r, rank_times[r], out) for r in range(plan.pp)]
+    by_rank: list[list[Event]] = [[] for _ in range(plan.pp)]
+    for e in out.events:
+        by_rank[e.rank].append(e)
+    ranks = [_rank_sim(plan, workload, r, rank_times[r], spec, out, by_rank[r], tails[r][0]) for r in range(plan.pp)]
+    step = max(end for end, _ in tails)
+    pipeline = max(out.compute_end)
+    busiest = max(r.busy_s for r in ranks)
+    crit = max(ranks, key=lambda k: (k.end_s, -k.rank))
+    peak = max(ranks, key=lambda k: k.peak_memory_bytes)
+    kinds = {kind for k in ranks for kind in k.exposed_comm_s}
+    model_flops = 3 * workload.forward_flops() * plan.global_batch
+    return SimResult(
+        plan=plan,
+        step_time_s=step,
+        pipeline_s=pipeline,
+        bubble_fraction=(pipeline - busiest) / busiest if busiest else 0.0,
+        breakdown_s=breakdown(crit, step, tails[crit.rank][1]),
+        exposed_comm_s={kind: max(k.exposed_comm_s.get(kind, 0.0) for k in ranks) for kind in sorted(kinds)},
+        ranks=ranks,
+        peak_memory_bytes=peak.peak_memory_bytes,
+        peak_memory_rank=peak.rank,
+        peak_memory_time_s=peak.peak_memory_time_s,
+        tokens_per_s=plan.global_batch * plan.seq_len / step,
+        mfu=model_flops / step / plan.n_gpus / cluster.gpu.peak_flops(plan.dtype),
+        events=out.events,
+    )

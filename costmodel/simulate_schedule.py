@@ -1,0 +1,72 @@
+"""The order in which each pipeline rank runs its forward and backward passes.
+
+A schedule is, per pipeline rank, an ordered list of `Op(phase, micro_batch,
+stage)`; the simulator runs each rank's list in order and lets data
+dependencies (a forward needs the previous stage's forward, a backward the
+next stage's backward) decide *when*. Keeping the order separate from the
+timing is what lets GPipe, 1F1B and interleaved 1F1B share one engine, and
+lets a non-uniform partition show its real effect instead of a formula's.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from hardware.errors import PlanError
+
+
+class Op(NamedTuple):
+    phase: str  # "F" or "B"
+    micro_batch: int
+    stage: int  # virtual stage index; it runs on rank stage % pp
+
+
+def gpipe(rank: int, pp: int, m: int) -> list[Op]:
+    """All forwards, then all backwards (Huang et al. 2019): every micro-batch stays in flight."""
+    return [Op("F", j, rank) for j in range(m)] + [Op("B", j, rank) for j in range(m)]
+
+
+def one_f_one_b(rank: int, pp: int, m: int) -> list[Op]:
+    """PipeDream-flush / Megatron 1F1B: pp-rank-1 warm-up forwards, then alternate."""
+    warmup = min(pp - rank - 1, m)
+    ops = [Op("F", j, rank) for j in range(warmup)]
+    for i in range(m - warmup):
+        ops += [Op("F", warmup + i, rank), Op("B", i, rank)]
+    ops += [Op("B", j, rank) for j in range(m - warmup, m)]
+    return ops
+
+
+def _chunk_sequence(m: int, pp: int, vpp: int, reverse: bool) -> list[tuple[int, int]]:
+    """(micro_batch, chunk) in Megatron's order: groups of pp micro-batches sweep the chunks."""
+    chunks = range(vpp - 1, -1, -1) if reverse else range(vpp)
+    seq = []
+    for first in range(0, m, pp):
+        group = range(first, min(first + pp, m))
+        seq += [(j, c) for c in chunks for j in group]
+    return seq
+
+
+def interleaved(rank: int, pp: int, m: int, vpp: int) -> list[Op]:
+    """Interleaved 1F1B (Narayanan et al. 2021): vpp chunks per rank, chunk c is stage c*pp + rank."""
+    fwd = _chunk_sequence(m, pp, vpp, reverse=False)
+    bwd = _chunk_sequence(m, pp, vpp, reverse=True)
+    total = m * vpp
+    warmup = min(total, 2 * (pp - rank - 1) + (vpp - 1) * pp)
+    ops = [Op("F", j, c * pp + rank) for j, c in fwd[:warmup]]
+    for i in range(total - warmup):
+        j, c = fwd[warmup + i]
+        ops.append(Op("F", j, c * pp + rank))
+        j, c = bwd[i]
+        ops.append(Op("B", j, c * pp + rank))
+    ops += [Op("B", j, c * pp + rank) for j, c in bwd[total - warmup :]]
+    return ops
+
+
+def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
+    """One op list per pipeline rank."""
+    if schedule == "gpipe":
+        return [gpipe(r, pp, m) for r in range(pp)]
+    if schedule == "1f1b":
+        return [one_f_one_b(r, pp, m) for r in range(pp)]
+    if schedule == "interleaved":
+        return [interleaved(r, pp, m, vpp) for r in range(pp)]
+    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b or interleaved")
