@@ -1,0 +1,57 @@
+"""Launch a plan with torchrun and collect its run report."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from costmodel.plan import Plan
+from hardware.errors import PlanError
+
+from executor.models import build_model
+from executor.predict import predict
+from executor.report import RunReport
+from executor.validate import validate
+
+
+def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int,
+                     extra_torchrun_args=()) -> list[str]:
+    """`python -m torch.distributed.run` for one node, or multi-node when rendezvous args are given."""
+    node_args = list(extra_torchrun_args) or ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
+            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--out", out_path]
+
+
+def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
+        extra_torchrun_args=(), cluster=None, timeout_s: float | None = None) -> RunReport:
+    """Validate (before any process starts), launch, and return the report with predictions."""
+    model = model or plan.model
+    nnodes = _nnodes(extra_torchrun_args)
+    nproc = nproc or plan.n_gpus // nnodes
+    validate(plan, build_model(model), world_size=nproc * nnodes)
+    with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
+        plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")
+        plan_path.write_text(plan.to_json())
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, extra_torchrun_args)
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        if done.returncode != 0 or not out_path.exists():
+            raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
+        report = RunReport.model_validate_json(out_path.read_text())
+    return report.with_prediction(*predict(plan, model, cluster))
+
+
+def _nnodes(args) -> int:
+    args = list(args)
+    for i, arg in enumerate(args):
+        if arg.startswith("--nnodes"):
+            value = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
+            try:
+                return int(value.split(":")[-1])
+            except ValueError as error:
+                raise PlanError("nnodes", f"cannot read {value!r}", "pass --nnodes N") from error
+    return 1

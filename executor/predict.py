@@ -1,0 +1,38 @@
+"""The cost model's prediction for a run, through one small function.
+
+Kept apart so that the executor works (and says so) when the estimator, the
+workload builder or a hardware profile is missing.
+"""
+from __future__ import annotations
+
+from costmodel.plan import Plan
+from executor.models import build_model
+
+
+def workload_for(model_name: str, plan: Plan):
+    """The analytic workload of a reference-GPT-shaped model (fp32 on CPU runs)."""
+    from costmodel.transformer import TransformerDims, transformer_workload
+
+    model = build_model(model_name)
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        return None
+    dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[plan.dtype]
+    dims = TransformerDims(n_layers=cfg.n_layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab_size,
+                           seq_len=plan.seq_len, ffn_hidden=cfg.ffn, dtype_bytes=dtype_bytes, name=model_name)
+    return transformer_workload(dims)
+
+
+def predict(plan: Plan, model_name: str, cluster) -> tuple[float | None, float | None, str]:
+    """(step time s, peak bytes, note); Nones with the reason when no prediction is possible."""
+    if cluster is None:
+        return None, None, "no hardware profile given: prediction columns left out"
+    try:
+        from costmodel.estimate import estimate
+    except ImportError:
+        return None, None, "costmodel.estimate not available: prediction columns left out"
+    workload = workload_for(model_name, plan)
+    if workload is None:
+        return None, None, f"no analytic workload for {model_name}: prediction columns left out"
+    result = estimate(workload, plan, cluster)
+    return result.step_time_s, result.peak_memory_bytes, ""

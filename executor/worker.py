@@ -1,0 +1,59 @@
+"""What torchrun starts on every rank: read the plan, materialise, train, report.
+
+    python -m executor.worker PLAN.json --model NAME --steps N --out report.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from costmodel.plan import Plan
+from executor.mesh import device_and_backend, init_distributed
+from executor.report import RunReport
+from executor.train import run_rank, steady_step_time
+
+
+def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport | None:
+    everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    dist.all_gather_object(everyone, mine)
+    if dist.get_rank() != 0:
+        return None
+    times = [max(r["step_times_s"][i] for r in everyone) for i in range(steps)]
+    return RunReport(model=model, plan=json.loads(plan.to_json()), steps=steps, world_size=len(everyone),
+                     device=device_and_backend()[0], losses=mine["losses"], step_times_s=times,
+                     step_time_s=steady_step_time(times), peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
+                     tp_replicated=mine["tp_replicated"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("plan")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    if device_and_backend()[0] == "cpu":
+        torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    plan = Plan.from_json(open(args.plan).read())
+    model = args.model or plan.model
+    init_distributed()
+    report = _gather_report(plan, model, args.steps, run_rank(plan, model, args.steps, args.seed))
+    if report is not None:
+        with open(args.out, "w") as fh:
+            fh.write(report.model_dump_json(indent=2))
+    # Clean gloo shutdown: barrier, destroy, flush, then skip interpreter teardown (can SIGABRT).
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
