@@ -68,5 +68,10 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
     if schedule == "1f1b":
         return [one_f_one_b(r, pp, m) for r in range(pp)]
     if schedule == "interleaved":
+        if m % pp:
+            # Megatron's constraint: with a partial group of micro-batches the
+            # warm-up counts no longer match and the ranks can deadlock.
+            raise PlanError("micro_batch", f"interleaved needs the {m} micro-batches to be a multiple of pp={pp}",
+                            "change micro_batch or global_batch, or use schedule 1f1b")
         return [interleaved(r, pp, m, vpp) for r in range(pp)]
     raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b or interleaved")
