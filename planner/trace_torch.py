@@ -71,7 +71,8 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        self.tracer.current_op = str(func)
+        if func.namespace != "prim":
+            self.tracer.current_op = str(func)
         out = func(*args, **kwargs)
         if func.namespace != "prim":
             self.tracer.record(func, args, kwargs, out)
