@@ -1,0 +1,116 @@
+"""`parallax simulate PLAN.json`: play one training step of a plan, event by event.
+
+On other hardware (`--hw`) a plan that no longer fits — wrong GPU count or
+out of memory — is re-planned for the target, and the output says so: a
+simulation of a layout that cannot run would be a confident wrong answer.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+import hardware
+from costmodel.estimate import estimate
+from costmodel.plan import Plan
+from hardware.errors import ModelError, ParallaxError
+from planner.cli import app
+
+
+def load_workload(plan: Plan):
+    """The plan's model as a Workload, through the planner's tracing front end."""
+    try:
+        from planner.workload_for import workload_for
+    except ImportError as error:
+        raise ModelError("model", f"cannot build the workload of {plan.model!r}: planner.workload_for is unavailable ({error})",
+                         "install the full planner") from None
+    return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0]
+
+
+def fit_plan(plan: Plan, workload, cluster) -> tuple[Plan, list[str]]:
+    """Keep the plan if it runs on `cluster`, else re-plan there; returns (plan, notes)."""
+    import planner
+
+    reason = None
+    if plan.n_gpus != cluster.n_gpus:
+        reason = f"the plan uses {plan.n_gpus} GPUs, {cluster.spec()} has {cluster.n_gpus}"
+    else:
+        try:
+            est = estimate(workload, plan, cluster)
+        except ParallaxError as error:
+            reason = str(error)
+        else:
+            if not est.fits:
+                reason = f"it needs {est.peak_memory_bytes / 2**30:.1f} GiB of {est.memory_capacity_bytes / 2**30:.1f} GiB usable"
+            else:
+                return plan.model_copy(update={"estimate": est}), []
+    new = planner.plan(workload, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype)
+    new = new.model_copy(update={"model": plan.model})
+    return new, [f"re-planned for {cluster.spec()}: {reason}"]
+
+
+def sim_table(sim, est) -> Table:
+    table = Table(title=f"{sim.plan.model} on {sim.plan.hardware}: dp{sim.plan.dp} tp{sim.plan.tp} pp{sim.plan.pp} "
+                        f"{sim.plan.schedule} (m={sim.plan.num_micro_batches})")
+    for col in ("", "simulated", "estimate"):
+        table.add_column(col, justify="left" if not col else "right")
+    table.add_row("step time (s)", f"{sim.step_time_s:.4g}", f"{est.step_time_s:.4g}")
+    for key, value in sim.breakdown_s.items():
+        table.add_row(f"  {key}", f"{value:.4g}", f"{est.breakdown_s.get(key, 0.0):.4g}")
+    table.add_row("bubble fraction", f"{sim.bubble_fraction:.2%}", "")
+    for key, value in sim.exposed_comm_s.items():
+        table.add_row(f"exposed {key} comm (s, worst rank)", f"{value:.4g}", "")
+    table.add_row("tokens/s", f"{sim.tokens_per_s:,.0f}", f"{est.tokens_per_s:,.0f}")
+    table.add_row("MFU", f"{sim.mfu:.1%}", f"{est.mfu:.1%}")
+    table.add_row("peak memory (GiB)", f"{sim.peak_memory_bytes / 2**30:.2f} (rank {sim.peak_memory_rank} "
+                  f"at {sim.peak_memory_time_s:.3g} s)", f"{est.peak_memory_bytes / 2**30:.2f}")
+    return table
+
+
+@app.command("simulate")
+def simulate_command(
+    plan_path: Path = typer.Argument(..., help="plan JSON (from `parallax plan` or hand-written)"),
+    hw: Optional[str] = typer.Option(None, "--hw", help="simulate on this hardware instead of the plan's"),
+    trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write the pipeline timeline PNG here"),
+    report: Optional[Path] = typer.Option(None, "--report", help="write a self-contained HTML report here"),
+) -> None:
+    """Simulate one training step of PLAN and compare it with the analytic estimate."""
+    from costmodel.simulate import simulate
+
+    plan = Plan.from_json(plan_path.read_text())
+    cluster = hardware.load(hw or plan.hardware)
+    workload = load_workload(plan)
+    plan, notes = fit_plan(plan, workload, cluster)
+    sim = simulate(workload, plan, cluster)
+    console = Console(width=160)
+    for note in notes + list(plan.notes):
+        console.print(f"note: {note}")
+    console.print(sim_table(sim, plan.estimate or estimate(workload, plan, cluster)))
+    _write_outputs(sim, plan, cluster, notes, trace, plot, report, console)
+
+
+def _write_outputs(sim, plan, cluster, notes, trace, plot, report, console) -> None:
+    if trace:
+        from costmodel.trace_export import write_chrome_trace
+
+        console.print(f"trace written to {write_chrome_trace(sim, trace)} (open in https://ui.perfetto.dev)")
+    if plot:
+        from planner.plots import pipeline_timeline, save_png
+
+        console.print(f"timeline written to {save_png(pipeline_timeline(sim), plot)}")
+    if report:
+        from planner.plots import breakdown_bars, memory_breakdown, pipeline_timeline, png_bytes
+        from planner.report import html_report, write_report
+
+        est = plan.estimate
+        plots = {
+            "Pipeline timeline": png_bytes(pipeline_timeline(sim)),
+            "Step-time breakdown": png_bytes(breakdown_bars([("simulated", sim.breakdown_s), ("estimate", est.breakdown_s)])),
+            "Memory per rank": png_bytes(memory_breakdown(sim, est.memory_capacity_bytes)),
+        }
+        text = html_report(f"Parallax simulation: {plan.model} on {cluster.spec()}", sim=sim, plots=plots, notes=notes)
+        console.print(f"report written to {write_report(report, text)}")

@@ -1,0 +1,66 @@
+"""`parallax whatif MODEL --hw A --hw B`: best plan, speed and dollars per hardware and GPU count."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from hardware.errors import ParallaxError
+from planner.cli import app
+
+
+def parse_counts(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        counts = [int(part) for part in text.replace(" ", "").split(",") if part]
+    except ValueError:
+        raise ParallaxError("gpus", f"{text!r} is not a comma-separated list of GPU counts", "e.g. 64,128,256") from None
+    if not counts or any(c <= 0 for c in counts):
+        raise ParallaxError("gpus", f"{text!r} must list positive GPU counts", "e.g. 64,128,256")
+    return counts
+
+
+def rows_table(rows, title: str) -> Table:
+    from planner.report import COLUMNS, row_cells
+
+    table = Table(title=title)
+    for col in COLUMNS:
+        table.add_column(col, justify="left" if col in ("hardware", "layout", "notes") else "right")
+    for row in rows:
+        table.add_row(*row_cells(row))
+    return table
+
+
+@app.command("whatif")
+def whatif_command(
+    model: str = typer.Argument(..., help="built-in model name (see `parallax models`)"),
+    hw: list[str] = typer.Option(..., "--hw", help="hardware spec; repeat to compare, e.g. --hw h100-sxm --hw a100-80g"),
+    gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU counts to sweep, e.g. 64,128,256"),
+    global_batch: int = typer.Option(512, "--global-batch"),
+    seq_len: int = typer.Option(4096, "--seq-len"),
+    tokens: Optional[float] = typer.Option(None, "--tokens", help="training budget in tokens, e.g. 2e12"),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
+    nic_gbps: Optional[float] = typer.Option(None, "--nic-gbps", help="override per-GPU NIC bandwidth (Gb/s)"),
+    intra_gbps: Optional[float] = typer.Option(None, "--intra-gbps", help="override per-GPU intra-node bandwidth (GB/s)"),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="write scaling curves PNG here"),
+    report: Optional[Path] = typer.Option(None, "--report", help="write a self-contained HTML report here"),
+) -> None:
+    """Plan MODEL on each hardware x GPU count and compare step time, throughput and cost."""
+    from planner.whatif import whatif
+
+    rows = whatif(model, hw, parse_counts(gpus), global_batch=global_batch, seq_len=seq_len, tokens=tokens,
+                  price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps)
+    console = Console(width=220)
+    console.print(rows_table(rows, f"{model}: global batch {global_batch} x {seq_len} tokens"))
+    if plot:
+        from planner.plots import save_png, scaling_curves
+
+        console.print(f"plot written to {save_png(scaling_curves(rows), plot)}")
+    if report:
+        from planner.report import whatif_report, write_report
+
+        console.print(f"report written to {write_report(report, whatif_report(rows, f'Parallax what-if: {model}'))}")
