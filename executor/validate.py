@@ -16,11 +16,11 @@ def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> Non
     if world_size is not None and world_size != plan.n_gpus:
         raise PlanError("dp*tp*pp", f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} processes requested",
                         f"use --nproc {plan.n_gpus}")
+    if plan.n_virtual_stages > n:
+        raise PlanError("pp", f"{plan.n_virtual_stages} (virtual) stages for {n} layers", f"use at most {n} stages")
     if plan.stages[-1].end != n:
         raise PlanError("stages", f"last stage ends at {plan.stages[-1].end} but the model has {n} layers "
                         f"(embedding + {n - 2} blocks + head)", f"end the last stage at {n}")
-    if plan.n_virtual_stages > n:
-        raise PlanError("pp", f"{plan.n_virtual_stages} (virtual) stages for {n} layers", f"use at most {n} stages")
     for heads, what in ((lmap.heads, "attention heads"), (lmap.kv_heads, "key/value heads")):
         if plan.tp > 1 and heads is not None and heads % plan.tp:
             raise PlanError("tp", f"tp={plan.tp} does not divide the {heads} {what}",
