@@ -166,3 +166,23 @@ def test_hf_gpt2_two_ranks_matches_single_process_and_reports_unsplittable():
     # GPT-2's fused Conv1D projections cannot be column/row split: replicated and named.
     assert "model.transformer.h.0.attn.c_attn" in replicated["hf-gpt2-tiny-tp"]
     assert replicated["hf-gpt2-tiny-dp"] == []
+
+
+def test_parallax_run_end_to_end_with_torchrun(tmp_path):
+    """The one torchrun launch: CLI -> validate -> torchrun -> worker -> report."""
+    from planner.cli import main
+
+    plan = make_plan("reference-tiny", dp=2, zero=3)
+    plan_path, out = tmp_path / "plan.json", tmp_path / "report.json"
+    plan_path.write_text(plan.to_json())
+    assert main(["run", str(plan_path), "--steps", "3", "--out", str(out)]) == 0
+    from executor.report import RunReport
+
+    report = RunReport.model_validate_json(out.read_text())
+    ref_losses, _ = reference(plan.model, plan)
+    torch.testing.assert_close(torch.tensor(report.losses), torch.tensor(ref_losses), rtol=1e-4, atol=1e-5)
+    assert report.world_size == 2 and len(report.peak_memory_bytes) == 2
+    # Peak memory covers at least parameters, gradients and two AdamW moments of this rank's shard.
+    shard_bytes = sum(p.numel() for p in build_model(plan.model).parameters()) * 4 / 2
+    assert all(peak >= 4 * shard_bytes for peak in report.peak_memory_bytes)
+    assert report.step_time_s > 0

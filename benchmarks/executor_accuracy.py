@@ -1,0 +1,69 @@
+"""Predicted vs measured step time and peak memory on 4 CPU ranks.
+
+Calibrates this machine (`parallax calibrate`), then runs hand-written layouts
+of an ~85M-parameter GPT (DP, ZeRO-3, TP, PP, DP x TP) for a few steps each
+with torchrun, and prints the cost model's prediction beside each measurement.
+Targets: |time error| <= 15%, |memory error| <= 10%.
+
+    .venv/bin/python benchmarks/executor_accuracy.py [--steps 5] [--profile profile.json]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from costmodel.plan import Plan
+from executor.calibrate import calibrate
+from executor.launch import run
+from hardware import load
+
+MODEL = "gpt-85m"
+N_LAYERS = 14  # embedding + 12 blocks + head
+LAYOUTS = {
+    "dp4": dict(dp=4), "zero3": dict(dp=4, zero=3), "tp4": dict(tp=4), "pp4": dict(pp=4),
+    "dp2xtp2": dict(dp=2, tp=2),
+}
+TIME_TARGET, MEMORY_TARGET = 0.15, 0.10
+
+
+def layout(dp=1, tp=1, pp=1, zero=0, global_batch=8, seq_len=256) -> Plan:
+    """An fp32 plan with evenly cut stages; two micro-batches per pipeline stage."""
+    bounds = [round(i * N_LAYERS / pp) for i in range(pp + 1)]
+    stages = [{"start": a, "end": b, "recompute": ["none"] * (b - a)} for a, b in zip(bounds, bounds[1:])]
+    micro = max(1, global_batch // (dp * 2 * pp)) if pp > 1 else global_batch // dp
+    return Plan(model=MODEL, hardware="calibrated-cpu", global_batch=global_batch, seq_len=seq_len, dtype="fp32",
+                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=micro, schedule="1f1b", stages=stages)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--profile", type=Path, help="reuse a profile instead of calibrating")
+    args = parser.parse_args()
+    if args.profile and args.profile.exists():
+        cluster = load(str(args.profile))
+    else:
+        cluster = calibrate("cpu", ranks=4)
+        if args.profile:
+            args.profile.write_text(cluster.model_dump_json(indent=2))
+    print(f"{'layout':10} {'meas ms':>9} {'pred ms':>9} {'err':>7} {'meas MiB':>9} {'pred MiB':>9} {'err':>7}")
+    failures = 0
+    for name, degrees in LAYOUTS.items():
+        report = run(layout(**degrees), steps=args.steps, cluster=cluster)
+        failures += _print_row(name, report)
+    print(f"{failures} of {len(LAYOUTS)} layouts outside the targets (time {TIME_TARGET:.0%}, memory {MEMORY_TARGET:.0%})")
+
+
+def _print_row(name: str, report) -> int:
+    mem = max(report.peak_memory_bytes) / 2 ** 20
+    if report.predicted_step_time_s is None:
+        print(f"{name:10} {report.step_time_s * 1e3:9.1f} {'-':>9} {'-':>7} {mem:9.1f} {'-':>9} {'-':>7}  ({'; '.join(report.notes)})")
+        return 1
+    pred_mem = (report.predicted_peak_memory_bytes or 0) / 2 ** 20
+    print(f"{name:10} {report.step_time_s * 1e3:9.1f} {report.predicted_step_time_s * 1e3:9.1f} "
+          f"{report.step_time_error:+7.1%} {mem:9.1f} {pred_mem:9.1f} {report.memory_error:+7.1%}")
+    return int(abs(report.step_time_error) > TIME_TARGET or abs(report.memory_error or 0) > MEMORY_TARGET)
+
+
+if __name__ == "__main__":
+    main()
