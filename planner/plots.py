@@ -80,7 +80,8 @@ def pipeline_timeline(sim: "SimResult", max_ops: int = 4000) -> Figure:
             clipped = True
         for kind, color in colors.items():
             bars = [(e.start, e.duration) for e in compute if e.kind == kind]
-            ax.broken_barh(bars, (r * 2 + 0.15, 0.8), facecolors=color, label=kind if r == 0 else None)
+            ax.broken_barh(bars, (r * 2 + 0.15, 0.8), facecolors=color, edgecolors="white", linewidth=0.3,
+                           label=kind if r == 0 else None)
         comm = [(e.start, e.duration) for e in mine if e.kind in ("pp", "dp", "zero_gather", "zero_scatter")]
         ax.broken_barh(comm, (r * 2 + 1.05, 0.5), facecolors="#55A868", label="pp/dp/zero comm" if r == 0 else None)
     ax.set_yticks([r * 2 + 0.55 for r in range(pp)], [f"rank {r}" for r in range(pp)])

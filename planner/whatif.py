@@ -196,4 +196,4 @@ def amdahl_serial_fraction(gpus: list[int], throughput: list[float]) -> float | 
     if not np.any(x):
         return None
     s, *_ = np.linalg.lstsq(x, y, rcond=None)
-    return float(np.clip(s[0], 0.0, 1.0))
+    return float(min(1.0, max(0.0, s[0]))) + 0.0  # + 0.0: no "-0.000" in labels
