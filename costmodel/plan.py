@@ -155,7 +155,8 @@ class Plan(BaseModel):
 
 def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") -> list[StagePlan]:
     """Megatron-style partition: blocks split as evenly as possible, the
-    embedding joins the first stage and the head the last.
+    embedding joins the first stage and the head the last; `policy` is the
+    checkpointing of every block.
 
     `kinds` is the workload's layer kinds in order. A remainder of blocks goes
     to the middle stages, which carry neither embedding nor head.
@@ -176,6 +177,8 @@ def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") 
         position += count
         bounds.append(position)
     bounds[0], bounds[-1] = 0, len(kinds)
+    # Checkpointing applies to the blocks; the embedding and head keep their activations.
     return [
-        StagePlan(start=a, end=b, recompute=[policy] * (b - a)) for a, b in zip(bounds, bounds[1:])
+        StagePlan(start=a, end=b, recompute=[policy if kinds[i] == "block" else "none" for i in range(a, b)])
+        for a, b in zip(bounds, bounds[1:])
     ]

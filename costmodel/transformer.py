@@ -57,7 +57,8 @@ def _block(d: TransformerDims) -> LayerProfile:
     # intermediates (gelu: its input and output; gated: gate, up, act, product).
     mlp_saved = (4 if d.gated_mlp else 2) * s * f * b
     sharded = s * (h + 2 * kv_dim + h) * b + mlp_saved
-    scores = 0.0 if d.flash_attention else d.heads * s * s * (2 * b + mask + (b if d.dropout else 0))
+    # softmax output, and with dropout its mask and output (5*a*s^2 bytes in 16-bit)
+    scores = 0.0 if d.flash_attention else d.heads * s * s * (b + mask + (b if d.dropout else 0))
     softmax_traffic = 0 if d.flash_attention else 2 * d.heads * s * s * b
     act_traffic = (5 if d.gated_mlp else 2) * s * f * b
     return LayerProfile(

@@ -18,12 +18,12 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .coefficients import POLICIES, StageModelData, block_span, single_block_profile, stage_model_data
+from .coefficients import StageModelData, block_span, linear_step, single_block_profile, stage_model_data
 from .enumerate import Candidate
 from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
 
-LAYOUT_SOLVE_LIMIT_S = 1.0
+LAYOUT_SOLVE_LIMIT_S = 0.5
 
 
 @dataclass
@@ -66,6 +66,8 @@ class _Entry:
     data: StageModelData
     bound: float
     uniform_best: float = float("inf")
+    uniform_policy: str = "full"
+    headroom: float = float("-inf")  # the largest memory headroom of its uniform plans
     proven: float | None = None
 
 
@@ -122,18 +124,18 @@ def search(
     capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
     entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity)
     tally = _Tally(top_k)
-    priced = []
-    for entry in entries:
-        if entry.bound >= tally.kth():
-            break
-        for cand in uniform_plans(workload, cluster, entry.layout, entry.template, fixed, memory_reserve):
+    priced = _rank_uniform(workload, entries, fixed)
+    for entry in _worth_pricing(priced, top_k):
+        for cand in uniform_plans(workload, cluster, entry.layout, entry.template, {"recompute": entry.uniform_policy}, memory_reserve):
             tally.add(cand)
-            if cand.fits:
-                entry.uniform_best = min(entry.uniform_best, cand.estimate.step_time_s)
-        priced.append(entry)
+    if not tally.best:  # keep the least-memory plan for the infeasibility report
+        least = min(priced, key=lambda e: -e.headroom, default=None)
+        if least is not None:
+            for cand in uniform_plans(workload, cluster, least.layout, least.template, {"recompute": least.uniform_policy}, memory_reserve):
+                tally.add(cand)
     refined = 0
     if single_block_profile(workload):
-        for entry in sorted(priced, key=lambda e: (e.uniform_best, e.bound)):
+        for entry in _refine_order(priced):
             if time.perf_counter() - started > time_limit_s:
                 break
             if entry.bound >= tally.first():
@@ -143,15 +145,53 @@ def search(
             if cand is not None:
                 tally.add(cand)
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
-    bound = _proven_bound(entries, priced)
+    bound = _proven_bound(entries)
     report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
     return SearchResult(best=ranked[:top_k], report=report, smallest_peak=tally.smallest, considered=len(entries))
+
+
+def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> list[_Entry]:
+    """Price every layout's uniform plans with the linear stage model (exactly the
+    estimator's composition, without building plans)."""
+    first, last = block_span(workload)
+    for entry in entries:
+        blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
+        lay = entry.layout
+        for policy in recompute_choices(fixed):
+            step, headroom = linear_step(entry.data, blocks, policy, lay.pp, lay.vpp, entry.template.num_micro_batches)
+            entry.headroom = max(entry.headroom, headroom)
+            if headroom >= 0 and step < entry.uniform_best:
+                entry.uniform_best, entry.uniform_policy = step, policy
+    return entries
+
+
+def _worth_pricing(entries: list[_Entry], top_k: int, within: float = 0.01) -> list[_Entry]:
+    """The layouts whose uniform plans the estimator should price: the best few, and any close to the best."""
+    fitting = sorted((e for e in entries if e.uniform_best < float("inf")), key=lambda e: e.uniform_best)
+    if not fitting:
+        return []
+    cutoff = fitting[0].uniform_best * (1 + within)
+    return [e for i, e in enumerate(fitting) if i < 3 * top_k or e.uniform_best <= cutoff]
+
+
+def _refine_order(priced: list[_Entry]) -> list[_Entry]:
+    """The layouts whose uniform plans were fastest, interleaved with the ones
+    no uniform plan fitted (lowest bound first): per-layer checkpointing can
+    make those fit."""
+    fitting = sorted((e for e in priced if e.uniform_best < float("inf")), key=lambda e: e.uniform_best)
+    unfit = [e for e in priced if e.uniform_best == float("inf")]
+    order = []
+    for i in range(max(len(fitting), len(unfit))):
+        order += fitting[2 * i : 2 * i + 2] + unfit[i : i + 1]
+    return order
 
 
 def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[Candidate]:
     out = []
     for policy in recompute_choices(fixed):
-        stages = [s.model_copy(update={"recompute": [policy] * (s.end - s.start)}) for s in template.stages]
+        kinds = [layer.kind for layer in workload.layers]
+        stages = [s.model_copy(update={"recompute": [policy if kinds[i] == "block" else "none" for i in range(s.start, s.end)]})
+                  for s in template.stages]
         out.append(_priced(workload, cluster, layout, template.model_copy(update={"stages": stages}), reserve, policy))
     return out
 
@@ -169,11 +209,9 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     return _priced(workload, cluster, layout, plan, reserve, "mixed"), max(solution.bound_s, entry.bound)
 
 
-def _proven_bound(entries: list[_Entry], priced: list[_Entry]) -> float:
+def _proven_bound(entries: list[_Entry]) -> float:
     """Lowest step time any layout could still reach: CP-SAT bounds where solved, the analytic bound elsewhere."""
-    values = [e.proven if e.proven is not None else e.bound for e in priced]
-    values += [e.bound for e in entries[len(priced):]]
-    return min(values, default=float("inf"))
+    return min((e.proven if e.proven is not None else e.bound for e in entries), default=float("inf"))
 
 
 def _report(ranked, bound, considered, refined, wall) -> SolverReport:

@@ -59,10 +59,31 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_pins(fixed: dict) -> None:
+def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster | None = None) -> None:
+    """Refuse pins that no layout could honour, naming the field and what would be valid."""
     unknown = sorted(set(fixed) - set(PINNABLE))
     if unknown:
         raise PlanError("fixed", f"unknown field(s) {unknown}", f"pin any of {', '.join(PINNABLE)}")
+    choices = {
+        "recompute": ("none", "selective", "full"),
+        "schedule": ("1f1b", "gpipe", "interleaved"),
+        "zero": (0, 1, 2, 3),
+        "compression": ("none", "fp16", "bf16", "int8", "topk", "powersgd"),
+    }
+    for key, valid in choices.items():
+        if key in fixed and fixed[key] not in valid:
+            raise PlanError(key, f"{fixed[key]!r} is not valid", f"use one of {', '.join(map(str, valid))}")
+    if workload is None or cluster is None:
+        return
+    if "tp" in fixed and fixed["tp"] not in tp_choices(workload, cluster):
+        raise PlanError("tp", f"tp={fixed['tp']} does not divide the heads ({workload.heads}) and the {cluster.n_gpus} GPUs",
+                        f"use one of {tp_choices(workload, cluster)}")
+    if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
+        raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
+                        f"use a divisor of {cluster.n_gpus} up to {workload.n_blocks}")
+    for key in ("dp", "tp", "pp", "micro_batch", "vpp"):
+        if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
+            raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
 
 
 def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:

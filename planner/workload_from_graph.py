@@ -45,13 +45,14 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
     nodes = [(n, d) for n, d in og.nodes() if d.get("layer") == layer]
     members = {n for n, _ in nodes}
     matmul = attention = elementwise = 0.0
-    dims = [og.seq_len]
+    flops_per_dim = 0.0  # sum of flops / smallest GEMM dimension, for the FLOP-weighted harmonic mean
     for node, data in nodes:
         if _is_attention(og, node, data):
             attention += data["flops"]
         elif data["kind"] in ("linear", "matmul"):
             matmul += data["flops"]
-            dims += list(data["weight_dims"] or ())
+            smallest = min([og.seq_len * b, *(int(x) for x in (data["weight_dims"] or ()))])
+            flops_per_dim += data["flops"] / max(1, smallest)
         elif data["kind"] in ("elementwise", "embedding"):
             elementwise += data["bytes"]
     saved = _saved(og, layer)
@@ -60,13 +61,22 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
               if p not in members and not g.edges[p, n].get("param") and g.nodes[p]["phase"] != "backward"]
     return LayerProfile(
         name=name, kind=kind, params=int(sum(d["param_count"] for _, d in nodes)),
-        matmul_flops=matmul / b, matmul_min_dim=max(1, min(int(x) for x in dims)),
+        matmul_flops=matmul / b, matmul_min_dim=_effective_dim(matmul, flops_per_dim, og.seq_len),
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
         act_input=max(inputs, default=0.0) / b,
         tp_shardable=kind != "block" or bool(reduces),
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(reduces) / len(reduces) / b) if reduces else 0.0,
         boundary_bytes=_boundary(og, members) / b)
+
+
+def _effective_dim(flops: float, flops_per_dim: float, fallback: int) -> int:
+    """The GEMM dimension d with flops/eff(d) = sum_i flops_i/eff(d_i) for eff(d) ~ d/(d + d0):
+    the FLOP-weighted harmonic mean, so one small GEMM (a GQA key projection)
+    does not set the efficiency of the whole layer."""
+    if flops <= 0 or flops_per_dim <= 0:
+        return max(1, fallback)
+    return max(1, int(round(flops / flops_per_dim)))
 
 
 def _saved(og: OpGraph, layer: str) -> dict[str, float]:

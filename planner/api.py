@@ -1,0 +1,126 @@
+"""`plan` and `estimate`: the public entry points of Parallax.
+
+Both accept a model in any form tracing understands (built-in name,
+HuggingFace config, ONNX path, nn.Module with example inputs, or a ready
+`Workload`) and hardware as a spec string or a `Cluster`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import hardware
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.estimate import estimate as price_plan
+from costmodel.plan import Estimate, Plan
+from costmodel.workload import Workload
+from hardware.errors import InfeasibleError, PlanError
+from hardware.schema import Cluster
+
+from .infeasible import infeasibility_report
+from .search import search
+from .space import check_pins
+
+DTYPES = ("bf16", "fp16", "fp32")
+
+
+def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
+    if isinstance(hw, Cluster) and not any(v is not None for v in overrides.values()):
+        return hw
+    return hardware.load(hw, **overrides)
+
+
+def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
+    if isinstance(model, Workload):
+        return model
+    from .workload_for import workload_for
+
+    return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
+
+
+def model_name(model: Any, workload: Workload) -> str:
+    return model if isinstance(model, str) else workload.name
+
+
+def _check_inputs(global_batch: int, seq_len: int, dtype: str, objective: str, top_k: int) -> None:
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 512")
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise PlanError("seq_len", f"must be a positive integer, got {seq_len!r}", "e.g. 4096")
+    if dtype not in DTYPES:
+        raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if objective not in ("time", "cost"):
+        raise PlanError("objective", f"unknown objective {objective!r}", "use 'time' or 'cost'")
+    if top_k < 1:
+        raise PlanError("top_k", f"must be at least 1, got {top_k}")
+
+
+def plan(
+    model: Any,
+    hw: str | Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    objective: str = "time",
+    fixed: dict | None = None,
+    top_k: int = 3,
+    example_inputs: Any = None,
+    time_limit_s: float = 8.0,
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    price_per_gpu_hour: float | None = None,
+) -> Plan:
+    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives."""
+    _check_inputs(global_batch, seq_len, dtype, objective, top_k)
+    fixed = dict(fixed or {})
+    check_pins(fixed)
+    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
+    check_pins(fixed, workload, cluster)
+    name = model_name(model, workload)
+    clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]
+    best_result, best_key = None, None
+    for candidate in clusters:
+        result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
+                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve)
+        if result.best:
+            key = _objective_value(result.best[0].estimate, objective)
+            if best_key is None or key < best_key:
+                best_result, best_key = result, key
+    if best_result is None:
+        report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
+        raise InfeasibleError("hw", report["message"], report["hint"], report=report)
+    return _to_plan(best_result, objective)
+
+
+def _cost_clusters(cluster: Cluster) -> list[Cluster]:
+    """For the cost objective, also try whole-node subsets (halvings) of the cluster."""
+    if cluster.price_per_gpu_hour is None:
+        raise PlanError("price_per_gpu_hour", f"no price is known for {cluster.gpu.name}", "pass --price-per-gpu-hour")
+    out, nodes = [], cluster.n_nodes
+    while nodes >= 1:
+        out.append(cluster.model_copy(update={"n_nodes": nodes}))
+        if nodes % 2:
+            break
+        nodes //= 2
+    return out
+
+
+def _objective_value(est: Estimate, objective: str) -> float:
+    return est.usd_per_million_tokens if objective == "cost" else est.step_time_s
+
+
+def _to_plan(result, objective: str) -> Plan:
+    plans = [c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}) for c in result.best]
+    best = plans[0]
+    notes = []
+    if any(c.recompute == "mixed" for c in result.best[:1]):
+        notes.append("stage partition and per-layer checkpointing chosen by CP-SAT")
+    return best.model_copy(update={"alternatives": plans[1:], "solver": result.report, "notes": notes})
+
+
+def estimate(model: Any, plan_: Plan, hw: str | Cluster | None = None, *, example_inputs: Any = None,
+             memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+    """Price a given plan (hand-written or solved) without searching."""
+    cluster = resolve_hardware(hw if hw is not None else plan_.hardware)
+    workload = resolve_workload(model, seq_len=plan_.seq_len, dtype=plan_.dtype, example_inputs=example_inputs)
+    return price_plan(workload, plan_, cluster, memory_reserve=memory_reserve)

@@ -1,0 +1,112 @@
+"""`parallax plan` and `parallax estimate`."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from costmodel.plan import Plan, uniform_stages
+from hardware.errors import PlanError
+from planner.api import estimate, plan, resolve_hardware, resolve_workload
+from planner.cli import app
+from planner.summary import render
+
+console = Console()
+
+
+def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp) -> dict:
+    values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp)
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _progress() -> Progress:
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+
+
+@app.command("plan")
+def plan_command(
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`), HF config JSON or .onnx path"),
+    hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, or a profile file"),
+    global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
+    seq_len: int = typer.Option(..., "--seq-len"),
+    dtype: str = typer.Option("bf16", "--dtype"),
+    objective: str = typer.Option("time", "--objective", help="time or cost"),
+    tp: Optional[int] = typer.Option(None, "--tp"),
+    pp: Optional[int] = typer.Option(None, "--pp"),
+    dp: Optional[int] = typer.Option(None, "--dp"),
+    zero: Optional[int] = typer.Option(None, "--zero"),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="none, selective or full"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b, gpipe or interleaved"),
+    vpp: Optional[int] = typer.Option(None, "--vpp"),
+    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
+    top: int = typer.Option(3, "--top", help="alternatives to keep"),
+    time_limit: float = typer.Option(8.0, "--time-limit", help="solver seconds"),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
+) -> None:
+    """Find the best layout for MODEL on the hardware and print it."""
+    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp)
+    with _progress() as progress:
+        progress.add_task(f"tracing {model}", total=None)
+        cluster = resolve_hardware(hw, price_per_gpu_hour=price)
+        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
+    with _progress() as progress:
+        progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
+        result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
+                      fixed=fixed, top_k=top, time_limit_s=time_limit)
+    result = result.model_copy(update={"model": model, "alternatives": [a.model_copy(update={"model": model}) for a in result.alternatives]})
+    if out:
+        out.write_text(result.to_json())
+    if as_json:
+        print(result.to_json())
+    else:
+        console.print(render(result))
+        if out:
+            console.print(f"plan written to {out}")
+
+
+@app.command("estimate")
+def estimate_command(
+    model: str = typer.Argument(...),
+    hw: str = typer.Option(..., "--hw"),
+    plan_file: Optional[Path] = typer.Option(None, "--plan", help="a plan JSON (hand-written or solved)"),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len"),
+    dtype: str = typer.Option("bf16", "--dtype"),
+    tp: int = typer.Option(1, "--tp"),
+    pp: int = typer.Option(1, "--pp"),
+    dp: int = typer.Option(1, "--dp"),
+    zero: int = typer.Option(0, "--zero"),
+    micro_batch: int = typer.Option(1, "--micro-batch"),
+    recompute: str = typer.Option("none", "--recompute"),
+    schedule: str = typer.Option("1f1b", "--schedule"),
+    vpp: int = typer.Option(1, "--vpp"),
+    sp: bool = typer.Option(False, "--sp/--no-sp"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Price one given layout (from flags or --plan FILE) without searching."""
+    cluster = resolve_hardware(hw)
+    if plan_file is not None:
+        given = Plan.from_json(plan_file.read_text())
+    else:
+        if global_batch is None or seq_len is None:
+            raise PlanError("--global-batch/--seq-len", "both are needed without --plan", "pass them, or --plan FILE")
+        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
+        kinds = [layer.kind for layer in workload.layers]
+        if pp * vpp > workload.n_blocks:
+            raise PlanError("pp", f"pp*vpp = {pp * vpp} stages exceed the {workload.n_blocks} blocks", f"use pp <= {workload.n_blocks}")
+        given = Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=seq_len, dtype=dtype, dp=dp,
+                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp,
+                     stages=uniform_stages(kinds, pp * vpp, recompute))
+    priced = given.model_copy(update={"estimate": estimate(model, given, cluster)})
+    if as_json:
+        print(priced.to_json())
+    else:
+        console.print(render(priced))
+        if not priced.estimate.fits:
+            console.print("[red]this layout does not fit in memory[/red]")

@@ -1,0 +1,96 @@
+"""Human summary of a plan: rich tables for the terminal."""
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+
+from costmodel.plan import Plan
+
+GIB = 2**30
+
+
+def _layout_line(plan: Plan) -> str:
+    sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
+    return (
+        f"dp={plan.dp} tp={plan.tp}{' +sp' if plan.sp else ''} pp={plan.pp} zero={plan.zero} "
+        f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
+        + (f" compression={plan.compression}" if plan.compression != "none" else "")
+    )
+
+
+def _policy_counts(recompute: list[str]) -> str:
+    parts = [f"{recompute.count(p)} {p}" for p in ("none", "selective", "full") if recompute.count(p)]
+    return ", ".join(parts)
+
+
+def stage_table(plan: Plan) -> Table:
+    table = Table(title="Stages", show_lines=False)
+    for col in ("stage", "rank", "layers", "checkpointing", "fwd ms", "bwd ms", "memory GiB", "of which"):
+        table.add_column(col, justify="right" if col not in ("layers", "checkpointing", "of which") else "left")
+    est = {s.index: s for s in plan.estimate.stages} if plan.estimate else {}
+    for index, stage in enumerate(plan.stages):
+        e = est.get(index)
+        mem = e.memory_bytes if e else {}
+        table.add_row(
+            str(index),
+            str(index % plan.pp),
+            f"{stage.start}-{stage.end - 1}",
+            _policy_counts(stage.recompute),
+            f"{e.forward_s * 1e3:.1f}" if e else "",
+            f"{e.backward_s * 1e3:.1f}" if e else "",
+            f"{sum(mem.values()) / GIB:.1f}" if mem else "",
+            " ".join(f"{k[:5]}={v / GIB:.1f}" for k, v in mem.items() if v > 0),
+        )
+    return table
+
+
+def breakdown_table(plan: Plan) -> Table:
+    est = plan.estimate
+    table = Table(title="Step time", show_header=True)
+    table.add_column("part")
+    table.add_column("seconds", justify="right")
+    table.add_column("share", justify="right")
+    for key, value in est.breakdown_s.items():
+        if value > 0:
+            table.add_row(key, f"{value:.3f}", f"{value / est.step_time_s:.1%}")
+    table.add_row("[bold]step[/bold]", f"[bold]{est.step_time_s:.3f}[/bold]", "100%")
+    return table
+
+
+def headline(plan: Plan) -> str:
+    est = plan.estimate
+    lines = [f"[bold]{plan.model}[/bold] on [bold]{plan.hardware}[/bold]: global batch {plan.global_batch} x {plan.seq_len} tokens, {plan.dtype}",
+             f"layout: {_layout_line(plan)}"]
+    if est:
+        lines.append(
+            f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {est.tflops_per_gpu_model:.0f} TFLOP/s per GPU "
+            f"(model), {est.tflops_per_gpu_hw:.0f} with recompute | MFU {est.mfu:.1%} | peak memory "
+            f"{est.peak_memory_bytes / GIB:.1f} of {est.memory_capacity_bytes / GIB:.1f} GiB"
+        )
+        if est.usd_per_million_tokens is not None:
+            lines.append(f"cost ${est.usd_per_hour:,.2f}/hour, ${est.usd_per_million_tokens:.3f} per 1M tokens")
+    if plan.solver:
+        s = plan.solver
+        lines.append(f"solver: {s.status}, {s.layouts_considered} layouts, {s.layouts_solved} solved with CP-SAT, "
+                     f"gap {s.gap:.1%}, {s.wall_s:.1f} s")
+    lines += plan.notes
+    return "\n".join(lines)
+
+
+def alternatives_table(plan: Plan) -> Table:
+    table = Table(title="Alternatives")
+    for col in ("layout", "step s", "tokens/s", "MFU", "memory GiB"):
+        table.add_column(col)
+    for alt in plan.alternatives:
+        e = alt.estimate
+        table.add_row(_layout_line(alt), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_memory_bytes / GIB:.1f}")
+    return table
+
+
+def render(plan: Plan) -> Group:
+    parts = [headline(plan)]
+    if plan.estimate:
+        parts += [stage_table(plan), breakdown_table(plan)]
+    if plan.alternatives:
+        parts.append(alternatives_table(plan))
+    return Group(*parts)

@@ -1,0 +1,177 @@
+"""Textbook cases the cost model must reproduce, and its invariants."""
+import math
+
+import pytest
+
+import hardware
+from costmodel import Plan, estimate
+from costmodel import collectives as coll
+from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.plan import StagePlan, uniform_stages
+from hardware.errors import PlanError
+
+
+@pytest.mark.parametrize("zero, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_model_states(zero, expected_gb):
+    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, mixed-precision Adam.
+    total = sum(model_state_bytes(7.5e9, "bf16", zero, 64).values()) / 1e9
+    assert total == pytest.approx(expected_gb, abs=0.05)
+
+
+def _block(workload):
+    return next(layer for layer in workload.layers if layer.kind == "block")
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_korthikanti_activations_no_parallel_sequence(gpt_22b, tp):
+    s, h, a = 2048, 6144, 64
+    expected = s * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    assert activation_bytes(_block(gpt_22b), "none", tp=tp, sp=False, micro_batch=1) == pytest.approx(expected)
+
+
+def test_korthikanti_activations_sequence_parallel_and_selective(gpt_22b):
+    s, h, a, t = 2048, 6144, 64, 8
+    block = _block(gpt_22b)
+    assert activation_bytes(block, "none", tp=t, sp=True, micro_batch=1) == pytest.approx(s * h * (34 / t + 5 * a * s / (h * t)))
+    assert activation_bytes(block, "selective", tp=t, sp=True, micro_batch=1) == pytest.approx(s * h * 34 / t)
+    assert activation_bytes(block, "full", tp=1, sp=False, micro_batch=3) == pytest.approx(3 * 2 * s * h)
+
+
+def test_in_flight_micro_batches():
+    assert in_flight_micro_batches("gpipe", 0, 4, 1, 16) == 16
+    assert [in_flight_micro_batches("1f1b", r, 4, 1, 16) for r in range(4)] == [4, 3, 2, 1]
+    assert in_flight_micro_batches("1f1b", 0, 4, 1, 2) == 2
+    # interleaved: first rank holds more than 1F1B's p micro-batches of a stage
+    assert in_flight_micro_batches("interleaved", 0, 4, 2, 16) > 4
+
+
+@pytest.fixture(scope="module")
+def cluster16():
+    return hardware.load("16xa100-80g")
+
+
+def test_ring_all_reduce_inside_a_node(cluster16):
+    group = coll.Group(size=8, per_node=8)
+    nbytes = 1e9
+    bw = cluster16.node.link_gbps * 1e9 * cluster16.gpu.efficiency.intra_node_bw
+    alpha = cluster16.node.link_latency_us * 1e-6
+    ring = 2 * (7 / 8 * nbytes / bw + 7 * alpha)
+    assert coll.all_reduce(nbytes, group, cluster16) == pytest.approx(ring)
+    assert coll.all_gather(nbytes, group, cluster16) == pytest.approx(ring / 2)
+    assert coll.reduce_scatter(nbytes, group, cluster16) == pytest.approx(ring / 2)
+
+
+def test_small_messages_take_the_tree(cluster16):
+    group = coll.Group(size=8, per_node=8)
+    alpha = cluster16.node.link_latency_us * 1e-6
+    assert coll.all_reduce(8, group, cluster16) < 2 * 7 * alpha
+
+
+def test_hierarchical_all_reduce_spans_nodes(cluster16):
+    inside = coll.all_reduce(1e9, coll.Group(size=8, per_node=8), cluster16)
+    across = coll.all_reduce(1e9, coll.Group(size=16, per_node=8), cluster16)
+    assert across > inside
+    assert coll.all_reduce(0, coll.Group(size=16, per_node=8), cluster16) == 0
+    assert coll.all_reduce(1e9, coll.Group(size=1, per_node=1), cluster16) == 0
+
+
+def test_group_placement(cluster16):
+    assert coll.group_of(8, 1, cluster16) == coll.Group(8, 8)  # TP inside a node
+    assert coll.group_of(2, 8, cluster16) == coll.Group(2, 1)  # DP across nodes when tp fills a node
+    assert coll.group_of(4, 2, cluster16) == coll.Group(4, 4)
+
+
+def _plan(workload, cluster, **kw):
+    defaults = dict(model=workload.name, hardware=cluster.spec(), global_batch=32, seq_len=workload.seq_len, dp=1, tp=1, pp=1,
+                    micro_batch=1, schedule="1f1b", vpp=1)
+    defaults.update(kw)
+    policy = defaults.pop("recompute", "none")
+    stages = uniform_stages([l.kind for l in workload.layers], defaults["pp"] * defaults["vpp"], policy)
+    return Plan(stages=stages, **defaults)
+
+
+def test_plan_round_trips_through_json(llama_70b):
+    cluster = hardware.load("64xh100-sxm")
+    plan = _plan(llama_70b, cluster, dp=2, tp=8, pp=4, sp=True, recompute="selective", global_batch=64)
+    plan = plan.model_copy(update={"estimate": estimate(llama_70b, plan, cluster)})
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert estimate(llama_70b, again, cluster).step_time_s == pytest.approx(plan.estimate.step_time_s)
+
+
+def test_step_time_parts_add_up(llama_70b):
+    cluster = hardware.load("64xh100-sxm")
+    est = estimate(llama_70b, _plan(llama_70b, cluster, dp=2, tp=8, pp=4, recompute="full", global_batch=64), cluster)
+    assert sum(est.breakdown_s.values()) == pytest.approx(est.step_time_s)
+    assert all(v >= 0 for v in est.breakdown_s.values())
+    assert 0 < est.mfu < 1
+
+
+def test_pipeline_bubble_is_textbook_for_uniform_blocks():
+    """Compute-only uniform stages: bubble / (m * T) = (p-1)/(v*m)."""
+    from costmodel import TransformerDims, transformer_workload
+
+    # a 2-token vocabulary makes the embedding and head negligible next to the blocks
+    blocks_only = transformer_workload(TransformerDims(n_layers=24, hidden=2048, heads=16, vocab=2, seq_len=2048))
+    cluster = hardware.load("8xh100-sxm", nic_gbps=1e6, intra_gbps=1e6)
+    for vpp, m in ((1, 8), (2, 8), (3, 12)):
+        plan = _plan(blocks_only, cluster, pp=4, dp=2, global_batch=2 * m, schedule="interleaved" if vpp > 1 else "1f1b", vpp=vpp)
+        est = estimate(blocks_only, plan, cluster)
+        work = est.step_time_s - est.breakdown_s["bubble"] - est.breakdown_s["dp_comm"] - est.breakdown_s["optimizer"]
+        assert est.breakdown_s["bubble"] / work == pytest.approx((4 - 1) / (vpp * m), rel=0.03)
+
+
+def test_more_nic_bandwidth_never_slows_a_step(llama_70b):
+    plan_kw = dict(dp=4, tp=8, pp=2, global_batch=64, recompute="selective")
+    times = []
+    for gbps in (50, 100, 200, 400, 800):
+        cluster = hardware.load("64xh100-sxm", nic_gbps=gbps)
+        times.append(estimate(llama_70b, _plan(llama_70b, cluster, **plan_kw), cluster).step_time_s)
+    assert times == sorted(times, reverse=True)
+
+
+def test_full_recompute_trades_time_for_memory(gpt_22b):
+    cluster = hardware.load("8xa100-80g")
+    none = estimate(gpt_22b, _plan(gpt_22b, cluster, tp=8, global_batch=4, micro_batch=4), cluster)
+    full = estimate(gpt_22b, _plan(gpt_22b, cluster, tp=8, global_batch=4, micro_batch=4, recompute="full"), cluster)
+    assert full.step_time_s > none.step_time_s
+    assert full.peak_memory_bytes < none.peak_memory_bytes
+    assert full.tflops_per_gpu_hw > full.tflops_per_gpu_model
+
+
+def test_hand_written_plan_with_uneven_stages(llama_70b):
+    cluster = hardware.load("8xh100-sxm")
+    n = llama_70b.n_layers
+    stages = [StagePlan(start=0, end=30, recompute=["full"] * 30), StagePlan(start=30, end=n, recompute=["none"] * (n - 30))]
+    plan = Plan(model="x", hardware="8xh100-sxm", global_batch=8, seq_len=4096, dp=1, tp=4, pp=2, micro_batch=1, stages=stages)
+    est = estimate(llama_70b, plan, cluster)
+    assert est.stages[0].forward_s < est.stages[1].forward_s
+
+
+def test_plan_that_does_not_cover_the_model_is_refused(llama_70b):
+    cluster = hardware.load("8xh100-sxm")
+    stages = [StagePlan(start=0, end=10, recompute=["none"] * 10)]
+    plan = Plan(model="x", hardware="8xh100-sxm", global_batch=8, seq_len=4096, dp=1, tp=8, pp=1, micro_batch=1, stages=stages)
+    with pytest.raises(PlanError, match="stages"):
+        estimate(llama_70b, plan, cluster)
+    bad_tp = _plan(llama_70b, hardware.load("6xcpu") if False else cluster, tp=8, dp=1).model_copy(update={"tp": 3, "dp": 1})
+    with pytest.raises(PlanError):
+        estimate(llama_70b, bad_tp, cluster)
+
+
+@pytest.mark.parametrize("field, value", [("global_batch", 7), ("vpp", 2)])
+def test_inconsistent_plan_json_is_refused(llama_70b, field, value):
+    cluster = hardware.load("8xh100-sxm")
+    data = _plan(llama_70b, cluster, tp=8, global_batch=8, micro_batch=2).model_dump()
+    data[field] = value
+    with pytest.raises(Exception):
+        Plan.model_validate(data)
+
+
+def test_cost_is_priced_in_dollars(llama_70b):
+    cluster = hardware.load("64xh100-sxm")
+    est = estimate(llama_70b, _plan(llama_70b, cluster, dp=8, tp=8, global_batch=64, recompute="full"), cluster)
+    assert est.usd_per_hour == pytest.approx(64 * cluster.price_per_gpu_hour)
+    tokens = 64 * 4096
+    assert est.usd_per_million_tokens == pytest.approx(est.usd_per_hour / 3600 * est.step_time_s / tokens * 1e6)
+    assert math.isfinite(est.usd_per_million_tokens)
