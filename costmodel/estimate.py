@@ -79,13 +79,18 @@ def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
     return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
 
 
-def zero3_exposed(params: float, forward: float, backward: float, plan: Plan, lay: Layout) -> float:
-    """ZeRO-3 gathers weights before forward and backward and reduce-scatters grads, per micro-batch."""
+def zero3_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:
+    """ZeRO-3 gathers a layer's weights before its forward and its backward and
+    reduce-scatters its gradients, per micro-batch. With one-layer prefetch
+    they hide behind the layer's whole forward (with its TP collectives) and
+    whole backward (with recomputation); only the excess is exposed."""
     if plan.zero < 3 or plan.dp == 1:
         return 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
     gather = coll.all_gather(nbytes, lay.dp_group, lay.ctx.cluster)
     scatter = coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
+    forward = t.forward + t.tp_comm / 2
+    backward = t.backward + t.recompute + t.tp_comm / 2
     return max(0.0, gather - forward) + max(0.0, gather + scatter - backward)
 
 
@@ -119,7 +124,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
     # One-layer prefetch: each layer's gathers hide behind its own compute.
     rank.zero_comm += sum(
-        zero3_exposed(layer_params_on_rank(layer, plan.tp), t.forward, t.backward, plan, lay) * n
+        zero3_exposed(layer_params_on_rank(layer, plan.tp), t, plan, lay) * n
         for (layer, _, n), (t, _) in zip(runs, times)
     )
     rank.params += params

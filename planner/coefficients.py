@@ -53,7 +53,7 @@ def _layer(layer: LayerProfile, plan: Plan, cluster: Cluster, ctx) -> LayerCoeff
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
         t = layer_time(layer, ctx, policy)
-        zero = zero3_exposed(params, t.forward, t.backward, plan, lay)
+        zero = zero3_exposed(params, t, plan, lay)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)

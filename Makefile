@@ -1,0 +1,24 @@
+# Two entry points, each of which sets itself up on a fresh machine:
+#   make plan   plans llama-3-70b on 64 H100s and prints the plan
+#   make test   runs the whole test suite
+# torch is pinned to 2.13.0, the CPU build on this project's machines (see README).
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@
+
+.PHONY: plan test benchmarks
+plan: $(VENV)/.installed
+	$(BIN)/parallax plan llama-3-70b --hw 64xh100-sxm --global-batch 1024 --seq-len 8192
+
+test: $(VENV)/.installed
+	$(BIN)/python -m pytest -q
+
+benchmarks: $(VENV)/.installed
+	$(BIN)/python benchmarks/published_runs.py
+	$(BIN)/python benchmarks/plan_speed.py

@@ -1,0 +1,81 @@
+"""Planning speed and quality against exhaustive enumeration of uniform layouts.
+
+    python benchmarks/plan_speed.py [--case NAME] [--time-limit S]
+
+For each case: the planning wall time (trace + solve), the chosen layout, its
+predicted tokens/s, and the gap against the best uniform plan found by
+enumerating every DP/TP/PP/ZeRO/SP/recompute/micro-batch/schedule
+combination with the same cost model (negative: the solver's plan is
+faster), with the enumeration's own wall time beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import hardware  # noqa: E402
+import planner  # noqa: E402
+from planner.enumerate import best_uniform  # noqa: E402
+from planner.workload_for import workload_for  # noqa: E402
+
+CASES = [
+    ("gpt2", "2xcpu", 16, 1024),
+    ("llama-3-8b", "8xh100-sxm", 256, 8192),
+    ("llama-2-70b", "64xh100-sxm", 1024, 4096),
+    ("gpt3-175b", "1024xa100-80g", 1536, 2048),
+    ("llama-3-405b", "2048xh100-sxm", 2048, 8192),
+    ("gpt-1t", "3072xa100-80g", 3072, 2048),
+]
+
+
+def layout(plan) -> str:
+    sched = f" {plan.schedule}" + (f"x{plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else ""
+    policies = sorted({p for s in plan.stages for p in s.recompute})
+    return f"dp{plan.dp} tp{plan.tp}{'+sp' if plan.sp else ''} pp{plan.pp}{sched} z{plan.zero} mb{plan.micro_batch} rc={'/'.join(policies)}"
+
+
+def run_case(name, hw, global_batch, seq_len, time_limit):
+    started = time.perf_counter()
+    workload, _ = workload_for(name, seq_len=seq_len)
+    traced = time.perf_counter()
+    plan = planner.plan(workload, hw, global_batch=global_batch, seq_len=seq_len, time_limit_s=time_limit, top_k=1)
+    solved = time.perf_counter()
+    cluster = hardware.load(hw)
+    uniform = best_uniform(workload, cluster, global_batch=global_batch)
+    enumerated = time.perf_counter()
+    gap = plan.estimate.step_time_s / uniform.estimate.step_time_s - 1 if uniform else float("nan")
+    return {
+        "case": f"{name} on {hw}",
+        "plan_s": solved - started,
+        "trace_s": traced - started,
+        "layout": layout(plan),
+        "tokens_per_s": plan.estimate.tokens_per_s,
+        "mfu": plan.estimate.mfu,
+        "gap": gap,
+        "proven_gap": plan.solver.gap,
+        "enum_s": enumerated - solved,
+        "uniform": layout(uniform.plan) if uniform else "-",
+    }
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", help="only cases whose model name contains this")
+    parser.add_argument("--time-limit", type=float, default=5.0)
+    args = parser.parse_args(argv)
+    print(f"{'case':30} {'plan s':>7} {'trace s':>7} {'tokens/s':>11} {'MFU':>6} {'vs uniform':>10} {'bound gap':>9} {'enum s':>7}  layout | best uniform")
+    for case in CASES:
+        if args.case and args.case not in case[0]:
+            continue
+        r = run_case(*case, args.time_limit)
+        print(f"{r['case']:30} {r['plan_s']:7.1f} {r['trace_s']:7.1f} {r['tokens_per_s']:11,.0f} {r['mfu']:6.1%} {r['gap']:+10.2%} "
+              f"{r['proven_gap']:9.1%} {r['enum_s']:7.1f}  {r['layout']} | {r['uniform']}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

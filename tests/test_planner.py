@@ -1,0 +1,122 @@
+"""Golden plans: what the solver must choose, and how it must fail."""
+import json
+
+import pytest
+
+import hardware
+import planner
+from costmodel import Plan, TransformerDims, estimate, transformer_workload
+from hardware.errors import InfeasibleError, PlanError
+from planner.cli import main
+from planner.enumerate import best_uniform
+from planner.search import search
+
+
+def test_small_model_on_large_gpus_gets_pure_data_parallelism(small_gpt):
+    plan = planner.plan(small_gpt, "8xh100-sxm", global_batch=64, seq_len=1024)
+    assert (plan.dp, plan.tp, plan.pp) == (8, 1, 1)
+    assert plan.estimate.fits
+
+
+def test_weights_that_do_not_fit_one_gpu_get_sharded():
+    # 8B parameters * 16 bytes of model state = 128 GB > 40 GB per GPU
+    llama8b = transformer_workload(TransformerDims(name="llama-8b", n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                                                   vocab=128256, seq_len=4096, gated_mlp=True, biases=False, learned_positions=False))
+    plan = planner.plan(llama8b, "8xa100-40g", global_batch=64, seq_len=4096)
+    assert plan.zero > 0 or plan.tp > 1 or plan.pp > 1
+    assert plan.estimate.peak_memory_bytes <= plan.estimate.memory_capacity_bytes
+
+
+def test_pinned_fields_are_honoured(llama_70b):
+    plan = planner.plan(llama_70b, "64xh100-sxm", global_batch=256, seq_len=4096, fixed={"tp": 8, "pp": 4, "recompute": "full"})
+    assert (plan.tp, plan.pp, plan.dp) == (8, 4, 2)
+    assert all(p == "full" for s in plan.stages for p, k in zip(s.recompute, [l.kind for l in llama_70b.layers][s.start:s.end]) if k == "block")
+    for alt in plan.alternatives:
+        assert (alt.tp, alt.pp) == (8, 4)
+
+
+def test_infeasible_request_reports_the_numbers():
+    big = transformer_workload(TransformerDims(name="405b", n_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
+                                               vocab=128256, seq_len=4096, gated_mlp=True, biases=False, learned_positions=False))
+    with pytest.raises(InfeasibleError) as info:
+        planner.plan(big, "8xa100-80g", global_batch=64, seq_len=4096)
+    report = info.value.report
+    assert report["min_memory_gib"] > report["usable_gib"]
+    assert report["binding"] in ("weights", "gradients", "optimizer", "activations")
+    assert report["min_gpus"] is not None and report["min_gpus"] > 8
+    assert "GiB" in str(info.value)
+
+
+def test_solver_is_never_worse_than_the_best_uniform_plan(llama_70b):
+    cluster = hardware.load("32xh100-sxm")
+    uniform = best_uniform(llama_70b, cluster, global_batch=128)
+    result = search(llama_70b, cluster, global_batch=128, top_k=1, time_limit_s=4)
+    assert result.best[0].estimate.step_time_s <= uniform.estimate.step_time_s * (1 + 1e-9)
+
+
+def test_cpsat_balances_a_heavy_head():
+    """A large vocabulary makes the last stage heavy: the solver moves blocks off it."""
+    w = transformer_workload(TransformerDims(name="big-vocab", n_layers=16, hidden=2048, heads=16, vocab=256000, seq_len=2048,
+                                             gated_mlp=True, biases=False, learned_positions=False))
+    cluster = hardware.load("8xh100-sxm")
+    result = search(w, cluster, global_batch=64, fixed={"pp": 4, "tp": 2, "recompute": "none", "schedule": "1f1b"}, top_k=1)
+    plan = result.best[0].plan
+    sizes = [s.end - s.start for s in plan.stages]
+    assert sizes[-1] < sizes[1]  # the head's stage holds fewer blocks
+    uniform = best_uniform(w, cluster, global_batch=64, fixed={"pp": 4, "tp": 2, "recompute": "none", "schedule": "1f1b"})
+    assert result.best[0].estimate.step_time_s < uniform.estimate.step_time_s
+
+
+def test_cost_objective_may_use_fewer_gpus(small_gpt):
+    by_cost = planner.plan(small_gpt, "64xh100-sxm", global_batch=64, seq_len=1024, objective="cost")
+    by_time = planner.plan(small_gpt, "64xh100-sxm", global_batch=64, seq_len=1024)
+    assert by_cost.estimate.usd_per_million_tokens <= by_time.estimate.usd_per_million_tokens
+    assert by_cost.objective == "cost"
+
+
+def test_plan_json_round_trip_and_reestimate(small_gpt):
+    plan = planner.plan(small_gpt, "16xa100-80g", global_batch=64, seq_len=1024)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    cluster = hardware.load("16xa100-80g")
+    assert estimate(small_gpt, again, cluster).step_time_s == pytest.approx(plan.estimate.step_time_s)
+
+
+@pytest.mark.parametrize("fixed, field", [({"tp": 3}, "tp"), ({"pp": 1000}, "pp"), ({"bogus": 1}, "fixed"), ({"recompute": "some"}, "recompute")])
+def test_impossible_pins_name_the_field(small_gpt, fixed, field):
+    with pytest.raises(PlanError) as info:
+        planner.plan(small_gpt, "8xh100-sxm", global_batch=64, seq_len=1024, fixed=fixed)
+    assert info.value.field == field
+
+
+def test_named_model_plans_end_to_end(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", "gpt2", "--hw", "2xcpu", "--global-batch", "8", "--seq-len", "256", "--out", str(out), "--time-limit", "2"]) == 0
+    plan = Plan.from_json(out.read_text())
+    assert plan.model == "gpt2" and plan.n_gpus == 2
+    assert main(["estimate", "gpt2", "--hw", "2xcpu", "--plan", str(out), "--json"]) == 0
+
+
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["plan", "no-such-model", "--hw", "8xh100-sxm", "--global-batch", "8", "--seq-len", "128"], "model"),
+        (["plan", "gpt2", "--hw", "8xh999", "--global-batch", "8", "--seq-len", "128"], "hw"),
+        (["plan", "gpt2", "--hw", "8xh100-sxm", "--global-batch", "8", "--seq-len", "128", "--tp", "5"], "tp"),
+        (["plan", "gpt2", "--hw", "8xh100-sxm", "--global-batch", "0", "--seq-len", "128"], "global_batch"),
+        (["plan", "gpt2", "--hw", "8xh100-sxm", "--global-batch", "12", "--seq-len", "128", "--dp", "8"], "hw"),
+        (["estimate", "gpt2", "--hw", "8xh100-sxm", "--global-batch", "8", "--seq-len", "128", "--tp", "8"], "tp"),
+    ],
+)
+def test_cli_bad_input_prints_one_line(capsys, argv, needle):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and needle in err[0]
+    assert "Traceback" not in err[0]
+
+
+def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 1, "model": "gpt2"}))
+    assert main(["estimate", "gpt2", "--hw", "2xcpu", "--plan", str(bad)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
