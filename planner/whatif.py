@@ -129,13 +129,23 @@ def whatif(
     nic_gbps: float | None = None,
     intra_gbps: float | None = None,
     plan_fn: PlanFn | None = None,
+    time_limit_s: float = 2.0,
 ) -> list[WhatIfRow]:
     """Plan `model` on every hardware x GPU count; one row per target, infeasible ones included."""
     if not hw_specs:
         raise HardwareError("hw", "no hardware given", "pass at least one spec, e.g. 64xh100-sxm")
     if tokens is not None and not tokens > 0:
         raise ParallaxError("tokens", f"{tokens!r} is not a positive token budget", "e.g. 2e12")
-    fn = plan_fn or _default_plan_fn()
+    if plan_fn is None:
+        import functools
+
+        from planner.api import resolve_workload
+
+        # trace once for the whole sweep; each target gets a short solver budget
+        model = resolve_workload(model, seq_len=seq_len, dtype="bf16")
+        fn = functools.partial(_default_plan_fn(), time_limit_s=time_limit_s)
+    else:
+        fn = plan_fn
     overrides = dict(nic_gbps=nic_gbps, intra_gbps=intra_gbps, price_per_gpu_hour=price_per_gpu_hour)
     rows = []
     for spec in hw_specs:
