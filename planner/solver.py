@@ -26,7 +26,7 @@ Constraints (one function each below)
                  backward of the ranks before it (they finish after it).
 
 Objective (time, in nanoseconds, multiplied by v to stay integral)
-    minimise (m*v - 1) * Rmax + sum_r R[r] + v * (E + opt)
+    minimise (m*v - 1) * Rmax + sum_r R[r] + v * (E + opt)  (+1 ns per checkpointed block, a tie-break)
 i.e. m * Rmax + (sum_r R[r] - Rmax)/v + E + optimizer, the estimator's
 pipeline composition. All coefficients come from planner/coefficients.py.
 """
@@ -143,7 +143,10 @@ class StageModel:
         opt = self.model.NewIntVar(0, 2**55, "opt")
         self.model.AddMaxEquality(opt, opt_per_rank)
         v = self.vpp
-        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) + v * (self.E + opt))
+        # 1 ns per checkpointed block breaks ties (flash attention makes
+        # selective cost the same as none) in favour of simpler plans.
+        checkpointed = sum(stage[k] for stage in self.n for k in POLICIES if k != "none")
+        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) + v * (self.E + opt) + checkpointed)
 
     def forbid_policies_except(self, policy: str) -> None:
         """Honour a pinned checkpointing policy."""

@@ -25,8 +25,8 @@ def _policy_counts(recompute: list[str]) -> str:
 
 def stage_table(plan: Plan) -> Table:
     table = Table(title="Stages", show_lines=False)
-    for col in ("stage", "rank", "layers", "checkpointing", "fwd ms", "bwd ms", "memory GiB", "of which"):
-        table.add_column(col, justify="right" if col not in ("layers", "checkpointing", "of which") else "left")
+    for col in ("stage", "rank", "layers", "recompute", "fwd ms", "bwd ms", "GiB", "memory"):
+        table.add_column(col, justify="right" if col not in ("layers", "recompute", "memory") else "left")
     est = {s.index: s for s in plan.estimate.stages} if plan.estimate else {}
     for index, stage in enumerate(plan.stages):
         e = est.get(index)
@@ -39,7 +39,7 @@ def stage_table(plan: Plan) -> Table:
             f"{e.forward_s * 1e3:.1f}" if e else "",
             f"{e.backward_s * 1e3:.1f}" if e else "",
             f"{sum(mem.values()) / GIB:.1f}" if mem else "",
-            " ".join(f"{k[:5]}={v / GIB:.1f}" for k, v in mem.items() if v > 0),
+            " ".join(f"{k[:3]} {v / GIB:.1f}" for k, v in mem.items() if v > 0),
         )
     return table
 
