@@ -1,0 +1,301 @@
+"""Serving cost model: memory, prefill, decode and $ of one replica layout.
+
+Everything comes from the same `Workload` the training cost model prices
+(traced at `seq_len = prompt_len`) and from the hardware profile:
+
+* Weights per GPU: the heaviest pipeline stage's parameters, TP-split where
+  the layer is shardable (as in training), in the workload's dtype.
+* KV cache per token: 2 (K and V) * blocks * kv_heads * head_dim * bytes,
+  grouped-query aware. TP splits the KV heads; once tp exceeds kv_heads each
+  rank keeps one (replicated) KV head, as Megatron/vLLM do.
+* Prefill of one prompt: the per-layer forward of `costmodel.compute`
+  (GEMMs at the calibrated GEMM efficiency, attention core, memory-bound
+  ops) against reading the weights once, plus TP all-reduces of the prompt's
+  activations; only the last position goes through the LM head.
+* Decode step of b sequences at mean context L, per layer: roofline
+  max(compute at the peak GEMM efficiency, HBM traffic of the weights + the
+  KV cache read + the activations), plus the layer's TP all-reduces of
+  b * hidden bytes (`costmodel.collectives`, alpha-beta: at small b the
+  latency term dominates) and PP point-to-point hops.
+* Pipeline decode keeps k = min(pp, B) micro-batches in flight; one decode
+  iteration (every sequence gains a token) takes
+  max(k * slowest stage, sum of stages + pp hops).
+* Continuous batching: a sequence lives `output_len` iterations, so each
+  iteration also prefills B / output_len prompts on average (chunked prefill
+  spreads them evenly, so the mean is also the p50):
+  TPOT = iteration + (B / output_len) * prefill occupancy;
+  TTFT = prefill latency + half an iteration (the wait to join).
+
+Not modelled: speculative decoding, paged-attention block waste, queueing
+beyond Little's law, kernel launch overheads, quantised weights or KV.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hardware.errors import ModelError
+from hardware.schema import Cluster
+
+from . import collectives as coll
+from .compute import Context, forward_parts, tp_collective_time
+from .estimate import DEFAULT_MEMORY_RESERVE, GIB
+from .plan import uniform_stages
+from .workload import LayerProfile, Workload
+
+__all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu",
+           "weight_bytes_per_gpu", "serving_model", "ServingModel"]
+
+
+class ServingEstimate(BaseModel):
+    """Predicted figures of one replica layout at one operating point (batch per replica)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    tp: int
+    pp: int
+    batch: float = Field(description="concurrent sequences per replica (mean; fractional under a request rate)")
+    context_len: float = Field(description="mean context length a decode step attends over")
+    weights_bytes_per_gpu: float
+    kv_bytes_per_token: float = Field(description="whole model, all ranks: 2*blocks*kv_heads*head_dim*bytes")
+    kv_bytes_per_token_per_gpu: float
+    kv_cache_bytes_per_gpu: float = Field(description="KV of `batch` full-length sequences on the heaviest stage")
+    workspace_bytes_per_gpu: float
+    memory_capacity_bytes: float
+    max_concurrent_sequences: int = Field(description="per replica, at prompt_len + output_len tokens each")
+    prefill_s: float = Field(description="latency of one prompt's prefill")
+    decode_step_s: float = Field(description="one decode iteration (every sequence gains a token), no prefill")
+    tpot_s: float = Field(description="time per output token incl. amortised prefills (mean = p50 with chunked prefill)")
+    ttft_s: float
+    tokens_per_s_replica: float
+    tokens_per_s_per_gpu: float
+    decode_breakdown_s: dict[str, float] = Field(description="one decode iteration on the slowest stage, by part")
+    usd_per_million_output_tokens: float | None = None
+    price_note: str = ""
+
+    @property
+    def fits(self) -> bool:
+        return self.batch <= self.max_concurrent_sequences and self.max_concurrent_sequences >= 1
+
+
+@dataclass(frozen=True)
+class ServingLayout:
+    tp: int
+    pp: int
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.pp
+
+
+# --- dimensions -----------------------------------------------------------------
+
+def _dims(workload: Workload) -> tuple[int, int, int]:
+    """(heads, kv_heads, head_dim) from the workload's metadata."""
+    if not workload.heads or not workload.hidden:
+        raise ModelError("model", f"{workload.name} does not record heads/hidden", "serving needs an attention model")
+    kv = workload.kv_heads or workload.heads
+    return workload.heads, kv, workload.hidden // workload.heads
+
+
+def kv_heads_per_rank(workload: Workload, tp: int) -> float:
+    _, kv, _ = _dims(workload)
+    return kv / tp if tp <= kv else 1.0
+
+
+def kv_bytes_per_token(workload: Workload) -> float:
+    """K and V of every block for one token, whole model."""
+    _, kv, head_dim = _dims(workload)
+    return 2.0 * workload.n_blocks * kv * head_dim * workload.dtype_bytes
+
+
+def _kv_per_token_per_block_rank(workload: Workload, tp: int) -> float:
+    _, _, head_dim = _dims(workload)
+    return 2.0 * kv_heads_per_rank(workload, tp) * head_dim * workload.dtype_bytes
+
+
+def _stages(workload: Workload, pp: int) -> list[list[tuple[LayerProfile, int]]]:
+    """Megatron-style uniform partition, each stage as runs of (layer, count)."""
+    kinds = [layer.kind for layer in workload.layers]
+    out = []
+    for stage in uniform_stages(kinds, pp):
+        runs: list[tuple[LayerProfile, int]] = []
+        position = 0
+        for seg in workload.segments:
+            lo, hi = max(stage.start, position), min(stage.end, position + seg.count)
+            position += seg.count
+            if lo < hi:
+                runs.append((seg.layer, hi - lo))
+        out.append(runs)
+    return out
+
+
+def _params_on_rank(layer: LayerProfile, tp: int) -> float:
+    return layer.params / (tp if layer.tp_shardable else 1)
+
+
+def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int) -> float:
+    """KV bytes one token adds on the GPU of the stage with the most blocks."""
+    blocks = max(sum(n for layer, n in runs if layer.kind == "block") for runs in _stages(workload, pp))
+    return blocks * _kv_per_token_per_block_rank(workload, tp)
+
+
+def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int) -> float:
+    """Weights of the heaviest stage on one of its TP ranks."""
+    return max(sum(_params_on_rank(l, tp) * n for l, n in runs) for runs in _stages(workload, pp)) * workload.dtype_bytes
+
+
+# --- time -----------------------------------------------------------------------
+
+class ServingModel:
+    """Prices (tp, pp, batch) layouts of one workload on one cluster."""
+
+    def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
+                 dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> None:
+        self.w, self.cluster, self.dtype = workload, cluster, dtype
+        self.prompt_len, self.output_len = prompt_len, output_len
+        self.s = workload.seq_len  # the trace length all per-sequence figures refer to
+        self.reserve = memory_reserve
+        gpu = cluster.gpu
+        self.peak = gpu.peak_flops(dtype)
+        self.hbm = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+        self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
+        self._stage_cache: dict[int, list] = {}
+        self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
+
+    def stages(self, pp: int):
+        if pp not in self._stage_cache:
+            self._stage_cache[pp] = _stages(self.w, pp)
+        return self._stage_cache[pp]
+
+    def ctx(self, tp: int, batch: float = 1) -> Context:
+        return Context(cluster=self.cluster, dtype=self.dtype, tp=tp, sp=False, micro_batch=batch,
+                       tp_group=coll.group_of(tp, 1, self.cluster))
+
+    def pp_inter_node(self, tp: int) -> bool:
+        return tp >= self.cluster.gpus_per_node
+
+    def hop(self, tp: int, tokens: float) -> float:
+        """One pipeline hop of `tokens` hidden vectors, scattered over the TP ranks."""
+        nbytes = tokens * (self.w.hidden or 0) * self.w.dtype_bytes / tp
+        return coll.point_to_point(nbytes, self.cluster, inter_node=self.pp_inter_node(tp))
+
+    # memory
+    def workspace(self, tp: int, pp: int) -> float:
+        """Transient activations of one prompt's prefill through the largest layer (nothing is kept)."""
+        biggest = 0.0
+        for runs in self.stages(pp):
+            for layer, _ in runs:
+                if layer.kind == "head":  # only the last position's logits (fp32)
+                    live = 4.0 * (self.w.vocab or 0) / (tp if layer.tp_shardable else 1)
+                else:
+                    live = layer.act_replicated + layer.act_tp_sharded / (tp if layer.tp_shardable else 1)
+                biggest = max(biggest, live * self.prompt_len / self.s)
+        return biggest
+
+    def max_sequences(self, tp: int, pp: int) -> int:
+        free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp) - self.workspace(tp, pp)
+        per_seq = kv_bytes_per_token_per_gpu(self.w, tp, pp) * (self.prompt_len + self.output_len)
+        return max(0, int(free // per_seq)) if per_seq > 0 else 0
+
+    # prefill
+    def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:
+        """(compute-or-weights time, TP comm time) of one prompt through `count` copies of `layer`."""
+        ctx = self.ctx(tp)
+        gemm, attention, memory = forward_parts(layer, ctx)
+        scale = self.prompt_len / self.s  # trace length = prompt length in the planner; exact either way for GEMMs
+        gemm *= scale
+        attention *= scale * scale
+        memory *= scale
+        if layer.kind == "head":  # logits of the last position only
+            gemm /= self.prompt_len
+            memory /= self.prompt_len
+        weights = _params_on_rank(layer, tp) * self.w.dtype_bytes / self.hbm if layer.kind != "embedding" else 0.0
+        comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
+        return count * max(gemm + attention + memory, weights), count * comm
+
+    def prefill_stage_times(self, tp: int, pp: int) -> list[float]:
+        key = (tp, pp)
+        if key not in self._prefill_cache:
+            times = []
+            for runs in self.stages(pp):
+                parts = [self._prefill_layer(layer, n, tp) for layer, n in runs]
+                times.append(sum(a + b for a, b in parts))
+            self._prefill_cache[key] = times
+        return self._prefill_cache[key]
+
+    def prefill_latency(self, tp: int, pp: int) -> float:
+        return sum(self.prefill_stage_times(tp, pp)) + (pp - 1) * self.hop(tp, self.prompt_len)
+
+    def prefill_occupancy(self, tp: int, pp: int) -> float:
+        """Replica time one prefill takes from decoding: the slowest stage (stages overlap prompts)."""
+        return max(self.prefill_stage_times(tp, pp)) + (self.hop(tp, self.prompt_len) if pp > 1 else 0.0)
+
+    # decode
+    def decode_stage(self, runs, tp: int, b: float, context: float) -> dict[str, float]:
+        """One decode step of `b` sequences through one stage, by part (roofline per layer)."""
+        ctx = self.ctx(tp, b)
+        kv_layer = _kv_per_token_per_block_rank(self.w, tp)
+        out = {"weights": 0.0, "kv_cache": 0.0, "compute_excess": 0.0, "tp_comm": 0.0}
+        for layer, n in runs:
+            t = tp if layer.tp_shardable else 1
+            if layer.kind == "embedding":
+                weight_bytes = b * (self.w.hidden or 0) * self.w.dtype_bytes / t  # gathers b rows only
+            else:
+                weight_bytes = _params_on_rank(layer, tp) * self.w.dtype_bytes
+            kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
+            act_bytes = b * layer.elementwise_bytes / self.s / t
+            flops_t = b * (layer.matmul_flops / self.s) / t / (self.peak * self.cluster.gpu.efficiency.matmul_max)
+            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.peak * self.cluster.gpu.efficiency.attention)
+            mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
+            out["weights"] += n * (mem_w + mem_act)
+            out["kv_cache"] += n * mem_kv
+            out["compute_excess"] += n * max(0.0, flops_t - (mem_w + mem_kv + mem_act))
+            if t > 1 and layer.tp_allreduces_fwd:
+                one = coll.all_reduce(layer.tp_comm_bytes / self.s * b, ctx.tp_group, self.cluster)
+                out["tp_comm"] += n * layer.tp_allreduces_fwd * one
+        return out
+
+    def decode_iteration(self, tp: int, pp: int, batch: float) -> tuple[float, dict[str, float]]:
+        """(seconds for every one of `batch` sequences to gain a token, the slowest stage's parts)."""
+        context = self.prompt_len + self.output_len / 2
+        k = max(1.0, min(float(pp), batch))
+        b = batch / k
+        stage_parts = [self.decode_stage(runs, tp, b, context) for runs in self.stages(pp)]
+        stage_times = [sum(p.values()) for p in stage_parts]
+        hop = self.hop(tp, b) if pp > 1 else 0.0
+        iteration = max(k * max(stage_times), sum(stage_times) + pp * hop)
+        slow = stage_parts[stage_times.index(max(stage_times))]
+        parts = {key: k * v for key, v in slow.items()}
+        parts["pp_comm"] = pp * hop
+        parts["pipeline_wait"] = max(0.0, iteration - sum(parts.values()))
+        return iteration, parts
+
+    # the whole picture
+    def estimate(self, tp: int, pp: int, batch: float) -> ServingEstimate:
+        iteration, parts = self.decode_iteration(tp, pp, batch)
+        prefill = self.prefill_latency(tp, pp)
+        tpot = iteration + batch / self.output_len * self.prefill_occupancy(tp, pp)
+        ttft = prefill + 0.5 * iteration
+        per_replica = batch / tpot
+        gpus = tp * pp
+        price = self.cluster.price_per_gpu_hour
+        usd = price * gpus / 3600 / per_replica * 1e6 if price is not None else None
+        note = "" if price is not None else f"no price is known for {self.cluster.gpu.name}; pass a price to get $"
+        kv_gpu = kv_bytes_per_token_per_gpu(self.w, tp, pp)
+        return ServingEstimate(
+            tp=tp, pp=pp, batch=batch, context_len=self.prompt_len + self.output_len / 2,
+            weights_bytes_per_gpu=weight_bytes_per_gpu(self.w, tp, pp),
+            kv_bytes_per_token=kv_bytes_per_token(self.w), kv_bytes_per_token_per_gpu=kv_gpu,
+            kv_cache_bytes_per_gpu=kv_gpu * batch * (self.prompt_len + self.output_len),
+            workspace_bytes_per_gpu=self.workspace(tp, pp), memory_capacity_bytes=self.capacity,
+            max_concurrent_sequences=self.max_sequences(tp, pp),
+            prefill_s=prefill, decode_step_s=iteration, tpot_s=tpot, ttft_s=ttft,
+            tokens_per_s_replica=per_replica, tokens_per_s_per_gpu=per_replica / gpus,
+            decode_breakdown_s=parts, usd_per_million_output_tokens=usd, price_note=note,
+        )
+
+
+def serving_model(workload: Workload, cluster: Cluster, **kwargs) -> ServingModel:
+    return ServingModel(workload, cluster, **kwargs)

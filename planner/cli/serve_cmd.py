@@ -1,0 +1,82 @@
+"""`parallax serve-plan`: a serving deployment (TP, PP, replicas) for a model."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from planner.cli import app
+from planner.inference import InferencePlan, plan_inference
+
+console = Console()
+if console.width < 150:
+    console = Console(width=150)
+GIB = 2**30
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def render_inference(plan: InferencePlan) -> Table:
+    table = Table(title=f"Serving {plan.model} on {plan.hardware} ({plan.prompt_len} in / {plan.output_len} out)")
+    table.add_column("layout")
+    for col in ("GPUs", "batch/rep", "max seqs", "W GiB/GPU", "KV KiB/tok/GPU", "TTFT ms", "TPOT ms",
+                "step ms", "tok/s", "tok/s/GPU", "$/1M out"):
+        table.add_column(col, justify="right")
+    for i, p in enumerate([plan, *plan.alternatives]):
+        x = p.estimate
+        usd = f"{x.usd_per_million_output_tokens:.2f}" if x.usd_per_million_output_tokens is not None else "n/a"
+        label = f"tp={p.tp} pp={p.pp} x{p.replicas}" + (" (chosen)" if i == 0 else "")
+        table.add_row(label, str(p.gpus_used), f"{p.batch_per_replica:.1f}", str(x.max_concurrent_sequences),
+                      f"{x.weights_bytes_per_gpu / GIB:.1f}", f"{x.kv_bytes_per_token_per_gpu / 1024:.0f}",
+                      _ms(x.ttft_s), _ms(x.tpot_s), _ms(x.decode_step_s), f"{p.tokens_per_s:,.0f}",
+                      f"{x.tokens_per_s_replica / (p.tp * p.pp):,.0f}", usd)
+    return table
+
+
+def _slo_line(plan: InferencePlan) -> str:
+    e = plan.estimate
+    parts = [f"TTFT {_ms(e.ttft_s)} ms" + (f" (SLO {plan.slo_ttft_ms:g})" if plan.slo_ttft_ms else ""),
+             f"TPOT {_ms(e.tpot_s)} ms" + (f" (SLO {plan.slo_tpot_ms:g})" if plan.slo_tpot_ms else "")]
+    verdict = "meets the SLO" if plan.feasible else "[red]SLO NOT MET[/red]"
+    return ", ".join(parts) + f": {verdict}"
+
+
+@app.command("serve-plan")
+def serve_plan_command(
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`) or HF config JSON"),
+    hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 8xh100-sxm"),
+    prompt_len: int = typer.Option(..., "--prompt-len", help="prompt tokens per request"),
+    output_len: int = typer.Option(..., "--output-len", help="generated tokens per request"),
+    batch: Optional[int] = typer.Option(None, "--batch", help="total concurrent sequences"),
+    rate: Optional[float] = typer.Option(None, "--rate", help="requests per second"),
+    tpot_ms: Optional[float] = typer.Option(None, "--tpot-ms", help="SLO: time per output token, ms"),
+    ttft_ms: Optional[float] = typer.Option(None, "--ttft-ms", help="SLO: time to first token, ms"),
+    objective: str = typer.Option("throughput", "--objective", help="throughput or cost"),
+    dtype: str = typer.Option("bf16", "--dtype"),
+    price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
+    top: int = typer.Option(3, "--top"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Choose TP, PP and the number of replicas to serve MODEL on the hardware."""
+    plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
+                          slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
+                          price_per_gpu_hour=price)
+    if out:
+        out.write_text(plan.to_json())
+    if as_json:
+        print(plan.to_json())
+        return
+    console.print(render_inference(plan))
+    console.print(_slo_line(plan))
+    e = plan.estimate
+    console.print(f"KV cache: {e.kv_bytes_per_token:,.0f} bytes/token for the model, "
+                  f"{e.kv_bytes_per_token_per_gpu:,.0f} per GPU; decode step parts (ms): "
+                  + ", ".join(f"{k}={v * 1e3:.2f}" for k, v in e.decode_breakdown_s.items() if v > 0))
+    for note in plan.notes:
+        console.print(f"note: {note}")

@@ -1,0 +1,303 @@
+"""Inference deployment planning: TP, PP and replica count for serving a model.
+
+`plan_inference` prices every (tp, pp, replicas) that fits the GPUs with the
+serving cost model (`costmodel.inference`), at an operating point set by the
+request:
+
+* `batch`: total concurrent sequences, spread evenly over the replicas;
+* `request_rate`: requests/s; each replica's mean concurrency B solves
+  Little's law B = rate/replicas * (TTFT(B) + output_len * TPOT(B)) (a replica
+  whose capacity is below its share is overloaded, i.e. infeasible);
+* neither: each replica runs the largest batch that fits and meets the SLO.
+
+Objective "throughput": the most output tokens/s meeting the SLO (with a
+request rate, which fixes the throughput, the lowest TPOT). Objective
+"cost": the fewest $ per 1M output tokens (GPU-hours when no price is known).
+When no layout meets the SLO the plan is flagged `feasible=False` and carries
+the best achievable TPOT and TTFT; when nothing fits in memory at all an
+`InfeasibleError` says by how much.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_gpu
+from costmodel.workload import Workload
+from hardware.errors import InfeasibleError, PlanError
+from hardware.schema import Cluster
+
+from .api import DTYPES, model_name, resolve_hardware, resolve_workload
+
+GIB = 2**30
+SCHEMA_VERSION = 1
+
+
+class InferencePlan(BaseModel):
+    """A serving deployment: `replicas` copies of a tp x pp model-parallel group."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    schema_version: Literal[1] = SCHEMA_VERSION
+    model: str
+    hardware: str
+    dtype: str = "bf16"
+    prompt_len: int = Field(gt=0)
+    output_len: int = Field(gt=0)
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    replicas: int = Field(ge=1)
+    gpus_used: int = Field(ge=1)
+    gpus_available: int = Field(ge=1)
+    batch_per_replica: float = Field(gt=0, description="mean concurrent sequences per replica")
+    objective: Literal["throughput", "cost"] = "throughput"
+    batch: int | None = None
+    request_rate: float | None = None
+    slo_tpot_ms: float | None = None
+    slo_ttft_ms: float | None = None
+    feasible: bool = True
+    estimate: ServingEstimate
+    tokens_per_s: float = Field(description="output tokens/s of the whole deployment")
+    capacity_requests_per_s: float = Field(description="requests/s the deployment sustains at this operating point")
+    usd_per_hour: float | None = None
+    best_achievable: dict[str, float] = Field(default_factory=dict, description="lowest TPOT/TTFT of any layout (ms)")
+    alternatives: list["InferencePlan"] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "InferencePlan":
+        return cls.model_validate_json(text)
+
+
+@dataclass
+class _Point:
+    tp: int
+    pp: int
+    replicas: int
+    est: ServingEstimate
+    feasible: bool
+    why: str = ""
+
+
+def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype) -> None:
+    for name, value in (("prompt_len", prompt_len), ("output_len", output_len)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise PlanError(name, f"must be a positive integer, got {value!r}", "e.g. 2048")
+    if batch is not None and request_rate is not None:
+        raise PlanError("batch/request_rate", "give one of them, not both", "--batch N or --rate R")
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
+        raise PlanError("batch", f"must be a positive integer, got {batch!r}", "e.g. 64")
+    if request_rate is not None and not request_rate > 0:
+        raise PlanError("request_rate", f"must be positive, got {request_rate!r}", "requests per second, e.g. 5")
+    for name, value in (("slo_tpot_ms", slo_tpot_ms), ("slo_ttft_ms", slo_ttft_ms)):
+        if value is not None and not value > 0:
+            raise PlanError(name, f"must be positive, got {value!r}", "milliseconds, e.g. 50")
+    if objective not in ("throughput", "cost"):
+        raise PlanError("objective", f"unknown objective {objective!r}", "use 'throughput' or 'cost'")
+    if dtype not in DTYPES:
+        raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+
+
+def layouts(workload: Workload, cluster: Cluster) -> list[tuple[int, int]]:
+    """(tp, pp) pairs: TP dividing the heads, PP at most the blocks, tp*pp dividing the GPU count."""
+    n = cluster.n_gpus
+    out = []
+    for tp in (d for d in range(1, n + 1) if n % d == 0 and workload.tp_divides(d)):
+        for pp in range(1, min(workload.n_blocks, n // tp) + 1):
+            if (n // tp) % pp == 0:
+                out.append((tp, pp))
+    return out
+
+
+def _meets(est: ServingEstimate, tpot_ms, ttft_ms) -> str:
+    why = []
+    if tpot_ms is not None and est.tpot_s * 1e3 > tpot_ms * (1 + 1e-9):
+        why.append(f"TPOT {est.tpot_s * 1e3:.1f} ms > {tpot_ms:g}")
+    if ttft_ms is not None and est.ttft_s * 1e3 > ttft_ms * (1 + 1e-9):
+        why.append(f"TTFT {est.ttft_s * 1e3:.1f} ms > {ttft_ms:g}")
+    return "; ".join(why)
+
+
+def _largest_batch(sm: ServingModel, tp: int, pp: int, cap: int, tpot_ms, ttft_ms) -> int:
+    """Largest batch <= cap meeting the SLO (TPOT and TTFT grow with the batch); 0 if even 1 fails."""
+    if _meets(sm.estimate(tp, pp, 1), tpot_ms, ttft_ms):
+        return 0
+    lo, hi = 1, cap
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if _meets(sm.estimate(tp, pp, mid), tpot_ms, ttft_ms):
+            hi = mid - 1
+        else:
+            lo = mid
+    return lo
+
+
+def _little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float | None:
+    """Mean concurrency B with B = rate * (TTFT + N * TPOT); None when the replica is overloaded."""
+    def excess(b: float) -> float:
+        e = sm.estimate(tp, pp, b)
+        return rate * (e.ttft_s + sm.output_len * e.tpot_s) - b
+    if cap < 1 or excess(cap) > 0:
+        return None
+    lo, hi = 1e-6, float(cap)
+    if excess(lo) <= 0:
+        return lo
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
+    return hi
+
+
+def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate, tpot_ms, ttft_ms) -> tuple[list[_Point], list[_Point]]:
+    """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
+    points, floor = [], []
+    for tp, pp in layouts(workload, cluster):
+        cap = sm.max_sequences(tp, pp)
+        if cap < 1:
+            continue
+        floor.append(_Point(tp, pp, 1, sm.estimate(tp, pp, 1), True))
+        max_replicas = cluster.n_gpus // (tp * pp)
+        if batch is None and rate is None:
+            b = _largest_batch(sm, tp, pp, cap, tpot_ms, ttft_ms)
+            est = sm.estimate(tp, pp, max(b, 1))
+            points.append(_Point(tp, pp, max_replicas, est, b >= 1, "" if b else _meets(est, tpot_ms, ttft_ms)))
+            continue
+        for r in range(1, max_replicas + 1):
+            if batch is not None:
+                if r > batch:
+                    break
+                b = -(-batch // r)
+                if b > cap:
+                    continue
+                est = sm.estimate(tp, pp, b)
+                why = _meets(est, tpot_ms, ttft_ms)
+            else:
+                b = _little(sm, tp, pp, rate / r, cap)
+                if b is None:
+                    continue
+                est = sm.estimate(tp, pp, b)
+                why = _meets(est, tpot_ms, ttft_ms)
+            points.append(_Point(tp, pp, r, est, not why, why))
+    return points, floor
+
+
+def _total_tps(p: _Point, rate, output_len) -> float:
+    return rate * output_len if rate is not None else p.est.tokens_per_s_replica * p.replicas
+
+
+def _key(p: _Point, objective: str, rate, output_len, price):
+    gpus = p.tp * p.pp * p.replicas
+    tps = _total_tps(p, rate, output_len)
+    if objective == "cost":
+        per_token = gpus / tps  # GPU-seconds per token; times the price when there is one
+        return (per_token * (price or 1.0), -tps, p.est.tpot_s)
+    if rate is not None:
+        return (p.est.tpot_s, gpus)
+    return (-tps, p.est.tpot_s, gpus)
+
+
+def plan_inference(
+    model: Any,
+    hw: str | Cluster,
+    *,
+    prompt_len: int,
+    output_len: int,
+    batch: int | None = None,
+    request_rate: float | None = None,
+    slo_tpot_ms: float | None = None,
+    slo_ttft_ms: float | None = None,
+    objective: str = "throughput",
+    dtype: str = "bf16",
+    top_k: int = 3,
+    price_per_gpu_hour: float | None = None,
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+) -> InferencePlan:
+    """The best serving layout of `model` on `hw` for the request mix and SLO."""
+    _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
+    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype)
+    sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
+                      memory_reserve=memory_reserve)
+    points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms)
+    if not floor:
+        raise _nothing_fits(sm, workload, cluster)
+    notes = []
+    price = cluster.price_per_gpu_hour
+    if price is None:
+        notes.append(f"no price is known for {cluster.gpu.name}: $ figures are omitted"
+                     + ("; cost ranked by GPU-hours per 1M tokens" if objective == "cost" else ""))
+    best_tpot = min(floor, key=lambda p: p.est.tpot_s)
+    best_ttft = min(floor, key=lambda p: p.est.ttft_s)
+    achievable = {"tpot_ms": best_tpot.est.tpot_s * 1e3, "tpot_tp": best_tpot.tp, "tpot_pp": best_tpot.pp,
+                  "ttft_ms": best_ttft.est.ttft_s * 1e3, "ttft_tp": best_ttft.tp, "ttft_pp": best_ttft.pp}
+    feasible = [p for p in points if p.feasible]
+    if feasible:
+        ranked = sorted(feasible, key=lambda p: _key(p, objective, request_rate, output_len, price))
+    else:
+        if not points:
+            raise InfeasibleError("request_rate", f"{request_rate:g} requests/s overload every layout on {cluster.spec()}",
+                                  "lower the rate or add GPUs", report={"best_achievable": achievable})
+        ranked = sorted(points, key=lambda p: _slo_ratio(p.est, slo_tpot_ms, slo_ttft_ms))
+        notes.append("SLO cannot be met: " + ranked[0].why + f"; best achievable TPOT {achievable['tpot_ms']:.1f} ms "
+                     f"(tp={best_tpot.tp} pp={best_tpot.pp}, batch 1), TTFT {achievable['ttft_ms']:.1f} ms "
+                     f"(tp={best_ttft.tp} pp={best_ttft.pp})")
+    name = model_name(model, workload)
+    plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
+                      slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
+    return plans[0].model_copy(update={"alternatives": plans[1:]})
+
+
+def _distinct(ranked: list[_Point], k: int) -> list[_Point]:
+    """The best point of each of the first k distinct (tp, pp) layouts."""
+    seen, out = set(), []
+    for p in ranked:
+        if (p.tp, p.pp) not in seen:
+            seen.add((p.tp, p.pp))
+            out.append(p)
+        if len(out) == k:
+            break
+    return out
+
+
+def _slo_ratio(est: ServingEstimate, tpot_ms, ttft_ms) -> float:
+    ratios = [1.0]
+    if tpot_ms:
+        ratios.append(est.tpot_s * 1e3 / tpot_ms)
+    if ttft_ms:
+        ratios.append(est.ttft_s * 1e3 / ttft_ms)
+    return max(ratios)
+
+
+def _to_plan(p: _Point, name, cluster, prompt_len, output_len, dtype, objective, batch, rate, tpot_ms, ttft_ms,
+             feasible, achievable, notes) -> InferencePlan:
+    gpus = p.tp * p.pp * p.replicas
+    tps = _total_tps(p, rate, output_len)
+    price = cluster.price_per_gpu_hour
+    return InferencePlan(
+        model=name, hardware=cluster.spec(), dtype=dtype, prompt_len=prompt_len, output_len=output_len, tp=p.tp, pp=p.pp,
+        replicas=p.replicas, gpus_used=gpus, gpus_available=cluster.n_gpus, batch_per_replica=p.est.batch,
+        objective=objective, batch=batch, request_rate=rate, slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms,
+        feasible=feasible and p.feasible, estimate=p.est, tokens_per_s=tps,
+        capacity_requests_per_s=p.est.tokens_per_s_replica * p.replicas / output_len,
+        usd_per_hour=price * gpus if price is not None else None, best_achievable=achievable, notes=list(notes),
+    )
+
+
+def _nothing_fits(sm: ServingModel, workload: Workload, cluster: Cluster) -> InfeasibleError:
+    n = cluster.n_gpus
+    tp = max(d for d in range(1, n + 1) if n % d == 0 and workload.tp_divides(d))
+    pp = max(1, min(workload.n_blocks, n // tp))
+    weights = weight_bytes_per_gpu(workload, tp, pp)
+    per_seq = sm.prompt_len + sm.output_len
+    return InfeasibleError(
+        "hw", f"{workload.name} does not fit on {cluster.spec()} for serving: even at tp={tp} pp={pp} the weights "
+        f"({weights / GIB:.1f} GiB per GPU) and one {per_seq}-token sequence's KV cache exceed the "
+        f"{sm.capacity / GIB:.1f} GiB usable per GPU",
+        "add GPUs, use GPUs with more memory, or shorten prompt_len + output_len",
+        report={"weights_gib_per_gpu": weights / GIB, "capacity_gib": sm.capacity / GIB, "tp": tp, "pp": pp})
