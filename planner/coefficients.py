@@ -138,3 +138,27 @@ def linear_step(data: StageModelData, blocks: list[int], policy: str, pp: int, v
         used = params * data.state_bytes_per_param + act + transient + data.zero3_buffer_bytes
         headroom = min(headroom, data.capacity - used)
     return pipeline + max(0.0, exposed) + optimizer, headroom
+
+
+def cheapest_mix(data: StageModelData, n: float, room: float, in_flight: float) -> float:
+    """Least time of `n` blocks whose activations must fit in `room` bytes.
+
+    The linear relaxation of choosing a checkpointing policy per block: with
+    one memory constraint its optimum mixes at most two policies, so every
+    single policy and every pair is tried. Returns inf when even full
+    recomputation does not fit.
+    """
+    block = data.block
+    cost = {k: block.time[k] for k in POLICIES}
+    size = {k: block.activation[k] * in_flight for k in POLICIES}
+    best = float("inf")
+    for k in POLICIES:
+        if n * size[k] <= room:
+            best = min(best, n * cost[k])
+    for fast in POLICIES:
+        for lean in POLICIES:
+            if size[fast] > size[lean] and cost[fast] < cost[lean]:
+                lean_count = (n * size[fast] - room) / (size[fast] - size[lean])
+                if 0 <= lean_count <= n:
+                    best = min(best, (n - lean_count) * cost[fast] + lean_count * cost[lean])
+    return best

@@ -18,7 +18,7 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .coefficients import StageModelData, block_span, linear_step, single_block_profile, stage_model_data
+from .coefficients import StageModelData, block_span, cheapest_mix, linear_step, single_block_profile, stage_model_data
 from .enumerate import Candidate
 from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
@@ -36,8 +36,20 @@ class SearchResult:
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
-    fixed = sum(l.time["none"] for l in data.prefix + data.suffix)
-    total = data.n_blocks * data.block.time["none"] + fixed + data.p2p * (pp * vpp - 1)
+    """No partition of this layout is faster: the pipeline needs at least
+    (m - 1/v) * sum/pp + sum/v for the total per-micro-batch work `sum`. The
+    work is priced without recomputation, except without pipelining, where
+    the one rank's memory fixes the cheapest checkpointing mix exactly
+    (relaxed to fractions of blocks)."""
+    fixed = data.prefix + data.suffix
+    fixed_time = sum(l.time["none"] for l in fixed)
+    blocks = data.n_blocks * data.block.time["none"]
+    if pp == 1:
+        params = data.n_blocks * data.block.params + sum(l.params for l in fixed)
+        room = (data.capacity - params * data.state_bytes_per_param - data.zero3_buffer_bytes
+                - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
+        blocks = cheapest_mix(data, data.n_blocks, room, data.in_flight[0])
+    total = blocks + fixed_time + data.p2p * (pp * vpp - 1)
     return (m - 1 / vpp) * total / pp + total / vpp
 
 
