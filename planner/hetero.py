@@ -1,0 +1,410 @@
+"""Training plans for mixed-GPU clusters (`hardware.mixed.MixedCluster`).
+
+Three kinds of layout are priced with the cost model's own per-layer and
+per-stage terms (`costmodel.compute.layer_time`, `costmodel.estimate.stage_time`,
+`pipeline_time`, `rank_memory`), each stage on its own group's GPU profile:
+
+* pipeline split: one pipeline runs through the groups; group g hosts
+  n_g / (dp * tp) consecutive stages, and the block counts per stage are the
+  exact min-max balance of the per-stage time (k * block time on that GPU +
+  embedding / head) within each stage's memory (binary search over the
+  bottleneck time; every group order is tried).
+* data split: every group holds whole replicas of the same (tp, pp, stage)
+  layout so gradients line up; the global batch is split unevenly, group g's
+  replicas running m_g micro-batches each, m chosen exactly to minimise the
+  slowest group's pipeline time. The gradient all-reduce crosses groups on the
+  inter-group network.
+* subset: the best plan of one group alone (`planner.plan`), so a mixed
+  cluster never plans slower than its best uniform subset.
+
+The comparison baseline is the best uniform plan that ignores the
+difference: `planner.plan` on the cluster seen as n GPUs of the slowest type
+(`MixedCluster.as_uniform`), which is how fast that plan runs on the mixed
+cluster, since equal shares finish at the slowest group's pace.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import permutations
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodel import collectives as coll
+from costmodel.compute import Context, layer_time
+from costmodel.estimate import (DEFAULT_MEMORY_RESERVE, GIB, Layout, RankTime, dp_time, optimizer_time,
+                                p2p_time, pipeline_time, rank_memory, stage_time)
+from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.plan import Plan, StagePlan, uniform_stages
+from costmodel.workload import Workload
+from hardware.errors import InfeasibleError, PlanError
+from hardware.mixed import MixedCluster, load_mixed
+from hardware.schema import Cluster
+
+from .api import model_name, plan as plan_uniform, resolve_workload
+
+Mode = Literal["pipeline-split", "data-split", "subset"]
+MICRO_BATCHES = (1, 2, 4)
+POLICIES = ("none", "selective", "full")
+ZEROS = (0, 1)
+
+
+class GroupBalance(BaseModel):
+    """What one GPU group does in a step: the balance the planner struck."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    group: str
+    gpus: int
+    stages: str = Field(description="pipeline stages this group hosts")
+    blocks_per_stage: list[int]
+    replicas: int = Field(description="data-parallel replicas in this group")
+    micro_batches: int = Field(description="micro-batches per replica per step")
+    per_micro_batch_s: float = Field(description="slowest stage of the group, one micro-batch fwd+bwd")
+    busy_s: float = Field(description="compute+comm time of the group's busiest rank in a step")
+    idle_fraction: float
+    peak_memory_gib: float
+    capacity_gib: float
+
+
+class HeteroPlan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    hardware: str
+    global_batch: int
+    seq_len: int
+    dtype: str
+    mode: Mode
+    tp: int
+    pp: int
+    dp: int = Field(description="data-parallel replicas over the whole cluster")
+    micro_batch: int
+    zero: int
+    recompute: str
+    step_time_s: float
+    tokens_per_s: float
+    balance: list[GroupBalance]
+    stages: list[dict[str, Any]] = Field(default_factory=list, description="pipeline split: layer range and group per stage")
+    uniform_step_time_s: float | None = Field(None, description="best uniform plan ignoring the difference (slowest pace)")
+    uniform_layout: str = ""
+    subset_step_time_s: dict[str, float] = Field(default_factory=dict)
+    layouts_priced: int = 0
+    notes: list[str] = Field(default_factory=list)
+
+    @property
+    def speedup_vs_uniform(self) -> float | None:
+        return self.uniform_step_time_s / self.step_time_s if self.uniform_step_time_s else None
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+@dataclass
+class _Eval:
+    step: float
+    plan: HeteroPlan
+
+
+def _lay(cluster: Cluster, tp: int, mb: int, dtype: str, dp: int, m: int, pp_inter_node: bool) -> Layout:
+    ctx = Context(cluster=cluster, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, cluster))
+    return Layout(ctx=ctx, dp_group=coll.group_of(dp, tp, cluster), pp_inter_node=pp_inter_node, m=m)
+
+
+def _capacity(cluster: Cluster, reserve: float) -> float:
+    return cluster.gpu.hbm_gb * GIB * (1 - reserve)
+
+
+def _exposed_dp(ranks: list[RankTime], plan: Plan, lays: list[Layout]) -> float:
+    """As costmodel.estimate.exposed_dp, each rank on its own group's links."""
+    exposed, slack = 0.0, 0.0
+    for rank, lay in zip(ranks, lays):
+        window = rank.backward + rank.recompute + slack
+        exposed = max(exposed, dp_time(rank.params, plan, lay) - window)
+        slack += rank.backward + rank.recompute
+    return max(0.0, exposed)
+
+
+def _stages_from_counts(workload: Workload, counts: list[int], policy: str) -> list[StagePlan]:
+    kinds = [layer.kind for layer in workload.layers]
+    first = kinds.index("block")
+    bounds, pos = [0], first
+    for c in counts:
+        pos += c
+        bounds.append(pos)
+    bounds[-1] = len(kinds)
+    return [StagePlan(start=a, end=b, recompute=[policy if kinds[i] == "block" else "none" for i in range(a, b)])
+            for a, b in zip(bounds, bounds[1:])]
+
+
+def _short(cluster: Cluster) -> str:
+    return cluster.spec()
+
+
+# --- pipeline split ---------------------------------------------------------------
+
+def _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, reserve) -> list[int] | None:
+    """Exact min-max block counts per stage under each stage's memory; None if nothing fits."""
+    layers = workload.layers
+    block = next(l for l in layers if l.kind == "block")
+    prefix = [l for l in layers[: layers.index(block)]]
+    suffix = [l for l in layers[max(i for i, l in enumerate(layers) if l.kind == "block") + 1:]]
+    pp = sum(pp_of[id(g)] for g in order)
+    stage_group = [g for g in order for _ in range(pp_of[id(g)])]
+    t_block, mem_block, extra_t, extra_mem, cap = [], [], [], [], []
+    per_group_t = {}
+    for s, g in enumerate(stage_group):
+        if id(g) not in per_group_t:
+            ctx = Context(cluster=g, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, g))
+            per_group_t[id(g)] = (ctx, layer_time(block, ctx, policy).total)
+        ctx, tb = per_group_t[id(g)]
+        inflight = in_flight_micro_batches("1f1b", s, pp, 1, m)
+        ends = (prefix if s == 0 else []) + (suffix if s == pp - 1 else [])
+        t_block.append(tb)
+        extra_t.append(sum(layer_time(l, ctx, "none").total for l in ends))
+        state = lambda p: sum(model_state_bytes(p / tp, dtype, zero, dp).values())  # noqa: E731
+        mem_block.append(state(block.params) + activation_bytes(block, policy, tp=tp, sp=False, micro_batch=mb) * inflight)
+        extra_mem.append(sum(state(l.params) + activation_bytes(l, "none", tp=tp, sp=False, micro_batch=mb) * inflight for l in ends))
+        cap.append(_capacity(g, reserve))
+    n = workload.n_blocks
+    mem_cap = [math.floor((cap[s] - extra_mem[s]) / mem_block[s]) for s in range(pp)]
+    if min(mem_cap) < 1 or sum(mem_cap) < n:
+        return None
+
+    def caps(T: float) -> list[int]:
+        return [min(mem_cap[s], max(0, math.floor((T - extra_t[s]) / t_block[s] + 1e-9))) for s in range(pp)]
+
+    candidates = sorted({k * t_block[s] + extra_t[s] for s in range(pp) for k in range(1, min(n, mem_cap[s]) + 1)})
+    lo, hi = 0, len(candidates) - 1
+    if sum(caps(candidates[hi])) < n or min(caps(candidates[hi])) < 1:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        c = caps(candidates[mid])
+        if sum(c) >= n and min(c) >= 1:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts = caps(candidates[lo])
+    while sum(counts) > n:  # trim the stages whose time is largest, keeping one block each
+        s = max((s for s in range(pp) if counts[s] > 1), key=lambda s: counts[s] * t_block[s] + extra_t[s])
+        counts[s] -= 1
+    return counts
+
+
+def _pipeline_split(workload, mixed, *, order, tp, dp, mb, zero, policy, global_batch, dtype, name, reserve) -> _Eval | None:
+    pp_of = {id(g): g.n_gpus // (dp * tp) for g in order}
+    pp = sum(pp_of.values())
+    m = global_batch // (dp * mb)
+    counts = _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, reserve)
+    if counts is None:
+        return None
+    stages = _stages_from_counts(workload, counts, policy)
+    plan = Plan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
+                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=stages)
+    stage_group = [g for g in order for _ in range(pp_of[id(g)])]
+    ranks, lays = [RankTime() for _ in range(pp)], []
+    for i, g in enumerate(stage_group):
+        crosses = i + 1 < pp and stage_group[i + 1] is not g
+        lay = _lay(g, tp, mb, dtype, dp, m, pp_inter_node=dp * tp >= g.gpus_per_node)
+        stage_time(plan, workload, lay, i, ranks[i])
+        if crosses:  # this stage's sends go over the inter-group network
+            last = workload.layers[stages[i].end - 1]
+            ranks[i].pp_comm = p2p_time(last, plan, _lay(mixed.with_network(g), tp, mb, dtype, dp, m, True))
+        lays.append(lay)
+    step = pipeline_time(ranks, m, 1) + _exposed_dp(ranks, plan, lays)
+    step += max(optimizer_time([r], plan, g) for r, g in zip(ranks, stage_group))
+    balance, stage_rows = [], []
+    for g in order:
+        idx = [i for i, x in enumerate(stage_group) if x is g]
+        mems = [sum(rank_memory(plan, workload, i, ranks[i]).values()) for i in idx]
+        if max(mems) > _capacity(g, reserve):
+            return None
+        busy = max(m * ranks[i].per_micro_batch for i in idx)
+        balance.append(GroupBalance(group=_short(g), gpus=g.n_gpus, stages=f"{idx[0]}-{idx[-1]}",
+                                    blocks_per_stage=[counts[i] for i in idx], replicas=dp, micro_batches=m,
+                                    per_micro_batch_s=max(ranks[i].per_micro_batch for i in idx), busy_s=busy,
+                                    idle_fraction=max(0.0, 1 - busy / step), peak_memory_gib=max(mems) / GIB,
+                                    capacity_gib=_capacity(g, reserve) / GIB))
+    for i, st in enumerate(stages):
+        stage_rows.append({"stage": i, "start": st.start, "end": st.end, "blocks": counts[i], "group": _short(stage_group[i]),
+                           "per_micro_batch_s": ranks[i].per_micro_batch})
+    hp = HeteroPlan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
+                    mode="pipeline-split", tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=policy,
+                    step_time_s=step, tokens_per_s=global_batch * workload.seq_len / step, balance=balance, stages=stage_rows)
+    return _Eval(step, hp)
+
+
+# --- data split -------------------------------------------------------------------
+
+def _split_micro_batches(units: int, dp_of: list[int], times) -> list[int] | None:
+    """m_g >= 1 with sum dp_g * m_g = units minimising max_g times[g](m_g); exact, pruned enumeration."""
+    best, best_m = math.inf, None
+
+    def rec(i: int, left: int, chosen: list[int], worst: float) -> None:
+        nonlocal best, best_m
+        if i == len(dp_of) - 1:
+            if left >= dp_of[i] and left % dp_of[i] == 0:
+                t = max(worst, times[i](left // dp_of[i]))
+                if t < best:
+                    best, best_m = t, chosen + [left // dp_of[i]]
+            return
+        rest = sum(dp_of[i + 1:])
+        for mg in range(1, (left - rest) // dp_of[i] + 1):
+            t = times[i](mg)
+            if max(t, worst) >= best:
+                break
+            rec(i + 1, left - mg * dp_of[i], chosen + [mg], max(t, worst))
+
+    rec(0, units, [], 0.0)
+    return best_m
+
+
+def _data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype, name, reserve) -> _Eval | None:
+    groups = mixed.groups
+    dp_of = [g.n_gpus // (tp * pp) for g in groups]
+    dp = sum(dp_of)
+    units = global_batch // mb
+    if global_batch % mb or units < dp:
+        return None
+    kinds = [layer.kind for layer in workload.layers]
+    stages = uniform_stages(kinds, pp, policy)
+    base = Plan(model=name, hardware=mixed.spec(), global_batch=dp * mb, seq_len=workload.seq_len, dtype=dtype, dp=dp,
+                tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=stages)
+    per_group = []
+    for g in groups:
+        net = mixed.with_network(g)  # DP traffic crosses groups
+        lay = _lay(net, tp, mb, dtype, dp, 1, pp_inter_node=tp >= g.gpus_per_node)
+        ranks = [RankTime() for _ in range(pp)]
+        for i in range(pp):
+            stage_time(base, workload, lay, i, ranks[i])
+        per_group.append((g, lay, ranks))
+    times = [lambda mg, r=ranks: pipeline_time(r, mg, 1) for _, _, ranks in per_group]
+    ms = _split_micro_batches(units, dp_of, times)
+    if ms is None:
+        return None
+    pipes = [times[i](ms[i]) for i in range(len(groups))]
+    crit = pipes.index(max(pipes))
+    _, lay_c, ranks_c = per_group[crit]
+    step = max(pipes) + _exposed_dp(ranks_c, base, [lay_c] * pp)
+    step += max(optimizer_time(ranks, base, g) for g, _, ranks in per_group)
+    balance = []
+    for (g, _, ranks), mg, dpg in zip(per_group, ms, dp_of):
+        plan_g = base.model_copy(update={"global_batch": dp * mb * mg})
+        mems = [sum(rank_memory(plan_g, workload, r, ranks[r]).values()) for r in range(pp)]
+        if max(mems) > _capacity(g, reserve):
+            return None
+        busy = mg * max(r.per_micro_batch for r in ranks)
+        balance.append(GroupBalance(group=_short(g), gpus=g.n_gpus, stages=f"0-{pp - 1}",
+                                    blocks_per_stage=[sum(1 for k in kinds[s.start:s.end] if k == "block") for s in stages], replicas=dpg, micro_batches=mg,
+                                    per_micro_batch_s=max(r.per_micro_batch for r in ranks), busy_s=busy,
+                                    idle_fraction=max(0.0, 1 - busy / step), peak_memory_gib=max(mems) / GIB,
+                                    capacity_gib=_capacity(g, reserve) / GIB))
+    hp = HeteroPlan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
+                    mode="data-split", tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=policy, step_time_s=step,
+                    tokens_per_s=global_batch * workload.seq_len / step, balance=balance)
+    return _Eval(step, hp)
+
+
+# --- search -----------------------------------------------------------------------
+
+def _tp_choices(workload: Workload, mixed: MixedCluster) -> list[int]:
+    node = min(g.gpus_per_node for g in mixed.groups)
+    return [t for t in (1, 2, 4, 8, 16) if t <= node and node % t == 0 and workload.tp_divides(t)]
+
+
+def _common_divisors(values: list[int]) -> list[int]:
+    g = 0
+    for v in values:
+        g = math.gcd(g, v)
+    return [d for d in range(1, g + 1) if g % d == 0]
+
+
+def hetero_candidates(workload, mixed, *, global_batch, dtype="bf16", name=None, reserve=DEFAULT_MEMORY_RESERVE):
+    """Every priced pipeline-split and data-split layout (fitting ones only)."""
+    name = name or workload.name
+    out = []
+    for tp in _tp_choices(workload, mixed):
+        per_tp = [g.n_gpus // tp for g in mixed.groups]
+        for mb in MICRO_BATCHES:
+            for zero in ZEROS:
+                for policy in POLICIES:
+                    kw = dict(mb=mb, zero=zero, policy=policy, global_batch=global_batch, dtype=dtype, name=name, reserve=reserve)
+                    for pp in _common_divisors(per_tp):
+                        if pp <= workload.n_blocks:
+                            e = _data_split(workload, mixed, tp=tp, pp=pp, **kw)
+                            if e:
+                                out.append(e)
+                    if len(mixed.groups) < 2:
+                        continue
+                    for dp in _common_divisors(per_tp):
+                        if global_batch % (dp * mb) or sum(n // dp for n in per_tp) > workload.n_blocks:
+                            continue
+                        for order in permutations(mixed.groups):
+                            e = _pipeline_split(workload, mixed, order=list(order), tp=tp, dp=dp, **kw)
+                            if e:
+                                out.append(e)
+    return out
+
+
+def _layout_str(plan: Plan) -> str:
+    return f"dp={plan.dp} tp={plan.tp} pp={plan.pp} zero={plan.zero} mb={plan.micro_batch}"
+
+
+def plan_hetero(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
+                time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+                compare_uniform: bool = True) -> HeteroPlan:
+    """The fastest heterogeneity-aware plan, with the uniform baseline and single-group subsets for comparison."""
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 256")
+    mixed = load_mixed(hw)
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
+    name = model_name(model, workload)
+    cands = hetero_candidates(workload, mixed, global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
+    subsets = {}
+    for g in mixed.groups:
+        try:
+            p = plan_uniform(workload, g, global_batch=global_batch, seq_len=seq_len, dtype=dtype, top_k=1,
+                             time_limit_s=time_limit_s, memory_reserve=memory_reserve)
+        except InfeasibleError:
+            continue
+        subsets[g.spec()] = p
+    uniform = None
+    if compare_uniform:
+        try:
+            uniform = plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len,
+                                   dtype=dtype, top_k=1, time_limit_s=time_limit_s, memory_reserve=memory_reserve)
+        except InfeasibleError:
+            uniform = None
+    best = min(cands, key=lambda e: e.step).plan if cands else None
+    best_subset = min(subsets.items(), key=lambda kv: kv[1].estimate.step_time_s) if subsets else None
+    if best_subset and (best is None or best_subset[1].estimate.step_time_s < best.step_time_s):
+        best = _subset_plan(best_subset[0], best_subset[1], mixed, workload, name, memory_reserve)
+    if best is None:
+        raise InfeasibleError("hw", f"{name} fits no layout on {mixed.spec()} at global batch {global_batch}",
+                              "add GPUs, lower the batch or the sequence length")
+    notes = [f"{len(cands)} heterogeneity-aware layouts priced; subsets and the uniform baseline planned by planner.plan"]
+    return best.model_copy(update={
+        "uniform_step_time_s": uniform.estimate.step_time_s if uniform else None,
+        "uniform_layout": _layout_str(uniform) if uniform else "does not fit",
+        "subset_step_time_s": {k: v.estimate.step_time_s for k, v in subsets.items()},
+        "layouts_priced": len(cands), "notes": notes})
+
+
+def _subset_plan(spec: str, plan: Plan, mixed: MixedCluster, workload: Workload, name: str, reserve: float) -> HeteroPlan:
+    est = plan.estimate
+    balance = []
+    for g in mixed.groups:
+        used = g.spec() == spec
+        balance.append(GroupBalance(group=g.spec(), gpus=g.n_gpus, stages=f"0-{plan.pp - 1}" if used else "-",
+                                    blocks_per_stage=[sum(1 for l in workload.layers[s.start:s.end] if l.kind == "block") for s in plan.stages] if used else [],
+                                    replicas=plan.dp if used else 0, micro_batches=plan.num_micro_batches if used else 0,
+                                    per_micro_batch_s=0.0, busy_s=est.step_time_s if used else 0.0,
+                                    idle_fraction=0.0 if used else 1.0,
+                                    peak_memory_gib=est.peak_memory_bytes / GIB if used else 0.0,
+                                    capacity_gib=_capacity(g, reserve) / GIB))
+    return HeteroPlan(model=name, hardware=mixed.spec(), global_batch=plan.global_batch, seq_len=plan.seq_len,
+                      dtype=plan.dtype, mode="subset", tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch=plan.micro_batch,
+                      zero=plan.zero, recompute="/".join(sorted({p for s in plan.stages for p in s.recompute})),
+                      step_time_s=est.step_time_s, tokens_per_s=est.tokens_per_s, balance=balance)
