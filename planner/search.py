@@ -1,17 +1,18 @@
 """Search over layouts: branch and bound around the per-layout CP-SAT model.
 
 Layouts (DP/TP/PP/ZeRO/SP/micro-batch/schedule) come from planner/space.py.
-Each gets a lower bound on its step time (all blocks without recomputation,
-perfectly balanced over the pipeline ranks); layouts are visited in order of
-that bound and solved with the CP-SAT stage model until the bound exceeds
-the k-th best plan found or the time limit runs out. Every solved layout
-also prices its uniform partitions, so the result is never worse than the
-best uniform plan. All plans are finally priced by the estimator.
+Phase 1 prices every layout's uniform partitions with the linear stage model
+(the estimator's composition, evaluated without building plans) and has the
+estimator price the best few. Phase 2 runs the CP-SAT stage model
+(non-uniform partition, per-layer checkpointing) on the most promising
+layouts, skipping any whose lower bound cannot beat the best plan, until the
+time limit. The result is never worse than the best uniform plan, and the
+reported gap is against the lowest bound of any layout left unsolved.
 """
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
 from costmodel.plan import Plan, SolverReport, StagePlan
@@ -31,8 +32,6 @@ class SearchResult:
     best: list[Candidate]  # best first, one per layout
     report: SolverReport
     smallest_peak: Candidate | None = None  # the least-memory plan seen, fitting or not
-    considered: int = 0
-    unfit: list[Candidate] = field(default_factory=list)
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -159,7 +158,7 @@ def search(
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
     bound = _proven_bound(entries)
     report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
-    return SearchResult(best=ranked[:top_k], report=report, smallest_peak=tally.smallest, considered=len(entries))
+    return SearchResult(best=ranked[:top_k], report=report, smallest_peak=tally.smallest)
 
 
 def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> list[_Entry]:
