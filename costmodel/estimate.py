@@ -137,6 +137,10 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     """Once-per-step gradient reduction (ZeRO 0-2), before overlap."""
     if plan.dp == 1 or plan.zero >= 3:
         return 0.0
+    if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
+        from .compression import compressed_reduction_time
+
+        return compressed_reduction_time(params, plan.compression, plan.dtype, lay.dp_group, lay.ctx.cluster)
     wire = WIRE_BYTES.get(plan.compression) or WEIGHT_BYTES[plan.dtype]
     nbytes = params * wire
     if plan.zero == 0:

@@ -23,6 +23,10 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     """Wrap or shard `module` over the dp dimension; a no-op when dp == 1."""
     if plan.dp == 1:
         return module
+    if plan.compression != "none":
+        from executor.compression import check_compression
+
+        check_compression(plan)
     dp_mesh = mesh["dp"]
     if plan.zero >= 2:
         reshard = plan.zero == 3
@@ -38,7 +42,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
 
         replicate(module, mesh=dp_mesh)
         return module
-    return DDP(module, process_group=dp_mesh.get_group())
+    ddp = DDP(module, process_group=dp_mesh.get_group())
+    if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/compression.py)
+        from executor.compression import register_compression
+
+        register_compression(ddp, plan, dp_mesh.get_group())
+    return ddp
 
 
 def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:

@@ -68,11 +68,17 @@ def plan(
     time_limit_s: float = 8.0,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
     price_per_gpu_hour: float | None = None,
+    allow_compression: bool = False,
 ) -> Plan:
-    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives."""
+    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
+
+    `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
+    and bf16 for fp32 training); the solver may then pick one for DDP layouts."""
     _check_inputs(global_batch, seq_len, dtype, objective, top_k)
     fixed = dict(fixed or {})
     check_pins(fixed)
+    if allow_compression and "compression" not in fixed:
+        fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
     check_pins(fixed, workload, cluster)
@@ -89,7 +95,25 @@ def plan(
     if best_result is None:
         report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)
-    return _to_plan(best_result, objective)
+    best = _to_plan(best_result, objective)
+    if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
+        best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
+    return best
+
+
+def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
+    """Why the solver compressed: the same plan uncompressed, priced by the estimator."""
+    from costmodel.compression import DEFAULT_TOPK_FRACTION
+
+    if best.hardware != cluster.spec():
+        cluster = hardware.load(best.hardware, price_per_gpu_hour=cluster.price_per_gpu_hour)
+    plain = price_plan(workload, best.model_copy(update={"compression": "none", "estimate": None}), cluster,
+                       memory_reserve=memory_reserve)
+    what = f"topk (k={DEFAULT_TOPK_FRACTION:g}, error feedback)" if best.compression == "topk" else \
+        f"{best.compression}" + (" (error feedback)" if best.compression == "int8" else "")
+    return (f"lossy gradient compression {what} chosen (--allow-compression): exposed DP reduction "
+            f"{plain.breakdown_s['dp_comm'] * 1e3:.1f} -> {best.estimate.breakdown_s['dp_comm'] * 1e3:.1f} ms, "
+            f"step {plain.step_time_s:.3f} -> {best.estimate.step_time_s:.3f} s")
 
 
 def _cost_clusters(cluster: Cluster) -> list[Cluster]:

@@ -70,6 +70,12 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
         "zero": (0, 1, 2, 3),
         "compression": ("none", "fp16", "bf16", "int8", "topk", "powersgd"),
     }
+    allowed = fixed.get("compression")
+    if isinstance(allowed, (tuple, list, set, frozenset)):  # a set of allowed methods (--allow-compression)
+        bad = [m for m in allowed if m not in choices["compression"]]
+        if bad or not allowed:
+            raise PlanError("compression", f"{bad or allowed!r} is not valid", f"use any of {', '.join(choices['compression'])}")
+        choices = {k: v for k, v in choices.items() if k != "compression"}
     for key, valid in choices.items():
         if key in fixed and fixed[key] not in valid:
             raise PlanError(key, f"{fixed[key]!r} is not valid", f"use one of {', '.join(map(str, valid))}")
@@ -127,7 +133,18 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                         for sp in (False, True) if tp > 1 else (False,):
                             layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp)
                             if _honours(layout, fixed):
-                                yield replace(layout, compression=fixed.get("compression", "none"))
+                                for method in compression_choices(layout, fixed):
+                                    yield replace(layout, compression=method)
+
+
+def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
+    """A pinned method as given; a set of allowed methods (the user allows lossy compression)
+    only where the executor can hook the reduction: DDP, i.e. dp > 1, zero 0, tp 1."""
+    pinned = fixed.get("compression", "none")
+    if isinstance(pinned, str):
+        return (pinned,)
+    hookable = layout.dp > 1 and layout.zero == 0 and layout.tp == 1
+    return tuple(m for m in pinned if m == "none" or hookable) or ("none",)
 
 
 def _honours(layout: Layout, fixed: dict) -> bool:

@@ -43,6 +43,8 @@ def plan_command(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b, gpipe or interleaved"),
     vpp: Optional[int] = typer.Option(None, "--vpp"),
     sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
+    allow_compression: bool = typer.Option(False, "--allow-compression",
+                                           help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
     time_limit: float = typer.Option(8.0, "--time-limit", help="solver seconds"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
@@ -58,7 +60,7 @@ def plan_command(
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
-                      fixed=fixed, top_k=top, time_limit_s=time_limit)
+                      fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression)
     result = result.model_copy(update={"model": model, "alternatives": [a.model_copy(update={"model": model}) for a in result.alternatives]})
     if out:
         out.write_text(result.to_json())
