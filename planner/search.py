@@ -31,7 +31,6 @@ LAYOUT_SOLVE_LIMIT_S = 0.5
 class SearchResult:
     best: list[Candidate]  # best first, one per layout
     report: SolverReport
-    smallest_peak: Candidate | None = None  # the least-memory plan seen, fitting or not
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -78,7 +77,6 @@ class _Entry:
     bound: float
     uniform_best: float = float("inf")
     uniform_policy: str = "full"
-    headroom: float = float("-inf")  # the largest memory headroom of its uniform plans
     proven: float | None = None
 
 
@@ -93,16 +91,13 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity) -> 
 
 
 class _Tally:
-    """Best plan per layout, and the least-memory plan seen."""
+    """Best fitting plan per layout."""
 
     def __init__(self, top_k: int) -> None:
         self.top_k = top_k
         self.best: dict[Layout, Candidate] = {}
-        self.smallest: Candidate | None = None
 
     def add(self, cand: Candidate) -> None:
-        if self.smallest is None or cand.estimate.peak_memory_bytes < self.smallest.estimate.peak_memory_bytes:
-            self.smallest = cand
         current = self.best.get(cand.layout)
         if cand.fits and (current is None or cand.estimate.step_time_s < current.estimate.step_time_s):
             self.best[cand.layout] = cand
@@ -139,11 +134,6 @@ def search(
     for entry in _worth_pricing(priced, top_k):
         for cand in uniform_plans(workload, cluster, entry.layout, entry.template, {"recompute": entry.uniform_policy}, memory_reserve):
             tally.add(cand)
-    if not tally.best:  # keep the least-memory plan for the infeasibility report
-        least = min(priced, key=lambda e: -e.headroom, default=None)
-        if least is not None:
-            for cand in uniform_plans(workload, cluster, least.layout, least.template, {"recompute": least.uniform_policy}, memory_reserve):
-                tally.add(cand)
     refined = 0
     if single_block_profile(workload):
         for entry in _refine_order(priced):
@@ -158,7 +148,7 @@ def search(
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
     bound = _proven_bound(entries)
     report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
-    return SearchResult(best=ranked[:top_k], report=report, smallest_peak=tally.smallest)
+    return SearchResult(best=ranked[:top_k], report=report)
 
 
 def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> list[_Entry]:
@@ -170,7 +160,6 @@ def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> lis
         lay = entry.layout
         for policy in recompute_choices(fixed):
             step, headroom = linear_step(entry.data, blocks, policy, lay.pp, lay.vpp, entry.template.num_micro_batches)
-            entry.headroom = max(entry.headroom, headroom)
             if headroom >= 0 and step < entry.uniform_best:
                 entry.uniform_best, entry.uniform_policy = step, policy
     return entries
