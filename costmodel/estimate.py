@@ -189,12 +189,18 @@ def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime)
     return memory
 
 
-def estimate(workload: Workload, plan: Plan, cluster: Cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:
+    """Check the plan, then price each pipeline rank's per-micro-batch work (shared with the simulator)."""
     check_plan(plan, workload, cluster)
     lay = layout_of(plan, cluster)
     ranks = [RankTime() for _ in range(plan.pp)]
     for index in range(plan.n_virtual_stages):
         stage_time(plan, workload, lay, index, ranks[index % plan.pp])
+    return lay, ranks
+
+
+def estimate(workload: Workload, plan: Plan, cluster: Cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+    lay, ranks = price_ranks(workload, plan, cluster)
     return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)
 
 

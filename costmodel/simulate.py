@@ -19,14 +19,13 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .estimate import RankTime, layout_of, optimizer_time, rank_memory, stage_time
+from .estimate import RankTime, optimizer_time, price_ranks, rank_memory
 from .memory import WEIGHT_BYTES
 from .plan import Plan
 from .simulate_engine import Engine, EngineInput, Event
 from .simulate_ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
 from .simulate_schedule import rank_orders
 from .simulate_stats import RankSim, breakdown, exposed_by_kind, memory_timeline
-from .validate import check_plan
 from .workload import Workload
 
 __all__ = ["SimResult", "RankSim", "Event", "simulate"]
@@ -55,11 +54,7 @@ class SimResult:
 
 def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
     """Simulate one step of `plan`; raises PlanError if the plan does not fit the model or cluster."""
-    check_plan(plan, workload, cluster)
-    lay = layout_of(plan, cluster)
-    rank_times = [RankTime() for _ in range(plan.pp)]
-    for index in range(plan.n_virtual_stages):
-        stage_time(plan, workload, lay, index, rank_times[index % plan.pp])
+    lay, rank_times = price_ranks(workload, plan, cluster)
     pricer = Pricer(plan, workload, lay)
     spec = _engine_input(plan, pricer, lay, bucket_bytes)
     out = Engine(spec).run()
