@@ -157,7 +157,6 @@ class CompressionState:
     def load_state_dict(self, state: dict) -> None:
         self.residual = dict(state.get("residual", {}))
         self.owner_residual = {tuple(k.split("|")): v for k, v in state.get("owner_residual", {}).items()}
-        self.bytes_sent = state.get("bytes_sent", 0)
         if self.generator is not None and "generator" in state:
             self.generator.set_state(state["generator"])
         if self.powersgd is not None and "powersgd" in state:

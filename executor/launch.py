@@ -17,31 +17,59 @@ from executor.validate import validate
 
 
 def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int,
-                     extra_torchrun_args=()) -> list[str]:
+                     extra_torchrun_args=(), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+                     max_restarts: int = 0) -> list[str]:
     """`python -m torch.distributed.run` for one node, or multi-node when rendezvous args are given."""
     node_args = list(extra_torchrun_args) or ["--standalone"]
+    if max_restarts:
+        node_args += ["--max-restarts", str(max_restarts)]
+    ckpt = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)] if checkpoint_dir else []
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
-            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--out", out_path]
+            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--out", out_path, *ckpt]
 
 
 def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
-        extra_torchrun_args=(), cluster=None, timeout_s: float | None = None) -> RunReport:
-    """Validate (before any process starts), launch, and return the report with predictions."""
+        extra_torchrun_args=(), cluster=None, timeout_s: float | None = None,
+        checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
+        extra_env: dict | None = None) -> RunReport:
+    """Validate (before any process starts), launch, and return the report with predictions.
+
+    With `checkpoint_dir`, the job saves every `checkpoint_every` steps (and at the end) and
+    resumes from the newest valid checkpoint there; torchrun restarts it up to `max_restarts`
+    times after a worker dies. A rank count other than the plan's re-plans the job
+    (executor/elastic.py) and the checkpoint is resharded on load."""
     model = model or plan.model
     nnodes = _nnodes(extra_torchrun_args)
     nproc = nproc or plan.n_gpus // nnodes
-    validate(plan, build_model(model), world_size=nproc * nnodes)
+    module = build_model(model)
+    replanned = ""
+    if checkpoint_dir and nproc * nnodes != plan.n_gpus:
+        from executor.elastic import replan
+        from executor.layers import layer_map
+
+        lmap = layer_map(module)
+        kinds = ["embedding"] + ["block"] * (lmap.n_layers - 2) + ["head"]
+        plan, replanned = replan(plan, nproc * nnodes, kinds)
+    if plan.compression != "none":
+        from executor.compression import check_compression
+
+        check_compression(plan)
+    validate(plan, module, world_size=nproc * nnodes)
     with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
         plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")
         plan_path.write_text(plan.to_json())
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        # a fresh TCPStore per torchrun attempt: restarted gloo workers reconnect reliably
+        env = {**os.environ, **(extra_env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
-        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, extra_torchrun_args)
+        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, extra_torchrun_args,
+                               str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         report = RunReport.model_validate_json(out_path.read_text())
+    if replanned:
+        report = report.model_copy(update={"notes": [replanned, *report.notes]})
     return report.with_prediction(*predict(plan, model, cluster))
 
 

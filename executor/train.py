@@ -58,28 +58,51 @@ def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], devi
     return float(value)
 
 
-def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int) -> dict:
-    """Run `steps` optimizer steps; return losses, step times and this rank's peak memory."""
+def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int, start_step: int = 0,
+                checkpointer=None) -> dict:
+    """Run optimizer steps `start_step`..`steps - 1`; return losses, step times and this rank's peak memory.
+
+    With a checkpointer, state is saved after every step it says is due (and after the last)."""
     at = coords(run.mesh)
     params = [p for m in run.modules for p in m.parameters()]
     memory = PeakMemory(run.device, params)
     losses, times = [], []
-    for step in range(steps):
+    fail_at = _fail_at()
+    for step in range(start_step, steps):
         x, y = (t.to(run.device) for t in local_batch(plan, global_batch(plan, step, seed, vocab), at["dp"]))
-        with memory.measure() if step < MEMORY_STEPS else _null():
+        with memory.measure() if step - start_step < MEMORY_STEPS else _null():
             dist.barrier()
             start = time.perf_counter()
             if run.schedule is None:
                 loss = _plain_step(run, plan, x, y)
             else:
                 loss = _pipeline_step(run, plan, x, y, at["pp"])
+            if step == fail_at:  # fault injection for the restart tests: die mid-step, before the update
+                import os
+                import signal
+
+                os.kill(os.getpid(), signal.SIGKILL)
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             if run.device.type == "cuda":
                 torch.cuda.synchronize(run.device)
             times.append(time.perf_counter() - start)
         losses.append(_global_loss(loss, plan, at, run.device))
+        if checkpointer is not None and checkpointer.due(step + 1, steps):
+            checkpointer.save(run, step + 1)
     return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes}
+
+
+def _fail_at() -> int | None:
+    """PARALLAX_FAIL_AT="3,7": on torchrun attempt i, rank PARALLAX_FAIL_RANK (default 1) is killed at step list[i]."""
+    import os
+
+    spec = os.environ.get("PARALLAX_FAIL_AT")
+    if not spec or dist.get_rank() != int(os.environ.get("PARALLAX_FAIL_RANK", "1")):
+        return None
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    steps = [int(s) for s in spec.split(",") if s.strip()]
+    return steps[attempt] if attempt < len(steps) else None
 
 
 def _null():
@@ -94,12 +117,28 @@ def steady_step_time(times: list[float]) -> float:
     return statistics.median(steady)
 
 
-def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3) -> dict:
-    """Build, materialise and train on this rank; every rank returns its own numbers."""
+def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3,
+             checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> dict:
+    """Build, materialise and train on this rank (resuming from `checkpoint_dir` if it holds a
+    valid checkpoint); every rank returns its own numbers."""
     model = build_model(model_name, seed)
     vocab = vocab_size(model)
     run = materialize_rank(plan, model, lr=lr)
-    result = train_steps(run, plan, steps, seed, vocab)
+    checkpointer, start = None, 0
+    if checkpoint_dir:
+        from executor.checkpoint import Checkpointer
+
+        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed)
+        start = checkpointer.resume(run)
+    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer)
     result["tp_replicated"] = run.tp_replicated
     result["rank"] = dist.get_rank()
+    result["start_step"] = start
+    result["notes"] = checkpointer.notes if checkpointer else []
+    from executor.compression import compression_states
+
+    states = compression_states(run.modules)
+    if states and steps > start:
+        result["notes"].append(f"{plan.compression} compression: {sum(s.bytes_sent for s in states) / (steps - start):,.0f} "
+                               f"bytes sent per step by rank {dist.get_rank()}")
     return result

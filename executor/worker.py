@@ -23,11 +23,19 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() != 0:
         return None
-    times = [max(r["step_times_s"][i] for r in everyone) for i in range(steps)]
+    ran = len(mine["step_times_s"])  # fewer than `steps` when resumed from a checkpoint
+    times = [max(r["step_times_s"][i] for r in everyone) for i in range(ran)]
+    notes = list(mine.get("notes", []))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restarts:
+        notes.insert(0, f"torchrun restarted the workers {restarts} time(s)")
+    if mine.get("start_step"):
+        notes.append(f"losses and times are for steps {mine['start_step']}..{steps - 1}")
     return RunReport(model=model, plan=json.loads(plan.to_json()), steps=steps, world_size=len(everyone),
                      device=device_and_backend()[0], losses=mine["losses"], step_times_s=times,
-                     step_time_s=steady_step_time(times), peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
-                     tp_replicated=mine["tp_replicated"])
+                     step_time_s=steady_step_time(times) if times else 0.0,
+                     peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
+                     tp_replicated=mine["tp_replicated"], notes=notes)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,13 +45,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--checkpoint-dir", default=None)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
     args = parser.parse_args(argv)
     if device_and_backend()[0] == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     plan = Plan.from_json(open(args.plan).read())
     model = args.model or plan.model
     init_distributed()
-    report = _gather_report(plan, model, args.steps, run_rank(plan, model, args.steps, args.seed))
+    mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
+                    checkpoint_every=args.checkpoint_every)
+    report = _gather_report(plan, model, args.steps, mine)
     if report is not None:
         with open(args.out, "w") as fh:
             fh.write(report.model_dump_json(indent=2))

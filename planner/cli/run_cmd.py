@@ -16,8 +16,17 @@ def run_command(
     nproc: int = typer.Option(None, "--nproc", help="processes on this node; default dp*tp*pp"),
     hardware: str = typer.Option(None, "--hardware", help="profile or spec for the predicted columns"),
     out: Path = typer.Option(None, "--out", help="write the run report JSON here"),
+    checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir",
+                                        help="save model+optimizer state here (sharded, atomic, verified) and resume from it"),
+    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="save every N steps (and after the last)"),
+    max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts after a worker dies"),
+    topk_fraction: float = typer.Option(None, "--topk-fraction", help="k for plan compression 'topk' (default 0.01)"),
+    stochastic_rounding: bool = typer.Option(False, "--stochastic-rounding", help="int8 compression rounds stochastically"),
 ) -> None:
-    """Run PLAN with torchrun and print measured (and predicted) step time, memory and loss."""
+    """Run PLAN with torchrun and print measured (and predicted) step time, memory and loss.
+
+    With --checkpoint-dir the job resumes from the newest valid checkpoint there; --nproc other
+    than the plan's rank count re-plans the job and reshards the checkpoint (elastic resume)."""
     from costmodel.plan import Plan
     from executor.launch import run
 
@@ -27,7 +36,14 @@ def run_command(
         from hardware import load
 
         cluster = load(hardware)
-    report = run(plan, model=model, steps=steps, nproc=nproc, cluster=cluster)
+    env = {}
+    if topk_fraction is not None:
+        env["PARALLAX_TOPK_FRACTION"] = str(topk_fraction)
+    if stochastic_rounding:
+        env["PARALLAX_STOCHASTIC_ROUNDING"] = "1"
+    report = run(plan, model=model, steps=steps, nproc=nproc, cluster=cluster,
+                 checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
+                 max_restarts=max_restarts, extra_env=env)
     if out:
         out.write_text(report.model_dump_json(indent=2))
     typer.echo(f"losses: {', '.join(f'{l:.4f}' for l in report.losses)}")

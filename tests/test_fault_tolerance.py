@@ -1,0 +1,179 @@
+"""Checkpoints, kill-and-restart, corrupted checkpoints, elastic resume (CPU, gloo, torchrun).
+
+One uninterrupted 4-rank run (FSDP2, ZeRO-3: the checkpoint is sharded as the plan
+shards) is the reference for everything else. Each failure-injecting launch is its
+own torchrun job.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import hardware
+from costmodel.goodput import (daly_interval, expected_goodput, first_order_goodput, goodput, young_interval)
+from costmodel.plan import Plan, uniform_stages
+from executor.checkpoint import latest_valid, step_dir, verify
+from executor.elastic import replan
+
+STEPS = 8
+EVERY = 2
+KINDS = ["embedding"] + ["block"] * 4 + ["head"]
+
+
+def make_plan(dp: int = 4, zero: int = 3) -> Plan:
+    return Plan(model="reference-tiny", hardware="cpu", global_batch=8, seq_len=16, dtype="fp32", dp=dp, tp=1, pp=1,
+                zero=zero, micro_batch=8 // dp, stages=uniform_stages(KINDS, 1))
+
+
+def launch(folder: Path, nproc: int = 4, **kwargs):
+    from executor.launch import run
+
+    return run(make_plan(), steps=STEPS, nproc=nproc, checkpoint_dir=str(folder), checkpoint_every=EVERY,
+               timeout_s=600, extra_env={"OMP_NUM_THREADS": "1"}, **kwargs)
+
+
+def saved_state(folder: Path, tmp: Path) -> dict:
+    """A DCP checkpoint as one flat {key: tensor} dict (loaded without a process group)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp / f"{folder.parent.name}-{folder.name}.pt"
+    dcp_to_torch_save(str(folder), str(out))
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            flat[prefix] = value
+    walk("", torch.load(out, weights_only=False))
+    return flat
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), key
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("uninterrupted")
+    report = launch(root / "ckpt")
+    return root / "ckpt", report
+
+
+def test_checkpoints_are_complete_and_described(reference):
+    folder, report = reference
+    assert len(report.losses) == STEPS
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == ["step-00000004", "step-00000006", "step-00000008"]  # keep=3, no .tmp left behind
+    manifest = json.loads((folder / "step-00000008" / "manifest.json").read_text())
+    assert manifest["step"] == 8 and manifest["world_size"] == 4
+    assert manifest["data_position"] == {"next_step": 8, "samples_consumed": 64, "seed": 0}
+    assert sum(1 for f in manifest["files"] if f.endswith(".distcp")) == 4  # one shard file per rank
+    assert sum(1 for f in manifest["files"] if f.startswith("extra/")) == 4  # RNG state per rank
+    assert verify(folder / "step-00000008")[0] is not None
+
+
+def test_kill_one_rank_three_times_and_resume_bit_identical(reference, tmp_path):
+    """Rank 1 is SIGKILLed mid-step on three successive attempts; torchrun restarts the group
+    each time and it resumes from the last checkpoint. The final parameters and optimizer
+    state equal the uninterrupted run's, bit for bit."""
+    folder, ref = reference
+    from executor.launch import run
+
+    report = run(make_plan(), steps=STEPS, nproc=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=EVERY,
+                 max_restarts=3, timeout_s=600, extra_env={"OMP_NUM_THREADS": "1", "PARALLAX_FAIL_AT": "3,5,7"})
+    assert any("restarted the workers 3 time" in n for n in report.notes), report.notes
+    assert any("resumed from step-00000006" in n for n in report.notes), report.notes
+    assert report.losses == ref.losses[6:]
+    assert_identical(saved_state(folder / "step-00000008", tmp_path), saved_state(tmp_path / "ckpt" / "step-00000008", tmp_path))
+
+
+def test_corrupted_checkpoint_is_detected_and_the_previous_one_used(reference, tmp_path):
+    folder, ref = reference
+    work = tmp_path / "ckpt"
+    shutil.copytree(folder, work)
+    # unit level: truncated, bit-flipped, manifest-less folders are all refused, .tmp folders ignored
+    shard = work / "step-00000008" / "__1_0.distcp"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    assert "truncated" in verify(work / "step-00000008")[1]
+    flipped = work / "step-00000006" / "__2_0.distcp"
+    raw = bytearray(flipped.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(raw))
+    assert "checksum" in verify(work / "step-00000006")[1]
+    (work / ".tmp-step-00000010").mkdir()
+    chosen, manifest, messages = latest_valid(work)
+    assert chosen.name == "step-00000004" and manifest["step"] == 4 and len(messages) == 2
+    # end to end: the job says so, resumes from step 4 and still ends where the uninterrupted run did
+    report = launch(work)
+    assert any("step-00000008 is invalid" in n and "truncated" in n for n in report.notes), report.notes
+    assert any("step-00000006 is invalid" in n and "checksum" in n for n in report.notes), report.notes
+    assert any("resumed from step-00000004" in n for n in report.notes)
+    assert report.losses == ref.losses[4:]
+    assert_identical(saved_state(folder / "step-00000008", tmp_path), saved_state(work / "step-00000008", tmp_path))
+
+
+def test_resume_on_two_ranks_from_a_four_rank_checkpoint(reference, tmp_path):
+    """Elastic: the 4-rank ZeRO-3 checkpoint is resharded onto 2 ranks (re-planned dp 4 -> 2);
+    the loss continues on the uninterrupted run's curve."""
+    folder, ref = reference
+    work = tmp_path / "ckpt"
+    work.mkdir()
+    shutil.copytree(folder / "step-00000004", work / "step-00000004")
+    report = launch(work, nproc=2)
+    assert any("elastic re-plan for 2 ranks: dp 4->2" in n for n in report.notes), report.notes
+    assert any("written by 4 ranks, resharded onto 2" in n for n in report.notes), report.notes
+    assert report.world_size == 2 and report.plan["dp"] == 2
+    assert report.losses == pytest.approx(ref.losses[4:], abs=1e-4)
+    resumed = saved_state(work / "step-00000008", tmp_path)
+    uninterrupted = saved_state(folder / "step-00000008", tmp_path)
+    for key, value in uninterrupted.items():
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            assert torch.allclose(resumed[key], value, atol=1e-4), key
+
+
+def test_replan_keeps_model_parallel_layout():
+    plan = make_plan(dp=4).model_copy(update={"micro_batch": 2})
+    new, note = replan(plan, 2, KINDS)
+    assert (new.dp, new.tp, new.pp, new.micro_batch, new.global_batch) == (2, 1, 1, 2, 8) and "dp 4->2" in note
+    same, note = replan(plan, 4, KINDS)
+    assert same is plan and note == ""
+
+
+# ------------------------------------------------------------------ goodput
+
+def test_young_daly_and_goodput_formulas():
+    delta, mtbf, restart = 30.0, 3600.0 * 50, 600.0
+    assert young_interval(delta, mtbf) == pytest.approx(math.sqrt(2 * delta * mtbf))
+    tau = young_interval(delta, mtbf)
+    # Daly's exact exponential model agrees with the first-order one when delta, tau << M
+    assert expected_goodput(tau, delta, restart, mtbf) == pytest.approx(first_order_goodput(tau, delta, restart, mtbf), abs=2e-3)
+    # Young's interval is (near) optimal: the numerical optimum of Daly's model is within Daly's estimate
+    grid = [tau * f for f in (0.5, 0.8, 0.9, 1.0, 1.1, 1.25, 2.0)]
+    best = max(grid, key=lambda t: expected_goodput(t, delta, restart, mtbf))
+    assert best in (tau * 0.9, tau, tau * 1.1)
+    assert daly_interval(delta, mtbf) == pytest.approx(tau, rel=0.05)
+    # no failures: only the checkpoint overhead remains
+    assert expected_goodput(100.0, 1.0, restart, math.inf) == pytest.approx(100 / 101)
+
+
+def test_goodput_falls_with_cluster_size():
+    values = [goodput(70e9, hardware.load(f"{n}xh100-sxm")).goodput for n in (64, 1024, 16384)]
+    assert values[0] > values[1] > values[2]
+    g = goodput(70e9, hardware.load("1024xh100-sxm"))
+    assert g.job_mtbf_s == pytest.approx(50700 * 3600 / 1024)
+    assert g.checkpoint_bytes == pytest.approx(70e9 * 14)  # bf16 weights + fp32 master and Adam moments
+    assert g.write_s == pytest.approx(70e9 * 14 / 2000e9)
+    assert g.optimal_interval_s == pytest.approx(math.sqrt(2 * g.write_s * g.job_mtbf_s))
