@@ -91,10 +91,6 @@ class Goodput:
     failures_per_day: float
     sources: dict
 
-    @property
-    def optimal_interval_steps(self) -> None:  # pragma: no cover - see steps_between()
-        return None
-
     def steps_between(self, step_time_s: float) -> int:
         """The optimal interval rounded to whole training steps (at least 1)."""
         return max(1, round(self.optimal_interval_s / step_time_s))

@@ -24,7 +24,6 @@ kept per bucket composition. Every hook counts the bytes this rank sends
 FSDP2 (ZeRO 2/3) reduce-scatters inside its own hooks and FSDP's `replicate`
 (used for tp > 1) has no comm hooks: compression with those raises PlanError.
 """
-from __future__ import annotations
 
 import math
 import os
@@ -238,21 +237,21 @@ def bf16_allreduce(state: CompressionState, flat: torch.Tensor, params=None) -> 
 # ---------------------------------------------------------------- DDP hooks
 
 def _flat_hook(reduce):
-    def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+    def hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         buffer = bucket.buffer()
         buffer.copy_(reduce(state, buffer, bucket.parameters()))
         return _done(buffer)
     return hook
 
 
-def _fp16_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _fp16_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
     state.bytes_sent += _ring_allreduce_bytes(state.world, bucket.buffer().numel() * 2)
     return fp16_compress_hook(state.group, bucket)
 
 
-def _powersgd_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future:
+def _powersgd_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress, powerSGD_hook
 
     ps = state.powersgd
@@ -268,7 +267,9 @@ def _powersgd_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.fu
             else:
                 elems += g.numel()
     state.bytes_sent += _ring_allreduce_bytes(state.world, elems * size)
-    return powerSGD_hook(ps, bucket)
+    # Wait here: PowerSGD chains its collectives in future callbacks, and with several buckets
+    # gloo would see them issued in different orders on different ranks (a collective mismatch).
+    return _done(powerSGD_hook(ps, bucket).wait())
 
 
 HOOKS = {"int8": _flat_hook(int8_allreduce), "topk": _flat_hook(topk_allreduce), "bf16": _flat_hook(bf16_allreduce),

@@ -32,6 +32,15 @@ class WhatIfRow:
     tokens: float | None
     notes: list[str] = field(default_factory=list)
     scaling_efficiency: float | None = None  # throughput per GPU relative to this hardware's smallest count
+    goodput: Any = None  # costmodel.goodput.Goodput: expected useful fraction under failures, Young interval
+
+    @property
+    def goodput_fraction(self) -> float | None:
+        return None if self.goodput is None else self.goodput.goodput
+
+    @property
+    def checkpoint_interval_s(self) -> float | None:
+        return None if self.goodput is None else self.goodput.optimal_interval_s
 
     @property
     def feasible(self) -> bool:
@@ -130,6 +139,8 @@ def whatif(
     intra_gbps: float | None = None,
     plan_fn: PlanFn | None = None,
     time_limit_s: float = 2.0,
+    storage_gbps: float | None = None,
+    restart_s: float | None = None,
 ) -> list[WhatIfRow]:
     """Plan `model` on every hardware x GPU count; one row per target, infeasible ones included."""
     if not hw_specs:
@@ -149,7 +160,10 @@ def whatif(
     overrides = dict(nic_gbps=nic_gbps, intra_gbps=intra_gbps, price_per_gpu_hour=price_per_gpu_hour)
     rows = []
     for spec in hw_specs:
-        group = [_row(model, cluster, fn, global_batch, seq_len, tokens) for cluster in target_clusters(spec, gpu_counts, **overrides)]
+        clusters = target_clusters(spec, gpu_counts, **overrides)
+        group = [_row(model, cluster, fn, global_batch, seq_len, tokens) for cluster in clusters]
+        for row, cluster in zip(group, clusters):
+            row.goodput = _goodput(model, cluster, storage_gbps, restart_s)
         _scaling(group)
         rows += group
     return rows
@@ -176,6 +190,16 @@ def _row(model, cluster: Cluster, fn: PlanFn, global_batch: int, seq_len: int, t
         row.notes.append("best layout does not fit in memory")
     row.plan = plan
     return row
+
+
+def _goodput(model, cluster: Cluster, storage_gbps, restart_s):
+    """Expected goodput at Young's interval (costmodel/goodput.py), when the parameter count and MTBF are known."""
+    from costmodel.goodput import goodput
+    from costmodel.workload import Workload
+
+    if not isinstance(model, Workload) or cluster.gpu.mtbf_hours is None:
+        return None
+    return goodput(model.params, cluster, storage_gbps=storage_gbps, restart_s=restart_s)
 
 
 def _scaling(rows: list[WhatIfRow]) -> None:

@@ -177,3 +177,17 @@ def test_goodput_falls_with_cluster_size():
     assert g.checkpoint_bytes == pytest.approx(70e9 * 14)  # bf16 weights + fp32 master and Adam moments
     assert g.write_s == pytest.approx(70e9 * 14 / 2000e9)
     assert g.optimal_interval_s == pytest.approx(math.sqrt(2 * g.write_s * g.job_mtbf_s))
+
+
+def test_whatif_goodput_column_falls_with_cluster_size(small_gpt):
+    from hardware.errors import InfeasibleError
+    from planner.whatif import whatif
+
+    def nothing_fits(model, cluster, **_):  # the goodput column needs only the parameter count and the cluster
+        raise InfeasibleError("hw", "stub")
+
+    rows = whatif(small_gpt, ["h100-sxm"], [64, 1024, 16384], global_batch=1024, seq_len=1024, plan_fn=nothing_fits)
+    values = [r.goodput_fraction for r in rows]
+    assert values[0] > values[1] > values[2]
+    expected = goodput(small_gpt.params, hardware.load("1024xh100-sxm")).optimal_interval_s
+    assert rows[1].checkpoint_interval_s == pytest.approx(expected)

@@ -30,8 +30,12 @@ def rows_table(rows, title: str) -> Table:
     table = Table(title=title)
     for col in COLUMNS:
         table.add_column(col, justify="left" if col in ("hardware", "layout", "notes") else "right")
+    table.add_column("goodput", justify="right")  # under failures, checkpointing at Young's interval
+    table.add_column("ckpt every", justify="right")
     for row in rows:
-        table.add_row(*row_cells(row))
+        g = getattr(row, "goodput", None)
+        extra = ["-", "-"] if g is None else [f"{g.goodput:.2%}", f"{g.optimal_interval_s / 60:.1f} min"]
+        table.add_row(*row_cells(row), *extra)
     return table
 
 
@@ -48,14 +52,22 @@ def whatif_command(
     intra_gbps: Optional[float] = typer.Option(None, "--intra-gbps", help="override per-GPU intra-node bandwidth (GB/s)"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write scaling curves PNG here"),
     report: Optional[Path] = typer.Option(None, "--report", help="write a self-contained HTML report here"),
+    storage_gbps: Optional[float] = typer.Option(None, "--storage-gbps",
+                                                 help="aggregate checkpoint write bandwidth, GB/s (default 2000, Llama 3 paper)"),
+    restart_min: Optional[float] = typer.Option(None, "--restart-min", help="minutes to restart after a failure (default 10)"),
 ) -> None:
     """Plan MODEL on each hardware x GPU count and compare step time, throughput and cost."""
     from planner.whatif import whatif
 
     rows = whatif(model, hw, parse_counts(gpus), global_batch=global_batch, seq_len=seq_len, tokens=tokens,
-                  price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps)
+                  price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps, storage_gbps=storage_gbps,
+                  restart_s=restart_min * 60 if restart_min is not None else None)
     console = Console(width=220)
     console.print(rows_table(rows, f"{model}: global batch {global_batch} x {seq_len} tokens"))
+    if any(getattr(r, "goodput", None) for r in rows):
+        console.print("goodput: Daly's expected useful fraction with per-GPU MTBF from the hardware data, checkpoint "
+                      "write = weights + optimizer state / storage bandwidth, checkpointing every sqrt(2 x write x job MTBF) "
+                      "(Young); see costmodel/goodput.py for sources")
     if plot:
         from planner.plots import save_png, scaling_curves
 
