@@ -91,7 +91,20 @@ def zero3_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float
     scatter = coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
     forward = t.forward + t.tp_comm / 2
     backward = t.backward + t.recompute + t.tp_comm / 2
-    return max(0.0, gather - forward) + max(0.0, gather + scatter - backward)
+    cluster = lay.ctx.cluster
+    return exposed_after_overlap(gather, forward, cluster) + exposed_after_overlap(gather + scatter, backward, cluster)
+
+
+def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float:
+    """What of `comm` seconds of collectives stays on the critical path beside `window` seconds of compute.
+
+    Collectives hide behind compute in proportion to the hardware's `comm_overlap`
+    (1 when they run on their own engines, as NCCL beside GEMMs; near 0 when they
+    need the cores the compute uses, as gloo on oversubscribed CPU ranks).
+    """
+    overlap = cluster.gpu.efficiency.comm_overlap
+    overlap = 1.0 if overlap is None else overlap
+    return comm - overlap * min(comm, max(window, 0.0))
 
 
 def stage_runs(plan: Plan, workload: Workload, index: int) -> list[tuple[LayerProfile, str, int]]:
@@ -161,7 +174,7 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
     slack = 0.0
     for rank in ranks:
         window = rank.backward + rank.recompute + slack
-        exposed = max(exposed, dp_time(rank.params, plan, lay) - window)
+        exposed = max(exposed, exposed_after_overlap(dp_time(rank.params, plan, lay), window, lay.ctx.cluster))
         slack += rank.backward + rank.recompute
     return max(0.0, exposed)
 
@@ -169,7 +182,8 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
 def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:
     owned = max(r.params for r in ranks) / (plan.dp if plan.zero >= 1 else 1)
     gpu = cluster.gpu
-    return owned * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+    speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
+    return owned * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound * speed)
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:

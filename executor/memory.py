@@ -4,6 +4,14 @@ On CPU there is no allocator to ask, so a dispatch mode counts the bytes of
 every tensor storage that an op creates and subtracts them when the storage is
 freed; parameters that existed before are registered up front. It sees
 parameters, gradients, optimizer states and saved activations alike.
+
+Two things keep the count honest under DTensor and FSDP2:
+- a DTensor (TP- or FSDP-sharded parameter, wrapped in nn.Parameter or not)
+  is counted by its local shard, never by its global size;
+- FSDP2 frees and re-allocates unsharded parameters by resizing their storage
+  in place (`untyped_storage().resize_(0)`), which no dispatch mode sees and
+  which never finalises the storage; while measuring, storage resizes are
+  intercepted and the count follows each storage's current size.
 """
 from __future__ import annotations
 
@@ -16,10 +24,12 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor | None:
-    if type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter):
+    inner = getattr(tensor, "_local_tensor", None)  # DTensor, also as nn.Parameter
+    if isinstance(inner, torch.Tensor):
+        return _local(inner)
+    if type(tensor) is torch.Tensor or type(tensor) is torch.nn.Parameter:
         return tensor
-    inner = getattr(tensor, "_local_tensor", None)
-    return inner if isinstance(inner, torch.Tensor) else None
+    return None
 
 
 class LiveBytes(TorchDispatchMode):
@@ -29,23 +39,60 @@ class LiveBytes(TorchDispatchMode):
         super().__init__()
         self.live = 0
         self.peak = 0
-        self._seen = WeakIdKeyDictionary()
+        self._seen = WeakIdKeyDictionary()  # storage -> [current bytes]
+        self._resize = None
 
     def track(self, tensor: torch.Tensor) -> None:
         local = _local(tensor)
         if local is None or local.device.type == "meta":
             return
-        storage = local.untyped_storage()
+        self._track_storage(local.untyped_storage())
+
+    def _track_storage(self, storage) -> None:
         if storage in self._seen:
             return
-        size = storage.nbytes()
-        self._seen[storage] = size
-        self.live += size
-        self.peak = max(self.peak, self.live)
-        weakref.finalize(storage, self._free, size)
+        cell = [storage.nbytes()]
+        self._seen[storage] = cell
+        self._add(cell[0])
+        weakref.finalize(storage, self._free, cell)
 
-    def _free(self, size: int) -> None:
-        self.live -= size
+    def _add(self, nbytes: int) -> None:
+        self.live += nbytes
+        self.peak = max(self.peak, self.live)
+
+    def _free(self, cell: list[int]) -> None:
+        self.live -= cell[0]
+
+    def _resized(self, storage, before: int) -> None:
+        cell = self._seen.get(storage)
+        if cell is None:
+            if storage.nbytes() > before:  # grown while measuring: memory of this run
+                self._track_storage(storage)
+            return
+        after = storage.nbytes()
+        self._add(after - cell[0])
+        cell[0] = after
+
+    def __enter__(self):
+        original = torch.UntypedStorage.resize_
+        tracker = self
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            out = original(storage, size)
+            if storage.device.type != "meta":
+                tracker._resized(storage, before)
+            return out
+
+        self._resize = original
+        torch.UntypedStorage.resize_ = resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self._resize is not None:
+            torch.UntypedStorage.resize_ = self._resize
+            self._resize = None
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))

@@ -20,7 +20,22 @@ def workload_for(model_name: str, plan: Plan):
     dtype_bytes = {"fp32": 4, "bf16": 2, "fp16": 2}[plan.dtype]
     dims = TransformerDims(n_layers=cfg.n_layers, hidden=cfg.hidden, heads=cfg.heads, vocab=cfg.vocab_size,
                            seq_len=plan.seq_len, ffn_hidden=cfg.ffn, dtype_bytes=dtype_bytes, name=model_name)
-    return transformer_workload(dims)
+    return as_executed(transformer_workload(dims))
+
+
+def as_executed(workload):
+    """The workload as the executor runs it: under TP the LM head's output is gathered
+    (ColwiseParallel with a replicated output) and the loss is a plain cross-entropy on
+    the full logits, not a vocabulary-parallel one, so every TP rank keeps the whole
+    fp32 logits for backward: the head's TP-split activations are replicated."""
+    segments = []
+    for seg in workload.segments:
+        layer = seg.layer
+        if layer.kind == "head" and layer.act_tp_sharded:
+            layer = layer.model_copy(update={"act_replicated": layer.act_replicated + layer.act_tp_sharded,
+                                             "act_tp_sharded": 0.0})
+        segments.append(seg.model_copy(update={"layer": layer}))
+    return type(workload).model_validate({**workload.model_dump(), "segments": [s.model_dump() for s in segments]})
 
 
 def predict(plan: Plan, model_name: str, cluster) -> tuple[float | None, float | None, str]:

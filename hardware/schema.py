@@ -52,6 +52,13 @@ class Efficiency(_Sourced):
     memory_bound: float = Field(gt=0, le=1)
     intra_node_bw: float = Field(gt=0, le=1)
     inter_node_bw: float = Field(gt=0, le=1)
+    optimizer: float | None = Field(
+        default=None, gt=0, le=1,
+        description="optimizer step speed / the fused memory-bound estimate (None: fused, 1)")
+    comm_overlap: float | None = Field(
+        default=None, ge=0, le=1,
+        description="fraction of a collective's time that hides behind concurrent compute (None: 1, "
+                    "collectives on their own engines; near 0 where they need the cores the compute uses)")
 
 
 class GPU(_Sourced):

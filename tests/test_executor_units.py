@@ -65,3 +65,90 @@ def test_layer_map_and_pipeline_cut_keep_names():
     assert all(n.startswith(("model.transformer.h.1.", "model.transformer.h.2.")) for n in kept)
     hidden = torch.randn(2, 8, 64)
     assert middle(hidden).shape == hidden.shape
+
+
+# ---------------------------------------------------------------- measurement and prediction
+
+
+def test_memory_tracker_follows_in_place_storage_resizes():
+    """FSDP2 frees unsharded parameters with untyped_storage().resize_(0): the count must drop."""
+    from executor.memory import LiveBytes
+
+    tracker = LiveBytes()
+    with tracker:
+        t = torch.ones(1024)  # 4 KiB created inside the mode
+        assert tracker.live == 4096
+        t.untyped_storage().resize_(0)
+        assert tracker.live == 0
+        t.untyped_storage().resize_(8192)
+        assert tracker.live == 8192
+    assert tracker.peak == 8192
+    assert torch.UntypedStorage.resize_ is torch._C.StorageBase.resize_  # patch removed on exit
+
+
+def test_memory_tracker_counts_a_dtensor_parameter_by_its_local_shard():
+    from executor.memory import _local
+
+    class Wrapped:  # stands in for a DTensor: the local shard under _local_tensor
+        _local_tensor = torch.nn.Parameter(torch.ones(8))
+
+    assert _local(Wrapped()) is Wrapped._local_tensor
+    assert _local(torch.ones(3)) is not None
+
+
+def test_link_fit_reproduces_the_cost_models_all_reduce():
+    from costmodel.collectives import Group, all_reduce
+    from executor.calibrate import link_from_all_reduce
+    from hardware import load
+
+    cluster = load("4xcpu")
+    node = cluster.node.model_copy(update={"link_gbps": 1.5, "link_latency_us": 2000.0, "fabric": "pcie"})
+    eff = cluster.gpu.efficiency.model_copy(update={"intra_node_bw": 1.0})  # as calibrate writes it
+    truth = cluster.model_copy(update={"node": node, "gpu": cluster.gpu.model_copy(update={"efficiency": eff})})
+    curve = {s: all_reduce(s, Group(4, 4), truth) for s in (2 ** 16, 2 ** 20, 8 * 2 ** 20, 32 * 2 ** 20)}
+    bw, latency = link_from_all_reduce(curve, 4)
+    assert bw == pytest.approx(1.5e9, rel=0.1)
+    assert latency == pytest.approx(2e-3, rel=0.1)
+
+
+def test_fit_half_dim_is_flat_when_small_sizes_are_not_slower():
+    from executor.calibrate import fit_half_dim
+
+    assert fit_half_dim({256: 2e10, 512: 1.9e10, 1024: 1.8e10}) == (2e10, 0.0)
+    peak, half = fit_half_dim({d: 1e12 * d / (d + 128) for d in (128, 256, 512, 1024)})
+    assert peak == pytest.approx(1e12, rel=1e-6) and half == pytest.approx(128, rel=1e-6)
+
+
+def test_comm_overlap_and_optimizer_speed_are_priced():
+    """Collectives that cannot overlap compute are exposed; a slower optimizer costs more; None keeps the old model."""
+    from costmodel.estimate import estimate
+    from executor.predict import workload_for
+    from hardware import load
+
+    cluster = load("4xcpu")
+    plan = Plan(
+        model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=4, tp=1, pp=1, zero=3,
+        micro_batch=2,
+        stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
+    workload = workload_for("gpt-85m", plan)
+    base = estimate(workload, plan, cluster)
+
+    def with_eff(**eff):
+        e = cluster.gpu.efficiency
+        e = e.model_copy(update={**eff, "sources": {**e.sources, **{k: "test" for k in eff}}})
+        return cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"efficiency": e})})
+
+    serial = estimate(workload, plan, with_eff(comm_overlap=0.0))
+    assert serial.breakdown_s["zero_comm"] >= base.breakdown_s["zero_comm"]
+    assert serial.breakdown_s["zero_comm"] > 0
+    slow = estimate(workload, plan, with_eff(optimizer=0.25))
+    assert slow.breakdown_s["optimizer"] == pytest.approx(4 * base.breakdown_s["optimizer"])
+
+
+def test_prediction_keeps_gathered_logits_on_every_tp_rank():
+    from executor.predict import workload_for
+
+    plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
+                stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
+    head = workload_for("gpt-85m", plan).segments[-1].layer
+    assert head.act_tp_sharded == 0 and head.act_replicated >= 256 * 8192 * 4
