@@ -81,7 +81,7 @@ def quantize_int8(x: torch.Tensor, generator: torch.Generator | None = None) -> 
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     y = x.float() / scale
     if generator is not None:
-        y = torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype))
+        y = torch.floor(y + torch.rand(y.shape, generator=generator, dtype=y.dtype).to(y.device))
     else:
         y = torch.round(y)
     return y.clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale.squeeze(-1)
@@ -99,7 +99,7 @@ def topk_select(x: torch.Tensor, fraction: float) -> tuple[torch.Tensor, torch.T
     """Values and int32 indices of the largest-magnitude entries of flat `x` (ties: lowest index first)."""
     k = topk_count(x.numel(), fraction)
     if k == x.numel():
-        idx = torch.arange(x.numel())
+        idx = torch.arange(x.numel(), device=x.device)
     else:
         idx = torch.topk(x.abs(), k, sorted=False).indices.sort().values
     return x[idx], idx.to(torch.int32)
@@ -180,7 +180,8 @@ def int8_allreduce(state: CompressionState, flat: torch.Tensor, params) -> torch
     n, length = state.world, flat.numel()
     corrected = flat.float() + state.take_residual(params, flat).float()
     m = math.ceil(length / n)
-    padded = torch.zeros(n * m)
+    dev = flat.device
+    padded = torch.zeros(n * m, device=dev)
     padded[:length] = corrected
     q, scale = quantize_int8(padded.view(n, m), state.generator)
     state.keep_residual(params, (padded - dequantize_int8(q, scale).flatten())[:length].to(flat.dtype))
@@ -188,7 +189,7 @@ def int8_allreduce(state: CompressionState, flat: torch.Tensor, params) -> torch
     q_in, scale_in = torch.empty_like(q), torch.empty_like(scale)
     dist.all_to_all_single(q_in, q, group=state.group)
     dist.all_to_all_single(scale_in, scale, group=state.group)
-    mine = torch.zeros(m)
+    mine = torch.zeros(m, device=dev)
     for i in range(n):  # fixed order: deterministic sums
         mine += q_in[i].float() * scale_in[i]
     mine /= n
@@ -199,7 +200,7 @@ def int8_allreduce(state: CompressionState, flat: torch.Tensor, params) -> torch
     q_mine, s_mine = quantize_int8(mine.view(1, m), state.generator)
     state.owner_residual[key] = mine - dequantize_int8(q_mine, s_mine).flatten()
     # all-gather half
-    q_all, s_all = torch.empty(n * m, dtype=torch.int8), torch.empty(n)
+    q_all, s_all = torch.empty(n * m, dtype=torch.int8, device=dev), torch.empty(n, device=dev)
     dist.all_gather_into_tensor(q_all, q_mine.flatten(), group=state.group)
     dist.all_gather_into_tensor(s_all, s_mine, group=state.group)
     q_all = q_all.view(n, m)
@@ -216,8 +217,8 @@ def topk_allreduce(state: CompressionState, flat: torch.Tensor, params) -> torch
     left[idx.long()] = 0
     state.keep_residual(params, left)
     k = values.numel()
-    all_values = torch.empty(n * k, dtype=values.dtype)
-    all_idx = torch.empty(n * k, dtype=torch.int32)
+    all_values = torch.empty(n * k, dtype=values.dtype, device=flat.device)
+    all_idx = torch.empty(n * k, dtype=torch.int32, device=flat.device)
     dist.all_gather_into_tensor(all_values, values.contiguous(), group=state.group)
     dist.all_gather_into_tensor(all_idx, idx.contiguous(), group=state.group)
     state.bytes_sent += (n - 1) * k * (values.element_size() + 4)
