@@ -9,6 +9,9 @@ show up in the row's hardware sources as user overrides.
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -147,16 +150,11 @@ def whatif(
         raise HardwareError("hw", "no hardware given", "pass at least one spec, e.g. 64xh100-sxm")
     if tokens is not None and not tokens > 0:
         raise ParallaxError("tokens", f"{tokens!r} is not a positive token budget", "e.g. 2e12")
-    if plan_fn is None:
-        import functools
-
-        from planner.api import resolve_workload
-
-        # trace once for the whole sweep; each target gets a short solver budget
-        model = resolve_workload(model, seq_len=seq_len, dtype="bf16")
-        fn = functools.partial(_default_plan_fn(), time_limit_s=time_limit_s)
-    else:
-        fn = plan_fn
+    fn = plan_fn or _default_plan_fn()
+    if "time_limit_s" in inspect.signature(fn).parameters:
+        # a sweep plans many targets: each gets a short solver budget (named
+        # models are traced once, workload_for caches them)
+        fn = functools.partial(fn, time_limit_s=time_limit_s)
     overrides = dict(nic_gbps=nic_gbps, intra_gbps=intra_gbps, price_per_gpu_hour=price_per_gpu_hour)
     rows = []
     for spec in hw_specs:
