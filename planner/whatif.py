@@ -161,7 +161,7 @@ def whatif(
         clusters = target_clusters(spec, gpu_counts, **overrides)
         group = [_row(model, cluster, fn, global_batch, seq_len, tokens) for cluster in clusters]
         for row, cluster in zip(group, clusters):
-            row.goodput = _goodput(model, cluster, storage_gbps, restart_s)
+            row.goodput = _goodput(model, cluster, storage_gbps, restart_s, seq_len)
         _scaling(group)
         rows += group
     return rows
@@ -190,13 +190,20 @@ def _row(model, cluster: Cluster, fn: PlanFn, global_batch: int, seq_len: int, t
     return row
 
 
-def _goodput(model, cluster: Cluster, storage_gbps, restart_s):
+def _goodput(model, cluster: Cluster, storage_gbps, restart_s, seq_len: int):
     """Expected goodput at Young's interval (costmodel/goodput.py), when the parameter count and MTBF are known."""
     from costmodel.goodput import goodput
     from costmodel.workload import Workload
 
-    if not isinstance(model, Workload) or cluster.gpu.mtbf_hours is None:
+    if cluster.gpu.mtbf_hours is None:
         return None
+    if not isinstance(model, Workload):
+        try:  # named models are traced once (workload_for caches them)
+            from planner.api import resolve_workload
+
+            model = resolve_workload(model, seq_len=seq_len, dtype="bf16")
+        except ParallaxError:
+            return None
     return goodput(model.params, cluster, storage_gbps=storage_gbps, restart_s=restart_s)
 
 
