@@ -140,7 +140,7 @@ def _busy(device: str, seconds: float):
     return burst
 
 
-def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 5) -> dict[int, float]:
+def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7) -> dict[int, float]:
     """Seconds an all-reduce adds to a compute burst on every rank, by message bytes.
 
     Each iteration computes for ~20 ms on every rank and then all-reduces; the
@@ -151,7 +151,7 @@ def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 5)
 
     burst = _busy(device, 0.02)
     dist.barrier()
-    alone = _timeit(burst, device, repeat)
+    alone = _timeit(burst, device, repeat, window=False)  # timed as the bursts with collectives are
     out = {}
     for nbytes in sizes:
         tensor = torch.ones(nbytes // 4, device=device)
