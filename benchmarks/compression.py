@@ -34,15 +34,15 @@ WORLD = 4
 GLOBAL_BATCH = 16
 SEQ = 64
 LR = 3e-3
-METHODS = [  # (label, plan compression, env)
+METHODS = [  # (label, plan compression, the plan's compression options)
     ("none", "none", {}),
     ("fp16", "fp16", {}),
     ("bf16", "bf16", {}),
     ("int8", "int8", {}),
-    ("int8 stochastic", "int8", {"PARALLAX_STOCHASTIC_ROUNDING": "1"}),
-    ("topk k=0.1", "topk", {"PARALLAX_TOPK_FRACTION": "0.1"}),
-    ("topk k=0.01", "topk", {"PARALLAX_TOPK_FRACTION": "0.01"}),
-    ("powersgd r=4", "powersgd", {"PARALLAX_POWERSGD_RANK": "4"}),
+    ("int8 stochastic", "int8", {"stochastic_rounding": True}),
+    ("topk k=0.1", "topk", {"topk_fraction": 0.1}),
+    ("topk k=0.01", "topk", {"topk_fraction": 0.01}),
+    ("powersgd r=4", "powersgd", {"powersgd_rank": 4}),
 ]
 
 
@@ -71,16 +71,13 @@ def _worker(rank: int, steps: int, init: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     results = {}
     per_rank = GLOBAL_BATCH // WORLD
-    for label, method, env in METHODS:
-        for key in ("PARALLAX_STOCHASTIC_ROUNDING", "PARALLAX_TOPK_FRACTION", "PARALLAX_POWERSGD_RANK"):
-            os.environ.pop(key, None)
-        os.environ.update(env)
+    for label, method, options in METHODS:
         model = build_model("reference-gpt", seed=0)
         vocab = vocab_size(model)
         params = sum(p.numel() for p in model.parameters())
         kinds = ["embedding"] + ["block"] * model.cfg.n_layers + ["head"]
         plan = Plan(model="reference-gpt", hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=WORLD,
-                    tp=1, pp=1, micro_batch=per_rank, compression=method, stages=uniform_stages(kinds, 1))
+                    tp=1, pp=1, micro_batch=per_rank, compression=method, stages=uniform_stages(kinds, 1), **options)
         run = materialize_rank(plan, model, lr=LR)
         module, opt = run.modules[0], run.optimizer
         losses, times = [], []

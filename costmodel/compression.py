@@ -13,9 +13,13 @@ HBM bandwidth times its memory-bound efficiency):
 - topk: every rank sends its k*N largest entries (value + int32 index), so
   the reduction is an all-gather of dp * k * N * (value + 4) bytes, which grows
   with the data-parallel degree, unlike an all-reduce.
-- powersgd: all-reduce of the rank-r factors P and Q; priced as a fixed
-  fraction of the gradient (rank 4 on 4096 x 4096 matrices:
-  2 * 4 * 4096 / 4096**2 = 1/512) plus its matmul and error-feedback passes.
+- powersgd: all-reduce of the rank-r factors P and Q; priced as a fraction
+  of the gradient as if on 4096 x 4096 matrices (rank r: 2 * r * 4096 /
+  4096**2 = r/2048, 1/512 at the default rank 4) plus its matmul and
+  error-feedback passes.
+
+k and r are the plan's `topk_fraction` and `powersgd_rank` (`plan_reduction_time`
+takes them from the plan); the keyword defaults are the plan's defaults.
 
 The executor's hooks (executor/compression.py) implement exactly these
 collectives; `wire_bytes_per_rank` is what they count.
@@ -26,11 +30,11 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .memory import WEIGHT_BYTES
+from .plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 
-DEFAULT_TOPK_FRACTION = 0.01  # k: the fraction of gradient entries Top-K sends
 TOPK_INDEX_BYTES = 4  # int32 indices
-POWERSGD_RANK = 4
-POWERSGD_WIRE_FRACTION = 2 * POWERSGD_RANK / 4096  # (m + n) * r / (m * n) for m = n = 4096
+POWERSGD_RANK = DEFAULT_POWERSGD_RANK
+POWERSGD_MATRIX_SIDE = 4096  # PowerSGD is priced as if every gradient were a square matrix of this side
 LOSSY = ("int8", "topk", "powersgd")
 METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 
@@ -60,10 +64,15 @@ def compute_bytes_per_element(method: str, grad_bytes: int, dp: int = 1, topk_fr
     raise ValueError(f"unknown compression {method!r}")
 
 
-def wire_element_bytes(method: str, grad_bytes: int) -> float:
+def powersgd_wire_fraction(rank: int = DEFAULT_POWERSGD_RANK) -> float:
+    """(m + n) * r / (m * n) for m = n = POWERSGD_MATRIX_SIDE: the factors' share of the gradient."""
+    return 2 * rank / POWERSGD_MATRIX_SIDE
+
+
+def wire_element_bytes(method: str, grad_bytes: int, powersgd_rank: int = DEFAULT_POWERSGD_RANK) -> float:
     """Bytes per gradient element of what the all-reduce carries (not Top-K)."""
     return {"none": grad_bytes, "fp16": 2, "bf16": 2, "int8": 1,
-            "powersgd": grad_bytes * POWERSGD_WIRE_FRACTION}[method]
+            "powersgd": grad_bytes * powersgd_wire_fraction(powersgd_rank)}[method]
 
 
 def topk_gathered_bytes(params: float, dp: int, grad_bytes: int, topk_fraction: float = DEFAULT_TOPK_FRACTION) -> float:
@@ -72,13 +81,14 @@ def topk_gathered_bytes(params: float, dp: int, grad_bytes: int, topk_fraction: 
 
 
 def wire_bytes_per_rank(method: str, params: float, dp: int, grad_bytes: int,
-                        topk_fraction: float = DEFAULT_TOPK_FRACTION) -> float:
+                        topk_fraction: float = DEFAULT_TOPK_FRACTION,
+                        powersgd_rank: int = DEFAULT_POWERSGD_RANK) -> float:
     """Bytes one rank sends in a ring implementation (what the executor's hooks count)."""
     if dp <= 1:
         return 0.0
     if method == "topk":
         return (dp - 1) / dp * topk_gathered_bytes(params, dp, grad_bytes, topk_fraction)
-    return 2 * (dp - 1) / dp * params * wire_element_bytes(method, grad_bytes)
+    return 2 * (dp - 1) / dp * params * wire_element_bytes(method, grad_bytes, powersgd_rank)
 
 
 def compression_compute_time(method: str, params: float, dtype: str, dp: int, cluster: Cluster,
@@ -89,7 +99,8 @@ def compression_compute_time(method: str, params: float, dtype: str, dp: int, cl
 
 
 def compressed_reduction_time(params: float, method: str, dtype: str, group: coll.Group, cluster: Cluster,
-                              topk_fraction: float = DEFAULT_TOPK_FRACTION) -> float:
+                              topk_fraction: float = DEFAULT_TOPK_FRACTION,
+                              powersgd_rank: int = DEFAULT_POWERSGD_RANK) -> float:
     """Once-per-step DDP (ZeRO-0) gradient reduction of `params` parameters with `method`."""
     if group.size <= 1:
         return 0.0
@@ -97,5 +108,11 @@ def compressed_reduction_time(params: float, method: str, dtype: str, group: col
     if method == "topk":
         comm = coll.all_gather(topk_gathered_bytes(params, group.size, g, topk_fraction), group, cluster)
     else:
-        comm = coll.all_reduce(params * wire_element_bytes(method, g), group, cluster)
+        comm = coll.all_reduce(params * wire_element_bytes(method, g, powersgd_rank), group, cluster)
     return comm + compression_compute_time(method, params, dtype, group.size, cluster, topk_fraction)
+
+
+def plan_reduction_time(params: float, plan: Plan, group: coll.Group, cluster: Cluster) -> float:
+    """`compressed_reduction_time` of `plan.compression` with the plan's own k and PowerSGD rank."""
+    return compressed_reduction_time(params, plan.compression, plan.dtype, group, cluster,
+                                     topk_fraction=plan.topk_fraction, powersgd_rank=plan.powersgd_rank)

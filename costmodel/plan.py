@@ -5,6 +5,10 @@ pass the same validation; the estimator, the simulator and the executor all
 take a `Plan`. Stage boundaries index the workload's expanded layer list
 (embedding, blocks..., head). With an interleaved schedule there are
 `pp * vpp` virtual stages, and virtual stage `i` runs on pipeline rank `i % pp`.
+
+Gradient compression's options (Top-K's fraction, PowerSGD's rank, int8's
+rounding) are part of the layout: the cost model prices them and the executor
+runs them from these fields, nothing else.
 """
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ SCHEMA_VERSION = 1
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Compression = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
+
+DEFAULT_TOPK_FRACTION = 0.01  # k: the fraction of gradient entries Top-K sends
+DEFAULT_POWERSGD_RANK = 4
 
 
 class StagePlan(BaseModel):
@@ -104,6 +111,10 @@ class Plan(BaseModel):
     schedule: Schedule = "1f1b"
     vpp: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedule)")
     compression: Compression = "none"
+    topk_fraction: float = Field(DEFAULT_TOPK_FRACTION, gt=0, le=1,
+                                 description="compression 'topk': fraction k of gradient entries each rank sends")
+    powersgd_rank: int = Field(DEFAULT_POWERSGD_RANK, ge=1, description="compression 'powersgd': rank of the factors")
+    stochastic_rounding: bool = Field(False, description="compression 'int8': round stochastically instead of to nearest")
     stages: list[StagePlan]
     objective: Literal["time", "cost"] = "time"
     estimate: Estimate | None = None
@@ -144,6 +155,10 @@ class Plan(BaseModel):
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) needs tp > 1")
         return self
+
+    def with_overrides(self, **values) -> "Plan":
+        """A copy with `values` replaced, validated like a plan read from JSON (model_copy is not)."""
+        return type(self).model_validate({**self.model_dump(), **values})
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

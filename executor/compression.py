@@ -23,18 +23,20 @@ kept per bucket composition. Every hook counts the bytes this rank sends
 
 FSDP2 (ZeRO 2/3) reduce-scatters inside its own hooks and FSDP's `replicate`
 (used for tp > 1) has no comm hooks: compression with those raises PlanError.
+
+The options (k, PowerSGD's rank, stochastic rounding) are the plan's fields;
+the run's seed (the worker's --seed) seeds the rounding and PowerSGD.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from costmodel.compression import DEFAULT_TOPK_FRACTION, METHODS, POWERSGD_RANK
-from costmodel.plan import Plan
+from costmodel.compression import METHODS
+from costmodel.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 from hardware.errors import PlanError
 
 INT8_MAX = 127
@@ -44,18 +46,14 @@ INT8_MAX = 127
 class CompressionConfig:
     topk_fraction: float = DEFAULT_TOPK_FRACTION
     stochastic_rounding: bool = False
-    powersgd_rank: int = POWERSGD_RANK
+    powersgd_rank: int = DEFAULT_POWERSGD_RANK
     seed: int = 0
 
-
-def config_from_env() -> CompressionConfig:
-    """Worker-side options (set by `executor.launch` / `parallax run`)."""
-    return CompressionConfig(
-        topk_fraction=float(os.environ.get("PARALLAX_TOPK_FRACTION", DEFAULT_TOPK_FRACTION)),
-        stochastic_rounding=os.environ.get("PARALLAX_STOCHASTIC_ROUNDING", "0") == "1",
-        powersgd_rank=int(os.environ.get("PARALLAX_POWERSGD_RANK", POWERSGD_RANK)),
-        seed=int(os.environ.get("PARALLAX_SEED", "0")),
-    )
+    @classmethod
+    def from_plan(cls, plan: Plan, seed: int = 0) -> "CompressionConfig":
+        """The plan's compression options and the run's seed."""
+        return cls(topk_fraction=plan.topk_fraction, stochastic_rounding=plan.stochastic_rounding,
+                   powersgd_rank=plan.powersgd_rank, seed=seed)
 
 
 def check_compression(plan: Plan) -> None:
@@ -278,12 +276,13 @@ HOOKS = {"int8": _flat_hook(int8_allreduce), "topk": _flat_hook(topk_allreduce),
 
 
 def register_compression(ddp: nn.Module, plan: Plan, group: dist.ProcessGroup | None,
-                         config: CompressionConfig | None = None) -> CompressionState | None:
-    """Register `plan.compression`'s hook on a DDP module; the state is kept as `ddp.parallax_compression`."""
+                         seed: int = 0) -> CompressionState | None:
+    """Register `plan.compression`'s hook on a DDP module, with the plan's options and the run's
+    `seed`; the state is kept as `ddp.parallax_compression`."""
     check_compression(plan)
     if plan.compression == "none" or plan.dp == 1:
         return None
-    config = config or config_from_env()
+    config = CompressionConfig.from_plan(plan, seed)
     module = getattr(ddp, "module", ddp)
     names = {id(p): name for name, p in module.named_parameters()}
     state = CompressionState(plan.compression, group, names, config)

@@ -19,8 +19,9 @@ from costmodel.plan import Plan
 from executor.layers import LayerMap, get_or_none
 
 
-def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap) -> nn.Module:
-    """Wrap or shard `module` over the dp dimension; a no-op when dp == 1."""
+def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
+    """Wrap or shard `module` over the dp dimension; a no-op when dp == 1. `seed` (the run's) seeds
+    the compression hooks' randomness (stochastic rounding, PowerSGD)."""
     if plan.dp == 1:
         return module
     if plan.compression != "none":
@@ -46,7 +47,7 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/compression.py)
         from executor.compression import register_compression
 
-        register_compression(ddp, plan, dp_mesh.get_group())
+        register_compression(ddp, plan, dp_mesh.get_group(), seed=seed)
     return ddp
 
 

@@ -18,26 +18,34 @@ from executor.validate import validate
 
 def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int,
                      extra_torchrun_args=(), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                     max_restarts: int = 0) -> list[str]:
+                     max_restarts: int = 0, seed: int = 0, fail_at: list[int] | None = None,
+                     fail_rank: int = 1) -> list[str]:
     """`python -m torch.distributed.run` for one node, or multi-node when rendezvous args are given."""
     node_args = list(extra_torchrun_args) or ["--standalone"]
     if max_restarts:
         node_args += ["--max-restarts", str(max_restarts)]
     ckpt = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)] if checkpoint_dir else []
+    fail = ["--fail-at", ",".join(str(s) for s in fail_at), "--fail-rank", str(fail_rank)] if fail_at else []
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
-            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--out", out_path, *ckpt]
+            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
+            "--out", out_path, *ckpt, *fail]
 
 
 def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
         extra_torchrun_args=(), cluster=None, timeout_s: float | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
-        extra_env: dict | None = None) -> RunReport:
+        seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1) -> RunReport:
     """Validate (before any process starts), launch, and return the report with predictions.
 
-    With `checkpoint_dir`, the job saves every `checkpoint_every` steps (and at the end) and
-    resumes from the newest valid checkpoint there; torchrun restarts it up to `max_restarts`
-    times after a worker dies. A rank count other than the plan's re-plans the job
-    (executor/elastic.py) and the checkpoint is resharded on load."""
+    Everything the workers do comes from `plan` (compression options included) and these
+    arguments, passed on their command line. With `checkpoint_dir`, the job saves every
+    `checkpoint_every` steps (and at the end) and resumes from the newest valid checkpoint
+    there; torchrun restarts it up to `max_restarts` times after a worker dies. A rank count
+    other than the plan's re-plans the job (executor/elastic.py) and the checkpoint is
+    resharded on load. `seed` seeds the model, the data and compression's randomness.
+
+    `fail_at` / `fail_rank` are fault injection for the restart tests: on torchrun attempt i,
+    rank `fail_rank` SIGKILLs itself mid-step at step `fail_at[i]`."""
     model = model or plan.model
     nnodes = _nnodes(extra_torchrun_args)
     nproc = nproc or plan.n_gpus // nnodes
@@ -59,11 +67,15 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")
         plan_path.write_text(plan.to_json())
         # a fresh TCPStore per torchrun attempt: restarted gloo workers reconnect reliably
-        env = {**os.environ, **(extra_env or {}), "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+        # CPU threads: the node's cores split among its ranks (at least 1 each), so that the ranks'
+        # intra-op thread pools do not oversubscribe the cores (torchrun's own default is 1 thread);
+        # a caller's OMP_NUM_THREADS is kept. The worker sizes torch's pool from it.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
         cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, extra_torchrun_args,
-                               str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts)
+                               str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts,
+                               seed=seed, fail_at=fail_at, fail_rank=fail_rank)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         if done.returncode != 0 or not out_path.exists():
             raise RuntimeError(f"torchrun failed (exit {done.returncode}):\n{done.stderr[-4000:]}")

@@ -58,8 +58,10 @@ def tp_analysis(model: nn.Module, plan: Plan) -> TPAnalysis | None:
     return analyse_tp(model, example)
 
 
-def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = None, lr: float = 1e-3) -> Materialized:
-    """Apply every parallelism of `plan` to `model` for the calling rank (process group must exist)."""
+def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = None, lr: float = 1e-3,
+                     seed: int = 0) -> Materialized:
+    """Apply every parallelism of `plan` to `model` for the calling rank (process group must exist);
+    `seed` is the run's (it seeds gradient compression's randomness)."""
     validate(plan, model)
     mesh = mesh if mesh is not None else build_mesh(plan)
     device = local_device()
@@ -72,7 +74,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
         chunks = [apply_tensor_parallel(c, mesh, plan, analysis) for c in chunks]
         replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
     chunks = [apply_checkpointing(c, mesh, plan, lmap) for c in chunks]
-    chunks = [apply_data_parallel(c, mesh, plan, lmap) for c in chunks]
+    chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
     return Materialized(chunks, schedule, optimizer, mesh, device, replicated)

@@ -59,15 +59,15 @@ def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], devi
 
 
 def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int, start_step: int = 0,
-                checkpointer=None) -> dict:
+                checkpointer=None, kill_at: int | None = None) -> dict:
     """Run optimizer steps `start_step`..`steps - 1`; return losses, step times and this rank's peak memory.
 
-    With a checkpointer, state is saved after every step it says is due (and after the last)."""
+    With a checkpointer, state is saved after every step it says is due (and after the last).
+    `kill_at` (fault injection): this process SIGKILLs itself mid-step at that step."""
     at = coords(run.mesh)
     params = [p for m in run.modules for p in m.parameters()]
     memory = PeakMemory(run.device, params)
     losses, times = [], []
-    fail_at = _fail_at()
     for step in range(start_step, steps):
         x, y = (t.to(run.device) for t in local_batch(plan, global_batch(plan, step, seed, vocab), at["dp"]))
         with memory.measure() if step - start_step < MEMORY_STEPS else _null():
@@ -77,7 +77,7 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
                 loss = _plain_step(run, plan, x, y)
             else:
                 loss = _pipeline_step(run, plan, x, y, at["pp"])
-            if step == fail_at:  # fault injection for the restart tests: die mid-step, before the update
+            if step == kill_at:  # fault injection for the restart tests: die mid-step, before the update
                 import os
                 import signal
 
@@ -93,16 +93,19 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
     return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes}
 
 
-def _fail_at() -> int | None:
-    """PARALLAX_FAIL_AT="3,7": on torchrun attempt i, rank PARALLAX_FAIL_RANK (default 1) is killed at step list[i]."""
+def kill_step(fail_at: list[int] | None, fail_rank: int, rank: int, attempt: int) -> int | None:
+    """Fault injection: on torchrun attempt `attempt` (0 first), rank `fail_rank` dies at step
+    `fail_at[attempt]`; other ranks and later attempts run normally."""
+    if not fail_at or rank != fail_rank or attempt >= len(fail_at):
+        return None
+    return fail_at[attempt]
+
+
+def _torchrun_attempt() -> int:
+    """How many times torchrun has restarted this worker group (its documented TORCHELASTIC_RESTART_COUNT)."""
     import os
 
-    spec = os.environ.get("PARALLAX_FAIL_AT")
-    if not spec or dist.get_rank() != int(os.environ.get("PARALLAX_FAIL_RANK", "1")):
-        return None
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    steps = [int(s) for s in spec.split(",") if s.strip()]
-    return steps[attempt] if attempt < len(steps) else None
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def _null():
@@ -118,19 +121,23 @@ def steady_step_time(times: list[float]) -> float:
 
 
 def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3,
-             checkpoint_dir: str | None = None, checkpoint_every: int = 0) -> dict:
+             checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+             fail_at: list[int] | None = None, fail_rank: int = 1) -> dict:
     """Build, materialise and train on this rank (resuming from `checkpoint_dir` if it holds a
-    valid checkpoint); every rank returns its own numbers."""
+    valid checkpoint); every rank returns its own numbers.
+
+    `fail_at`/`fail_rank` inject faults for the restart tests (see `kill_step`)."""
     model = build_model(model_name, seed)
     vocab = vocab_size(model)
-    run = materialize_rank(plan, model, lr=lr)
+    run = materialize_rank(plan, model, lr=lr, seed=seed)
     checkpointer, start = None, 0
     if checkpoint_dir:
         from executor.checkpoint import Checkpointer
 
         checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed)
         start = checkpointer.resume(run)
-    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer)
+    kill_at = kill_step(fail_at, fail_rank, dist.get_rank(), _torchrun_attempt())
+    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at)
     result["tp_replicated"] = run.tp_replicated
     result["rank"] = dist.get_rank()
     result["start_step"] = start

@@ -1,6 +1,11 @@
 """What torchrun starts on every rank: read the plan, materialise, train, report.
 
     python -m executor.worker PLAN.json --model NAME --steps N --out report.json
+        [--seed S] [--checkpoint-dir DIR --checkpoint-every K] [--fail-at 3,5,7 --fail-rank 1]
+
+Everything the worker does comes from the plan and these arguments; from the
+environment it reads only what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
+TORCHELASTIC_RESTART_COUNT, ...) and OMP_NUM_THREADS.
 """
 from __future__ import annotations
 
@@ -38,6 +43,11 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
                      tp_replicated=mine["tp_replicated"], notes=notes)
 
 
+def _steps(text: str) -> list[int]:
+    """Comma-separated step numbers: "3,5,7" -> [3, 5, 7]."""
+    return [int(s) for s in text.split(",") if s.strip()]
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("plan")
@@ -47,6 +57,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--checkpoint-dir", default=None)
     parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--fail-at", type=_steps, default=None,
+                        help="fault injection: on torchrun attempt i (0 first), rank --fail-rank SIGKILLs "
+                             "itself mid-step at the i-th step of this comma-separated list")
+    parser.add_argument("--fail-rank", type=int, default=1)
     args = parser.parse_args(argv)
     if device_and_backend()[0] == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
@@ -54,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     model = args.model or plan.model
     init_distributed()
     mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every)
+                    checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank)
     report = _gather_report(plan, model, args.steps, mine)
     if report is not None:
         with open(args.out, "w") as fh:

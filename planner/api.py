@@ -103,13 +103,11 @@ def plan(
 
 def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
     """Why the solver compressed: the same plan uncompressed, priced by the estimator."""
-    from costmodel.compression import DEFAULT_TOPK_FRACTION
-
     if best.hardware != cluster.spec():
         cluster = hardware.load(best.hardware, price_per_gpu_hour=cluster.price_per_gpu_hour)
     plain = price_plan(workload, best.model_copy(update={"compression": "none", "estimate": None}), cluster,
                        memory_reserve=memory_reserve)
-    what = f"topk (k={DEFAULT_TOPK_FRACTION:g}, error feedback)" if best.compression == "topk" else \
+    what = f"topk (k={best.topk_fraction:g}, error feedback)" if best.compression == "topk" else \
         f"{best.compression}" + (" (error feedback)" if best.compression == "int8" else "")
     return (f"lossy gradient compression {what} chosen (--allow-compression): exposed DP reduction "
             f"{plain.breakdown_s['dp_comm'] * 1e3:.1f} -> {best.estimate.breakdown_s['dp_comm'] * 1e3:.1f} ms, "

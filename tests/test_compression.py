@@ -8,11 +8,13 @@ import traceback
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 import hardware
 from costmodel import collectives as coll
 from costmodel.compression import (DEFAULT_TOPK_FRACTION, TOPK_INDEX_BYTES, compressed_reduction_time,
-                                   compression_compute_time, topk_gathered_bytes, wire_bytes_per_rank)
+                                   compression_compute_time, plan_reduction_time, topk_gathered_bytes,
+                                   wire_bytes_per_rank)
 from costmodel.estimate import dp_time, layout_of
 from costmodel.plan import Plan, uniform_stages
 from executor.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
@@ -47,6 +49,25 @@ def _plan(**kw) -> Plan:
     base = dict(model="m", hardware="8xh100-sxm", global_batch=8, seq_len=16, dtype="fp32", dp=4, tp=1, pp=1,
                 micro_batch=1, stages=uniform_stages(["embedding", "block", "head"], 1))
     return Plan(**{**base, **kw})
+
+
+def test_compression_options_are_validated_plan_fields():
+    plan = _plan(compression="topk")
+    assert (plan.topk_fraction, plan.powersgd_rank, plan.stochastic_rounding) == (DEFAULT_TOPK_FRACTION, 4, False)
+    assert Plan.from_json(plan.to_json()) == plan
+    legacy = plan.model_dump(mode="json")
+    for key in ("topk_fraction", "powersgd_rank", "stochastic_rounding"):
+        del legacy[key]
+    assert Plan.model_validate(legacy) == plan  # plans written before the fields existed: the defaults
+    for bad in (dict(topk_fraction=0.0), dict(topk_fraction=1.5), dict(powersgd_rank=0)):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            _plan(**bad)
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            plan.with_overrides(**bad)  # overrides are validated too (model_copy would not be)
+    changed = plan.with_overrides(topk_fraction=0.1, stochastic_rounding=True)
+    assert (changed.topk_fraction, changed.stochastic_rounding, plan.topk_fraction) == (0.1, True, DEFAULT_TOPK_FRACTION)
+    config = CompressionConfig.from_plan(_plan(compression="int8", stochastic_rounding=True, powersgd_rank=8), seed=7)
+    assert config == CompressionConfig(topk_fraction=DEFAULT_TOPK_FRACTION, stochastic_rounding=True, powersgd_rank=8, seed=7)
 
 
 def test_compression_refused_with_sharding():
@@ -86,6 +107,53 @@ def test_topk_is_priced_as_an_all_gather_of_values_and_indices():
     # the all-gather grows with dp: at k = 1% it loses to int8 beyond ~ dp = 2 / (0.01 * 6) ~ 33
     small = coll.group_of(8, 1, cluster)
     assert compressed_reduction_time(p, "topk", "bf16", small, cluster) < compressed_reduction_time(p, "int8", "bf16", small, cluster)
+
+
+def test_cost_model_prices_the_plans_k_and_powersgd_rank():
+    cluster = hardware.load("64xh100-sxm")
+    p, n = 1e9, 64
+    base = _plan(dtype="bf16", dp=n, global_batch=64, hardware="64xh100-sxm")
+    group = layout_of(base, cluster).dp_group
+    for k in (0.01, 0.1):
+        plan = base.with_overrides(compression="topk", topk_fraction=k)
+        assert plan_reduction_time(p, plan, group, cluster) == pytest.approx(
+            compressed_reduction_time(p, "topk", "bf16", group, cluster, topk_fraction=k))
+    t = {k: plan_reduction_time(p, base.with_overrides(compression="topk", topk_fraction=k), group, cluster)
+         for k in (0.01, 0.1)}
+    assert t[0.1] > 5 * t[0.01]  # the all-gather scales with k
+    assert wire_bytes_per_rank("topk", p, n, 2, topk_fraction=0.1) == pytest.approx(
+        10 * wire_bytes_per_rank("topk", p, n, 2, topk_fraction=0.01))
+    # PowerSGD's factors: (m + n) * r of m * n entries, linear in the rank
+    assert wire_bytes_per_rank("powersgd", p, n, 2, powersgd_rank=8) == pytest.approx(
+        2 * wire_bytes_per_rank("powersgd", p, n, 2, powersgd_rank=4))
+    assert wire_bytes_per_rank("powersgd", p, n, 2) == pytest.approx(wire_bytes_per_rank("none", p, n, 2) / 512)
+    r8 = plan_reduction_time(p, base.with_overrides(compression="powersgd", powersgd_rank=8), group, cluster)
+    r4 = plan_reduction_time(p, base.with_overrides(compression="powersgd", powersgd_rank=4), group, cluster)
+    assert r8 > r4
+
+
+def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkeypatch):
+    """--topk-fraction and friends run (and predict) a validated copy of the plan; nothing goes through the environment."""
+    import executor.launch
+    from planner.cli import main
+
+    seen = {}
+
+    def fake_run(plan, **kwargs):
+        seen["plan"], seen["kwargs"] = plan, kwargs
+        raise SystemExit(0)
+
+    monkeypatch.setattr(executor.launch, "run", fake_run)
+    path = tmp_path / "plan.json"
+    path.write_text(_plan(compression="topk").to_json())
+    with pytest.raises(SystemExit):
+        main(["run", str(path), "--topk-fraction", "0.1", "--stochastic-rounding", "--powersgd-rank", "2", "--seed", "3"])
+    assert (seen["plan"].topk_fraction, seen["plan"].stochastic_rounding, seen["plan"].powersgd_rank) == (0.1, True, 2)
+    assert seen["kwargs"]["seed"] == 3 and "extra_env" not in seen["kwargs"]
+    with pytest.raises(SystemExit):
+        main(["run", str(path)])
+    assert seen["plan"] == _plan(compression="topk")
+    assert main(["run", str(path), "--topk-fraction", "2"]) == 2  # refused before anything starts
 
 
 def test_compression_pays_on_slow_nics_only():
@@ -202,8 +270,9 @@ def _hook_checks(rank: int, world: int, init: str, err_dir: str) -> None:
             plain = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
             ddp = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)))
             ddp.module.load_state_dict(plain.state_dict())
-            state = register_compression(ddp, _plan(compression=method, dp=world), None,
-                                         CompressionConfig(topk_fraction=1.0, powersgd_rank=2))
+            plan = _plan(compression=method, dp=world, topk_fraction=1.0, powersgd_rank=2)
+            state = register_compression(ddp, plan, None, seed=0)
+            assert (state.config.topk_fraction, state.config.powersgd_rank) == (1.0, 2)
             for step in range(3):
                 x = torch.randn(5, 8, generator=torch.Generator().manual_seed(100 * step + rank))
                 ddp(x).square().sum().backward()

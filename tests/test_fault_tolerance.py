@@ -34,7 +34,7 @@ def launch(folder: Path, nproc: int = 4, **kwargs):
     from executor.launch import run
 
     return run(make_plan(), steps=STEPS, nproc=nproc, checkpoint_dir=str(folder), checkpoint_every=EVERY,
-               timeout_s=600, extra_env={"OMP_NUM_THREADS": "1"}, **kwargs)
+               timeout_s=600, **kwargs)
 
 
 def saved_state(folder: Path, tmp: Path) -> dict:
@@ -92,11 +92,22 @@ def test_kill_one_rank_three_times_and_resume_bit_identical(reference, tmp_path)
     from executor.launch import run
 
     report = run(make_plan(), steps=STEPS, nproc=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=EVERY,
-                 max_restarts=3, timeout_s=600, extra_env={"OMP_NUM_THREADS": "1", "PARALLAX_FAIL_AT": "3,5,7"})
+                 max_restarts=3, timeout_s=600, fail_at=[3, 5, 7], fail_rank=1)
     assert any("restarted the workers 3 time" in n for n in report.notes), report.notes
     assert any("resumed from step-00000006" in n for n in report.notes), report.notes
     assert report.losses == ref.losses[6:]
     assert_identical(saved_state(folder / "step-00000008", tmp_path), saved_state(tmp_path / "ckpt" / "step-00000008", tmp_path))
+
+
+def test_fault_injection_is_a_worker_argument():
+    from executor.launch import torchrun_command
+    from executor.train import kill_step
+
+    cmd = torchrun_command("p.json", "r.json", "reference-tiny", 8, 4, fail_at=[3, 5, 7], fail_rank=2)
+    assert cmd[cmd.index("--fail-at") + 1] == "3,5,7" and cmd[cmd.index("--fail-rank") + 1] == "2"
+    assert "--fail-at" not in torchrun_command("p.json", "r.json", "reference-tiny", 8, 4)
+    assert [kill_step([3, 5, 7], 1, rank=1, attempt=a) for a in range(4)] == [3, 5, 7, None]
+    assert kill_step([3, 5, 7], 1, rank=0, attempt=0) is None and kill_step(None, 1, rank=1, attempt=0) is None
 
 
 def test_corrupted_checkpoint_is_detected_and_the_previous_one_used(reference, tmp_path):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -20,30 +21,39 @@ def run_command(
                                         help="save model+optimizer state here (sharded, atomic, verified) and resume from it"),
     checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="save every N steps (and after the last)"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts after a worker dies"),
-    topk_fraction: float = typer.Option(None, "--topk-fraction", help="k for plan compression 'topk' (default 0.01)"),
-    stochastic_rounding: bool = typer.Option(False, "--stochastic-rounding", help="int8 compression rounds stochastically"),
+    seed: int = typer.Option(0, "--seed", help="seeds the model, the data and compression's randomness"),
+    topk_fraction: Optional[float] = typer.Option(
+        None, "--topk-fraction", help="override the plan's topk_fraction: k for compression 'topk' (0 < k <= 1)"),
+    powersgd_rank: Optional[int] = typer.Option(
+        None, "--powersgd-rank", help="override the plan's powersgd_rank: factor rank for compression 'powersgd'"),
+    stochastic_rounding: Optional[bool] = typer.Option(
+        None, "--stochastic-rounding/--no-stochastic-rounding",
+        help="override the plan's stochastic_rounding: int8 compression rounds stochastically"),
 ) -> None:
     """Run PLAN with torchrun and print measured (and predicted) step time, memory and loss.
 
-    With --checkpoint-dir the job resumes from the newest valid checkpoint there; --nproc other
-    than the plan's rank count re-plans the job and reshards the checkpoint (elastic resume)."""
+    The compression options are fields of the plan (topk_fraction, powersgd_rank,
+    stochastic_rounding); --topk-fraction, --powersgd-rank and --stochastic-rounding run a
+    validated copy of the plan with those fields replaced, which is also what is predicted
+    and reported. With --checkpoint-dir the job resumes from the newest valid checkpoint there;
+    --nproc other than the plan's rank count re-plans the job and reshards the checkpoint
+    (elastic resume)."""
     from costmodel.plan import Plan
     from executor.launch import run
 
     plan = Plan.from_json(plan_path.read_text())
+    overrides = {k: v for k, v in dict(topk_fraction=topk_fraction, powersgd_rank=powersgd_rank,
+                                       stochastic_rounding=stochastic_rounding).items() if v is not None}
+    if overrides:  # validated like the plan file: a bad value is one line naming the field
+        plan = plan.with_overrides(**overrides)
     cluster = None
     if hardware:
         from hardware import load
 
         cluster = load(hardware)
-    env = {}
-    if topk_fraction is not None:
-        env["PARALLAX_TOPK_FRACTION"] = str(topk_fraction)
-    if stochastic_rounding:
-        env["PARALLAX_STOCHASTIC_ROUNDING"] = "1"
     report = run(plan, model=model, steps=steps, nproc=nproc, cluster=cluster,
                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
-                 max_restarts=max_restarts, extra_env=env)
+                 max_restarts=max_restarts, seed=seed)
     if out:
         out.write_text(report.model_dump_json(indent=2))
     typer.echo(f"losses: {', '.join(f'{l:.4f}' for l in report.losses)}")
