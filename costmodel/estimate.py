@@ -151,9 +151,9 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     if plan.dp == 1 or plan.zero >= 3:
         return 0.0
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
-        from .compression import compressed_reduction_time
+        from .compression import plan_reduction_time  # compression prices through this module's helpers
 
-        return compressed_reduction_time(params, plan.compression, plan.dtype, lay.dp_group, lay.ctx.cluster)
+        return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
     wire = WIRE_BYTES.get(plan.compression) or WEIGHT_BYTES[plan.dtype]
     nbytes = params * wire
     if plan.zero == 0:

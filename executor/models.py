@@ -62,15 +62,40 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {
 }
 
 
+def _catalog_builder(name: str) -> Callable[[], nn.Module] | None:
+    """A built-in decoder-only model (`parallax models`), built from its config with random weights."""
+    from planner.models.catalog import hf_config, list_models
+
+    if name not in list_models():
+        return None
+
+    def build() -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        config = hf_config(name)
+        config._attn_implementation = "sdpa"
+        try:
+            return HFStage(AutoModelForCausalLM.from_config(config))
+        except ValueError as error:  # encoder or encoder-decoder families
+            raise ModelError("model", f"{name} is not a causal language model the executor can train ({error})",
+                             "use a decoder-only model such as gpt2 or llama-3-8b") from None
+
+    return build
+
+
 def build_model(name: str, seed: int = 0) -> nn.Module:
     """Build `name` with a fixed seed so that every rank holds identical initial weights."""
+    catalog = _catalog_builder(name) if name not in BUILDERS else None
     if name in BUILDERS:
         builder = BUILDERS[name]
+    elif catalog is not None:
+        builder = catalog
     elif ":" in name:
         module, _, attr = name.partition(":")
         builder = getattr(importlib.import_module(module), attr)
     else:
-        raise ModelError("model", f"unknown model {name!r}", f"one of {sorted(BUILDERS)} or 'package.module:function'")
+        raise ModelError("model", f"unknown model {name!r}",
+                         f"a built-in name (parallax models), one of {sorted(BUILDERS)}, or 'package.module:function'")
     torch.manual_seed(seed)
     model = builder()
     if not isinstance(model, HFStage) and hasattr(model, "config") and hasattr(model.config, "model_type"):
