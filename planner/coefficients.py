@@ -162,3 +162,34 @@ def cheapest_mix(data: StageModelData, n: float, room: float, in_flight: float) 
                 if 0 <= lean_count <= n:
                     best = min(best, (n - lean_count) * cost[fast] + lean_count * cost[lean])
     return best
+
+
+def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:
+    """Greedy start for the CP-SAT model: keep the given partition and, rank by
+    rank, checkpoint the fewest blocks that make its memory fit (the leanest
+    allowed policy for those, the fastest for the rest). None if a rank cannot fit."""
+    S, block = len(blocks), data.block
+    fast = min(allowed, key=lambda k: (block.time[k], block.activation[k]))
+    lean = min(allowed, key=lambda k: (block.activation[k], block.time[k]))
+    counts = [{k: 0 for k in POLICIES} for _ in range(S)]
+    for r in range(pp):
+        stages = list(range(r, S, pp))
+        fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+        b = sum(blocks[s] for s in stages)
+        infl = data.in_flight[r]
+        base = ((b * block.params + sum(l.params for l in fixed)) * data.state_bytes_per_param
+                + sum(l.activation["none"] for l in fixed) * infl + data.zero3_buffer_bytes)
+
+        def used(f: int) -> float:
+            transient = block.activation["none"] if lean == "full" and f else 0.0
+            return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
+
+        f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
+        if f is None:
+            return None
+        for s in stages:
+            take = min(f, blocks[s])
+            counts[s][lean] += take
+            counts[s][fast] += blocks[s] - take
+            f -= take
+    return counts

@@ -19,7 +19,8 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .coefficients import StageModelData, block_span, cheapest_mix, linear_step, single_block_profile, stage_model_data
+from .coefficients import (StageModelData, block_span, cheapest_mix, least_recompute_counts, linear_step,
+                           single_block_profile, stage_model_data)
 from .enumerate import Candidate
 from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
@@ -197,16 +198,29 @@ def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[C
 
 
 def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate | None, float | None]:
-    """CP-SAT partition and per-layer checkpointing of one layout."""
+    """CP-SAT partition and per-layer checkpointing of one layout, started from
+    the greedy least-recompute assignment (also priced on its own)."""
     layout, template = entry.layout, entry.template
     model = StageModel(entry.data, layout.pp, layout.vpp, template.num_micro_batches)
+    allowed = recompute_choices(fixed)
     if "recompute" in fixed:
         model.forbid_policies_except(fixed["recompute"])
+    first, last = block_span(workload)
+    blocks = [min(st.end, last) - max(st.start, first) for st in template.stages]
+    greedy = least_recompute_counts(entry.data, blocks, layout.pp, allowed)
+    cands = []
+    if greedy is not None:
+        model.hint(greedy)
+        plan = template.model_copy(update={"stages": stages_from_counts(workload, greedy)})
+        cands.append(_priced(workload, cluster, layout, plan, reserve, "mixed"))
     solution = model.solve(LAYOUT_SOLVE_LIMIT_S)
-    if solution is None:
+    if solution is not None:
+        plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
+        cands.append(_priced(workload, cluster, layout, plan, reserve, "mixed"))
+    if not cands:
         return None, None
-    plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
-    return _priced(workload, cluster, layout, plan, reserve, "mixed"), max(solution.bound_s, entry.bound)
+    best = min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s))
+    return best, max(solution.bound_s, entry.bound) if solution is not None else None
 
 
 def _proven_bound(entries: list[_Entry]) -> float:

@@ -58,6 +58,7 @@ class StageModel:
     def __init__(self, data: StageModelData, pp: int, vpp: int, m: int) -> None:
         self.d, self.pp, self.vpp, self.m = data, pp, vpp, m
         self.S = pp * vpp
+        self.ub = self._time_upper_bound()
         self.model = cp_model.CpModel()
         B = data.n_blocks
         self.n = [{k: self.model.NewIntVar(0, B, f"n_{s}_{k}") for k in POLICIES} for s in range(self.S)]
@@ -66,6 +67,16 @@ class StageModel:
         self.add_memory()
         self.E = self.add_dp_overlap()
         self.add_objective()
+
+    def _time_upper_bound(self) -> int:
+        """Nanoseconds no rank time, exposed reduction or optimizer step can exceed
+        (tight domains keep the objective clear of int64 overflow)."""
+        d = self.d
+        fixed = d.prefix + d.suffix
+        params = d.n_blocks * d.block.params + sum(l.params for l in fixed)
+        seconds = (d.n_blocks * max(d.block.time.values()) + sum(max(l.time.values()) for l in fixed) + d.p2p * self.S
+                   + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
+        return _i(seconds, NS) + 1
 
     def _stages_of(self, r: int) -> list[int]:
         return list(range(r, self.S, self.pp))
@@ -95,7 +106,7 @@ class StageModel:
         for r in range(self.pp):
             terms = [self.n[s][k] * _i(d.block.time[k], NS) for s in self._stages_of(r) for k in POLICIES]
             fixed = sum(self._fixed(s, "time") + (d.p2p if s < self.S - 1 else 0.0) for s in self._stages_of(r))
-            rt = self.model.NewIntVar(0, 2**55, f"R_{r}")
+            rt = self.model.NewIntVar(0, self.ub, f"R_{r}")
             self.model.Add(rt == sum(terms) + _i(fixed, NS))
             R.append(rt)
         return R
@@ -120,7 +131,7 @@ class StageModel:
             )
 
     def add_dp_overlap(self):
-        d, E = self.d, self.model.NewIntVar(0, 2**55, "E")
+        d, E = self.d, self.model.NewIntVar(0, self.ub, "E")
         slack = 0
         for r in range(self.pp):
             window = sum(self.n[s][k] * _i(d.block.backward[k], NS) for s in self._stages_of(r) for k in POLICIES)
@@ -132,15 +143,15 @@ class StageModel:
 
     def add_objective(self) -> None:
         d = self.d
-        Rmax = self.model.NewIntVar(0, 2**55, "Rmax")
+        Rmax = self.model.NewIntVar(0, self.ub, "Rmax")
         self.model.AddMaxEquality(Rmax, self.R)
         opt_per_rank = []
         for r in range(self.pp):
-            o = self.model.NewIntVar(0, 2**55, f"opt_{r}")
+            o = self.model.NewIntVar(0, self.ub, f"opt_{r}")
             per_block = _i(d.block.params * d.optimizer_seconds_per_param, NS)
             self.model.Add(o == self._blocks(r) * per_block + _i(self._fixed_params(r) * d.optimizer_seconds_per_param, NS))
             opt_per_rank.append(o)
-        opt = self.model.NewIntVar(0, 2**55, "opt")
+        opt = self.model.NewIntVar(0, self.ub, "opt")
         self.model.AddMaxEquality(opt, opt_per_rank)
         v = self.vpp
         # 1 ns per checkpointed block breaks ties (flash attention makes
@@ -155,10 +166,11 @@ class StageModel:
                 if k != policy:
                     self.model.Add(stage[k] == 0)
 
-    def hint_uniform(self, counts: list[int], policy: str) -> None:
-        for s, count in enumerate(counts):
+    def hint(self, counts: list[dict[str, int]]) -> None:
+        """Start the search from a known-feasible assignment."""
+        for stage, given in zip(self.n, counts):
             for k in POLICIES:
-                self.model.AddHint(self.n[s][k], count if k == policy else 0)
+                self.model.AddHint(stage[k], given[k])
 
     def solve(self, time_limit_s: float) -> StageSolution | None:
         solver = cp_model.CpSolver()
