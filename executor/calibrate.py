@@ -313,10 +313,16 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     gpu = GPU(name=f"calibrated-{device}", peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
               sources={"peak_tflops": when + " (fitted matmul asymptote)", "hbm_gb": when + " (device memory / ranks)",
                        "hbm_gbps": when + " (tensor copy)"})
+    # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
+    # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
+    oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
     node = Node(gpus_per_node=ranks, fabric="pcie", link_gbps=link_bw / 1e9, link_latency_us=latency * 1e6,
+                oversubscription=oversub,
                 sources={"gpus_per_node": f"ranks used by parallax calibrate ({setting})",
                          "link_gbps": when + " (all-reduce between compute bursts, fitted)",
-                         "link_latency_us": when + " (all-reduce between compute bursts, fitted)"})
+                         "link_latency_us": when + " (all-reduce between compute bursts, fitted)"}
+                | ({"oversubscription": f"{ranks} ranks x {threads} threads / os.cpu_count() = {cores} cores"}
+                   if oversub else {}))
     return Cluster(name=f"calibrated-{device}", gpu=gpu, node=node, n_nodes=1, nic_gbps=link_bw * 8 / 1e9,
                    nic_latency_us=latency * 1e6, inter_fabric="loopback",
                    sources={"nic_gbps": when + " (single node: the local all-reduce link)",

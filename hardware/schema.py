@@ -93,6 +93,12 @@ class Node(_Sourced):
     fabric: IntraFabric
     link_gbps: float = Field(gt=0, description="per-GPU unidirectional intra-node bandwidth, GB/s")
     link_latency_us: float = Field(ge=0)
+    oversubscription: float | None = Field(
+        default=None, ge=1,
+        description="threads the node's ranks run / the cores they share, when above 1 (CPU ranks time-sliced on "
+                    "shared cores; the profile's rates are those with every rank busy). A rank's compute rate while "
+                    "k of the node's n ranks are busy is then min(oversubscription, n/k) times that rate. "
+                    "None: 1, one device per rank")
 
 
 class Cluster(_Sourced):

@@ -121,6 +121,35 @@ def test_pipeline_bubble_is_textbook_for_uniform_blocks():
         assert est.breakdown_s["bubble"] / work == pytest.approx((4 - 1) / (vpp * m), rel=0.03)
 
 
+def test_ranks_sharing_cores_refill_the_pipeline_bubble():
+    """CPU ranks time-sliced on shared cores (Node.oversubscription): ranks idle in the bubble
+    hand their cores to the busy ones, so the step lies between the all-busy closed form and
+    the throughput bound m * T; with a share of exactly 1 the played schedule is the closed form."""
+    from costmodel import TransformerDims, transformer_workload
+    from costmodel.estimate import price_ranks, shared_core_pipeline_time
+
+    blocks_only = transformer_workload(TransformerDims(n_layers=24, hidden=2048, heads=16, vocab=2, seq_len=2048))
+    base = hardware.load("8xh100-sxm", nic_gbps=1e6, intra_gbps=1e6)
+    assert base.node.oversubscription is None
+
+    def shared(over):
+        node = base.node.model_copy(update={"oversubscription": over,
+                                            "sources": base.node.sources | {"oversubscription": "test"}})
+        return base.model_copy(update={"node": node})
+
+    m = 8
+    plan = _plan(blocks_only, base, pp=4, dp=2, global_batch=2 * m)
+    closed = estimate(blocks_only, plan, base)
+    _, ranks = price_ranks(blocks_only, plan, base)
+    T = ranks[0].per_micro_batch
+    assert shared_core_pipeline_time(ranks, plan, shared(1 + 1e-12)) == pytest.approx((m + 3) * T, rel=0.01)
+    fast = estimate(blocks_only, plan, shared(2.0))
+    assert m * T < fast.step_time_s - fast.breakdown_s["dp_comm"] - fast.breakdown_s["optimizer"] < (m + 3) * T
+    assert fast.step_time_s < closed.step_time_s
+    flat = _plan(blocks_only, base, dp=8, global_batch=16)  # no pipeline: every rank always busy
+    assert estimate(blocks_only, flat, shared(2.0)).step_time_s == estimate(blocks_only, flat, base).step_time_s
+
+
 def test_more_nic_bandwidth_never_slows_a_step(llama_70b):
     plan_kw = dict(dp=4, tp=8, pp=2, global_batch=64, recompute="selective")
     times = []
