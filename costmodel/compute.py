@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hardware.schema import Cluster
 
-from .collectives import Group, all_reduce
+from .collectives import Group, all_gather, all_reduce
 from .workload import LayerProfile
 
 BACKWARD_FACTOR = 2.0
@@ -89,12 +89,29 @@ def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
     return layer.tp_allreduces_fwd * one
 
 
+def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
+    """One backward's TP all-reduces: the forward's mirror unless the layer says otherwise."""
+    if layer.tp_allreduces_bwd is None:
+        return tp_collective_time(layer, ctx)
+    if _split(layer, ctx) == 1 or not layer.tp_allreduces_bwd:
+        return 0.0
+    return layer.tp_allreduces_bwd * all_reduce(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
+
+
+def tp_gather_time(layer: LayerProfile, ctx: Context) -> float:
+    """One forward's all-gather of a TP-split output kept replicated (no backward collective)."""
+    if _split(layer, ctx) == 1 or not layer.tp_gather_bytes:
+        return 0.0
+    return all_gather(layer.tp_gather_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
+
+
 def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
     gemm, attention, memory = forward_parts(layer, ctx)
     forward = gemm + attention + memory
     comm = tp_collective_time(layer, ctx)
+    gather = tp_gather_time(layer, ctx)
     if recompute == "full":
-        extra, extra_comm = forward, comm
+        extra, extra_comm = forward, comm + gather
     elif recompute == "selective" and layer.act_attention_scores > 0:
         # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
         # the kernel's backward already recomputes them, so nothing is added.
@@ -105,7 +122,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         forward=forward,
         backward=BACKWARD_FACTOR * forward,
         recompute=extra,
-        tp_comm=2 * comm + extra_comm,
+        tp_comm=comm + tp_backward_collective_time(layer, ctx) + gather + extra_comm,
     )
 
 

@@ -35,6 +35,11 @@ class LayerProfile(BaseModel):
     tp_shardable: bool = True
     tp_allreduces_fwd: int = Field(0, ge=0, description="activation all-reduces per forward under TP")
     tp_comm_bytes: float = Field(0.0, ge=0, description="bytes of one such all-reduce, per sequence")
+    tp_allreduces_bwd: int | None = Field(None, ge=0, description="activation all-reduces per backward under TP, "
+                                          "of tp_comm_bytes each (None: as many as the forward, Megatron's mirror)")
+    tp_gather_bytes: float = Field(0.0, ge=0, description="bytes per sequence of the layer's TP-split output that a "
+                                   "forward all-gathers (a replicated output, e.g. gathered logits; its backward is a "
+                                   "local slice)")
     boundary_bytes: float = Field(0.0, ge=0, description="output bytes sent to the next pipeline stage")
 
 

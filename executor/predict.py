@@ -27,13 +27,28 @@ def as_executed(workload):
     """The workload as the executor runs it: under TP the LM head's output is gathered
     (ColwiseParallel with a replicated output) and the loss is a plain cross-entropy on
     the full logits, not a vocabulary-parallel one, so every TP rank keeps the whole
-    fp32 logits for backward: the head's TP-split activations are replicated."""
+    fp32 logits for backward: the head's TP-split activations are replicated, and each
+    forward all-gathers the logits (seq_len x vocab in the model's dtype per sequence).
+
+    The TP collectives are the ones DTensor issues (counted with torch.profiler on a
+    2-rank block: 6 gloo all-reduces per forward + backward): a column-split linear
+    all-reduces its replicated input's gradient in backward, and the reference GPT
+    has separate q, k and v projections, so a block's backward all-reduces 4 times
+    (q, k, v, up), not the 2 of a fused-QKV mirror; the head's input gradient is
+    all-reduced too; the vocabulary-split embedding reduces only in forward."""
+    s, h, b = workload.seq_len, workload.hidden, workload.dtype_bytes
     segments = []
     for seg in workload.segments:
         layer = seg.layer
         if layer.kind == "head" and layer.act_tp_sharded:
             layer = layer.model_copy(update={"act_replicated": layer.act_replicated + layer.act_tp_sharded,
-                                             "act_tp_sharded": 0.0})
+                                             "act_tp_sharded": 0.0, "tp_gather_bytes": float(s * workload.vocab * b),
+                                             "tp_allreduces_fwd": 0, "tp_allreduces_bwd": 1,
+                                             "tp_comm_bytes": float(s * h * b)})
+        elif layer.kind == "block" and layer.tp_allreduces_fwd == 2:
+            layer = layer.model_copy(update={"tp_allreduces_bwd": 4})
+        elif layer.kind == "embedding" and layer.tp_shardable:
+            layer = layer.model_copy(update={"tp_allreduces_bwd": 0})
         segments.append(seg.model_copy(update={"layer": layer}))
     return type(workload).model_validate({**workload.model_dump(), "segments": [s.model_dump() for s in segments]})
 
