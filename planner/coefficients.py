@@ -108,34 +108,38 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
 
 
 
-def linear_step(data: StageModelData, blocks: list[int], policy: str, pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """(step seconds, worst memory headroom in bytes) of `blocks[s]` blocks per
-    virtual stage, all with `policy`: the CP-SAT model's objective and memory
-    constraint evaluated directly, to rank uniform layouts without building plans."""
+def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
+    """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
+    blocks per virtual stage: the CP-SAT model's objective and memory
+    constraint evaluated directly, to rank layouts without building plans."""
     S = pp * vpp
     block = data.block
     rank_time = [0.0] * pp
     rank_blocks = [0] * pp
-    rank_fixed = [dict(params=0.0, activation=0.0) for _ in range(pp)]
-    for s, count in enumerate(blocks):
+    rank_window = [0.0] * pp
+    rank_act = [0.0] * pp
+    rank_full = [False] * pp
+    rank_params = [0.0] * pp
+    for s, stage in enumerate(counts):
         r = s % pp
         fixed = (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])
-        rank_time[r] += count * block.time[policy] + sum(l.time["none"] for l in fixed) + (data.p2p if s < S - 1 else 0.0)
-        rank_blocks[r] += count
-        rank_fixed[r]["params"] += sum(l.params for l in fixed)
-        rank_fixed[r]["activation"] += sum(l.activation["none"] for l in fixed)
+        rank_time[r] += sum(n * block.time[k] for k, n in stage.items()) + sum(l.time["none"] for l in fixed)
+        rank_time[r] += data.p2p if s < S - 1 else 0.0
+        rank_blocks[r] += sum(stage.values())
+        rank_window[r] += sum(n * block.backward[k] for k, n in stage.items())
+        rank_act[r] += sum(n * block.activation[k] for k, n in stage.items()) + sum(l.activation["none"] for l in fixed)
+        rank_full[r] = rank_full[r] or stage.get("full", 0) > 0
+        rank_params[r] += sum(l.params for l in fixed)
     slowest = max(rank_time)
     pipeline = m * slowest + (sum(rank_time) - slowest) / vpp
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
     for r in range(pp):
-        params = rank_blocks[r] * block.params + rank_fixed[r]["params"]
-        window = rank_blocks[r] * block.backward[policy]
-        exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - window - slack)
-        slack += window
+        params = rank_blocks[r] * block.params + rank_params[r]
+        exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - rank_window[r] - slack)
+        slack += rank_window[r]
         optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
-        act = (rank_blocks[r] * block.activation[policy] + rank_fixed[r]["activation"]) * data.in_flight[r]
-        transient = block.activation["none"] if policy == "full" and rank_blocks[r] else 0.0
-        used = params * data.state_bytes_per_param + act + transient + data.zero3_buffer_bytes
+        transient = block.activation["none"] if rank_full[r] else 0.0
+        used = params * data.state_bytes_per_param + rank_act[r] * data.in_flight[r] + transient + data.zero3_buffer_bytes
         headroom = min(headroom, data.capacity - used)
     return pipeline + max(0.0, exposed) + optimizer, headroom
 

@@ -77,6 +77,7 @@ class _Entry:
     data: StageModelData
     bound: float
     uniform_best: float = float("inf")
+    promise: float = float("inf")  # linear time of the better of uniform and greedy mixed checkpointing
     uniform_policy: str = "full"
     proven: float | None = None
 
@@ -153,16 +154,21 @@ def search(
 
 
 def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> list[_Entry]:
-    """Price every layout's uniform plans with the linear stage model (exactly the
-    estimator's composition, without building plans)."""
+    """Price every layout's uniform plans, and its greedy least-recompute mix,
+    with the linear stage model (exactly the estimator's composition, without
+    building plans)."""
     first, last = block_span(workload)
+    allowed = recompute_choices(fixed)
     for entry in entries:
         blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
-        lay = entry.layout
-        for policy in recompute_choices(fixed):
-            step, headroom = linear_step(entry.data, blocks, policy, lay.pp, lay.vpp, entry.template.num_micro_batches)
+        lay, m = entry.layout, entry.template.num_micro_batches
+        for policy in allowed:
+            step, headroom = linear_step(entry.data, [{policy: b} for b in blocks], lay.pp, lay.vpp, m)
             if headroom >= 0 and step < entry.uniform_best:
                 entry.uniform_best, entry.uniform_policy = step, policy
+        greedy = least_recompute_counts(entry.data, blocks, lay.pp, allowed)
+        if greedy is not None:
+            entry.promise = min(entry.uniform_best, linear_step(entry.data, greedy, lay.pp, lay.vpp, m)[0])
     return entries
 
 
@@ -176,15 +182,9 @@ def _worth_pricing(entries: list[_Entry], top_k: int, within: float = 0.01) -> l
 
 
 def _refine_order(priced: list[_Entry]) -> list[_Entry]:
-    """The layouts whose uniform plans were fastest, interleaved with the ones
-    no uniform plan fitted (lowest bound first): per-layer checkpointing can
-    make those fit."""
-    fitting = sorted((e for e in priced if e.uniform_best < float("inf")), key=lambda e: e.uniform_best)
-    unfit = [e for e in priced if e.uniform_best == float("inf")]
-    order = []
-    for i in range(max(len(fitting), len(unfit))):
-        order += fitting[2 * i : 2 * i + 2] + unfit[i : i + 1]
-    return order
+    """Most promising layouts first: by the better of their best uniform plan and
+    their greedy mixed-checkpointing plan; layouts with neither go last, by bound."""
+    return sorted(priced, key=lambda e: (e.promise, e.bound))
 
 
 def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[Candidate]:
