@@ -19,37 +19,21 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .coefficients import (StageModelData, block_span, cheapest_mix, least_recompute_counts, linear_step,
-                           single_block_profile, stage_model_data)
+from .bounds import lower_bound, memory_aware_bound
+from .coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
+                           stage_model_data)
 from .enumerate import Candidate
 from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
 
 LAYOUT_SOLVE_LIMIT_S = 0.5
+BOUND_BUDGET_S = 1.5
 
 
 @dataclass
 class SearchResult:
     best: list[Candidate]  # best first, one per layout
     report: SolverReport
-
-
-def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
-    """No partition of this layout is faster: the pipeline needs at least
-    (m - 1/v) * sum/pp + sum/v for the total per-micro-batch work `sum`. The
-    work is priced without recomputation, except without pipelining, where
-    the one rank's memory fixes the cheapest checkpointing mix exactly
-    (relaxed to fractions of blocks)."""
-    fixed = data.prefix + data.suffix
-    fixed_time = sum(l.time["none"] for l in fixed)
-    blocks = data.n_blocks * data.block.time["none"]
-    if pp == 1:
-        params = data.n_blocks * data.block.params + sum(l.params for l in fixed)
-        room = (data.capacity - params * data.state_bytes_per_param - data.zero3_buffer_bytes
-                - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
-        blocks = cheapest_mix(data, data.n_blocks, room, data.in_flight[0])
-    total = blocks + fixed_time + data.p2p * (pp * vpp - 1)
-    return (m - 1 / vpp) * total / pp + total / vpp
 
 
 def stages_from_counts(workload: Workload, counts: list[dict[str, int]]) -> list[StagePlan]:
@@ -124,9 +108,10 @@ def search(
     time_limit_s: float = 8.0,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
 ) -> SearchResult:
-    """Phase 1 prices the uniform plans of each layout in bound order (pruned by
-    the k-th best); phase 2 runs the CP-SAT stage model on the most promising
-    layouts until the bound or the time limit stops it."""
+    """Phase 1 prices the uniform and greedy plans of every layout with the
+    linear model and has the estimator price the best; phase 2 runs the CP-SAT
+    stage model on the most promising layouts until the time limit; phase 3
+    tightens the bounds of unsolved layouts to report the gap."""
     fixed = fixed or {}
     started = time.perf_counter()
     capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
@@ -148,6 +133,7 @@ def search(
             if cand is not None:
                 tally.add(cand)
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
+    _tighten_bounds(entries, tally.first(), BOUND_BUDGET_S)
     bound = _proven_bound(entries)
     report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
     return SearchResult(best=ranked[:top_k], report=report)
@@ -221,6 +207,17 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
         return None, None
     best = min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s))
     return best, max(solution.bound_s, entry.bound) if solution is not None else None
+
+
+def _tighten_bounds(entries: list[_Entry], best: float, budget_s: float) -> None:
+    """Replace the compute-only bound of unsolved layouts that could still beat
+    `best` by the memory-aware one, lowest first, within `budget_s`."""
+    started = time.perf_counter()
+    for entry in sorted((e for e in entries if e.proven is None), key=lambda e: e.bound):
+        if entry.bound >= best or time.perf_counter() - started > budget_s:
+            return
+        entry.bound = max(entry.bound, memory_aware_bound(entry.data, entry.layout.pp, entry.layout.vpp,
+                                                          entry.template.num_micro_batches))
 
 
 def _proven_bound(entries: list[_Entry]) -> float:

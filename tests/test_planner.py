@@ -120,3 +120,22 @@ def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
     bad.write_text(json.dumps({"schema_version": 1, "model": "gpt2"}))
     assert main(["estimate", "gpt2", "--hw", "2xcpu", "--plan", str(bad)]) == 2
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
+    """Both bounds must stay below the estimated time of every plan that fits."""
+    from costmodel.estimate import GIB
+    from planner.bounds import lower_bound, memory_aware_bound
+    from planner.search import _entries, uniform_plans
+
+    cluster = hardware.load("64xh100-sxm")
+    entries = _entries(llama_70b, cluster, 256, {}, "bf16", None, cluster.gpu.hbm_gb * GIB * 0.9)
+    checked = 0
+    for entry in entries[:: max(1, len(entries) // 60)]:
+        lay, m = entry.layout, entry.template.num_micro_batches
+        bounds = (lower_bound(entry.data, lay.pp, lay.vpp, m), memory_aware_bound(entry.data, lay.pp, lay.vpp, m))
+        for cand in uniform_plans(llama_70b, cluster, lay, entry.template, {}, 0.1):
+            if cand.fits:
+                checked += 1
+                assert max(bounds) <= cand.estimate.step_time_s * (1 + 1e-9)
+    assert checked > 10
