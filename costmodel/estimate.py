@@ -22,6 +22,7 @@ from . import collectives as coll
 from .compute import Context, LayerTime, layer_time, recompute_flops
 from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
+from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
 from .workload import LayerProfile, Workload
 
@@ -168,63 +169,6 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
     totals = [r.per_micro_batch for r in ranks]
     slowest = max(totals)
     return m * slowest + (sum(totals) - slowest) / vpp
-
-
-def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float | None:
-    """The pipeline's length when the node's ranks time-share its cores (`Node.oversubscription` > 1).
-
-    The profile's rates are those of a rank while all n ranks of its node compute; with
-    k of them busy a rank runs min(oversubscription, n/k) times faster (processor
-    sharing: k runnable single-thread ranks on c cores each get min(1, c/k) of a core).
-    In a pipeline the ranks waiting in the warm-up and drain, or for a slower stage,
-    hand their share to the ones computing, so the bubble is partly refilled and the
-    slowest stage runs faster than the all-busy rate. The schedule's op order
-    (simulate_schedule) is played with its data dependencies, each op progressing at
-    its rank's current share. None when the cores are not shared: one device per rank.
-    """
-    over = cluster.node.oversubscription
-    if over is None or over <= 1.0 or plan.pp == 1:
-        return None
-    from .simulate_schedule import rank_orders
-
-    pp, vpp, m = plan.pp, plan.vpp, plan.num_micro_batches
-    orders = rank_orders(plan.schedule, pp, m, vpp)
-    per_pp = plan.dp * plan.tp  # physical ranks doing each pipeline rank's work at once
-    n = cluster.gpus_per_node
-    pp_per_node = max(1, n // per_pp)
-    work = []
-    for r in ranks:
-        comm = (r.tp_comm + r.pp_comm + r.zero_comm) / 2
-        work.append({"F": (r.forward + comm) / vpp, "B": (r.backward + r.recompute + comm) / vpp})
-    last = pp * vpp - 1
-    done: set = set()
-    pos, left = [0] * pp, [None] * pp
-    t = 0.0
-
-    def ready(op) -> bool:
-        if op.phase == "F":
-            return op.stage == 0 or ("F", op.micro_batch, op.stage - 1) in done
-        return op.stage == last or ("B", op.micro_batch, op.stage + 1) in done
-
-    while any(pos[r] < len(orders[r]) for r in range(pp)):
-        running = [r for r in range(pp) if pos[r] < len(orders[r]) and ready(orders[r][pos[r]])]
-        if not running:
-            return None  # an order the dependencies cannot run: keep the closed form
-        busy: dict[int, int] = {}
-        for r in running:
-            if left[r] is None:
-                left[r] = work[r][orders[r][pos[r]].phase]
-            busy[r // pp_per_node] = busy.get(r // pp_per_node, 0) + 1
-        speed = {r: min(over, n / min(busy[r // pp_per_node] * per_pp, n)) for r in running}
-        dt = min(left[r] / speed[r] for r in running)
-        t += dt
-        for r in running:
-            left[r] -= speed[r] * dt
-            if left[r] <= 1e-12 * (1.0 + t):
-                op = orders[r][pos[r]]
-                done.add((op.phase, op.micro_batch, op.stage))
-                pos[r], left[r] = pos[r] + 1, None
-    return t
 
 
 def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
