@@ -40,7 +40,7 @@ def main() -> None:
         best_subset = min(plan.subset_step_time_s.items(), key=lambda kv: kv[1]) if plan.subset_step_time_s else ("-", float("nan"))
         rows.append((name, plan.uniform_step_time_s, plan.uniform_layout, best_subset, plan.step_time_s, plan.mode, wall))
     console.print(f"\n{args.hw}, global batch {args.global_batch} x {args.seq_len} tokens, bf16 (predicted step times)")
-    print(f"| model | uniform plan (slowest pace) | best single group | hetero-aware | mode | speed-up vs uniform | plan wall s |")
+    print("| model | uniform plan (slowest pace) | best single group | hetero-aware | mode | speed-up vs uniform | plan wall s |")
     print("|---|---|---|---|---|---|---|")
     for name, uni, lay, (sub, sub_t), het, mode, wall in rows:
         uni_s = f"{uni:.2f} s ({lay})" if uni else "does not fit"

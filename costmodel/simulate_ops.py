@@ -95,7 +95,7 @@ class Pricer:
         rows = self.stage_layers(index)
         if phase == "B":
             rows = rows[::-1]
-        work, tp, gathers, scatters, comp, recomp = [], [], [], [], 0.0, 0.0
+        work, gathers, scatters, comp, recomp = [], [], [], 0.0, 0.0
         for _, layer, policy in rows:
             lt, fwd_comm, gather = self.layer(layer, policy)
             if phase == "F":

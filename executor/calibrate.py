@@ -90,7 +90,7 @@ def fit_half_dim(curve: dict[int, float]) -> tuple[float, float]:
     """Least-squares fit of 1/flops = 1/M + (h/M)/d: returns (asymptote M, half_dim h)."""
     xs = [1 / d for d in curve]
     ys = [1 / f for f in curve.values()]
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
     intercept = my - slope * mx
     if intercept <= 0 or slope < 0:  # no saturation seen, or faster at small sizes: flat at the best point

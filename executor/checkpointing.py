@@ -7,8 +7,6 @@ attention and elementwise intermediates) and recomputes everything else.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
