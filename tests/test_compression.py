@@ -1,7 +1,6 @@
 """Gradient compression: hooks on 4 gloo ranks, cost model, planner choice."""
 from __future__ import annotations
 
-import math
 import os
 import sys
 import traceback

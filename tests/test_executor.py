@@ -11,7 +11,6 @@ import os
 import sys
 import tempfile
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
