@@ -75,6 +75,19 @@ def wire_element_bytes(method: str, grad_bytes: int, powersgd_rank: int = DEFAUL
             "powersgd": grad_bytes * powersgd_wire_fraction(powersgd_rank)}[method]
 
 
+def reduction_element_bytes(plan: Plan) -> float:
+    """Bytes per gradient element of an all-reduce that moves the same traffic
+    as the plan's gradient reduction. Top-K all-gathers dp*k*(value + index)
+    per element, and a ring all-gather of T bytes moves what a ring all-reduce
+    of T/2 does. Without DDP hooks (ZeRO >= 1) gradients travel uncompressed."""
+    grad_bytes = WEIGHT_BYTES[plan.dtype]
+    if plan.zero >= 1 or plan.compression == "none":
+        return grad_bytes
+    if plan.compression == "topk":
+        return topk_gathered_bytes(1.0, plan.dp, grad_bytes, plan.topk_fraction) / 2
+    return wire_element_bytes(plan.compression, grad_bytes, plan.powersgd_rank)
+
+
 def topk_gathered_bytes(params: float, dp: int, grad_bytes: int, topk_fraction: float = DEFAULT_TOPK_FRACTION) -> float:
     """Size of the all-gathered Top-K payload: dp ranks x k*N x (value + index)."""
     return dp * topk_fraction * params * (grad_bytes + TOPK_INDEX_BYTES)

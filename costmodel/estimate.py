@@ -19,6 +19,7 @@ from itertools import groupby
 from hardware.schema import Cluster
 
 from . import collectives as coll
+from .compression import plan_reduction_time
 from .compute import Context, LayerTime, layer_time, recompute_flops
 from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
@@ -29,7 +30,6 @@ from .workload import LayerProfile, Workload
 DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buffers
 GIB = 2**30
 OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
-WIRE_BYTES = {"none": None, "fp16": 2, "bf16": 2, "int8": 1, "topk": None, "powersgd": None}
 
 
 @dataclass
@@ -154,11 +154,8 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     if plan.dp == 1 or plan.zero >= 3:
         return 0.0
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
-        from .compression import plan_reduction_time  # compression prices through this module's helpers
-
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
-    wire = WIRE_BYTES.get(plan.compression) or WEIGHT_BYTES[plan.dtype]
-    nbytes = params * wire
+    nbytes = params * WEIGHT_BYTES[plan.dtype]
     if plan.zero == 0:
         return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
     gather = coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import collectives as coll
+from .compression import reduction_element_bytes
 from .compute import LayerTime, layer_time, tp_collective_time
 from .estimate import Layout, layer_params_on_rank
 from .memory import WEIGHT_BYTES, activation_bytes
@@ -165,9 +166,7 @@ def p2p_seconds(plan: Plan, pricer: Pricer, boundary_layer: int) -> float:
 
 def buckets(plan: Plan, pricer: Pricer, index: int, template: OpTemplate, bucket_bytes: float) -> list[Bucket]:
     """Group a stage's gradients (last layer first, as backward produces them) into ~bucket_bytes buckets."""
-    from .estimate import WIRE_BYTES
-
-    wire = WIRE_BYTES.get(plan.compression) or WEIGHT_BYTES[plan.dtype]
+    wire = reduction_element_bytes(plan)
     grad_size = WEIGHT_BYTES[plan.dtype]
     stage = plan.stages[index]
     out, first, grads, params = [], stage.end, 0.0, 0.0

@@ -135,8 +135,9 @@ def _to_plan(result, objective: str) -> Plan:
     plans = [c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}) for c in result.best]
     best = plans[0]
     notes = []
-    if any(c.recompute == "mixed" for c in result.best[:1]):
-        notes.append("stage partition and per-layer checkpointing chosen by CP-SAT")
+    origin = {"cp-sat": "CP-SAT", "greedy": "the greedy least-recompute start of the CP-SAT search (CP-SAT found nothing better)"}
+    if result.best[0].recompute in origin:
+        notes.append(f"stage partition and per-layer checkpointing chosen by {origin[result.best[0].recompute]}")
     return best.model_copy(update={"alternatives": plans[1:], "solver": result.report, "notes": notes})
 
 

@@ -47,8 +47,8 @@ class StageModelData:
     capacity: float
 
 
-def _layer(layer: LayerProfile, plan: Plan, cluster: Cluster, ctx) -> LayerCoefficients:
-    lay = layout_of(plan, cluster)
+def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
+    ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp)
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
@@ -80,7 +80,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     coeff = {}
     for layer in layers:
         if id(layer) not in coeff:
-            coeff[id(layer)] = _layer(layer, plan, cluster, lay.ctx)
+            coeff[id(layer)] = _layer(layer, plan, lay)
     block = coeff[id(layers[first])]
     per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.dp).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters

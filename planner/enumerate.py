@@ -20,7 +20,7 @@ from .space import Layout, layouts, recompute_choices
 @dataclass(frozen=True)
 class Candidate:
     layout: Layout
-    recompute: str
+    recompute: str  # the uniform policy, or "greedy" / "cp-sat" for non-uniform checkpointing
     plan: Plan
     estimate: Estimate
 

@@ -198,11 +198,11 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     if greedy is not None:
         model.hint(greedy)
         plan = template.model_copy(update={"stages": stages_from_counts(workload, greedy)})
-        cands.append(_priced(workload, cluster, layout, plan, reserve, "mixed"))
+        cands.append(_priced(workload, cluster, layout, plan, reserve, "greedy"))
     solution = model.solve(LAYOUT_SOLVE_LIMIT_S)
     if solution is not None:
         plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
-        cands.append(_priced(workload, cluster, layout, plan, reserve, "mixed"))
+        cands.append(_priced(workload, cluster, layout, plan, reserve, "cp-sat"))
     if not cands:
         return None, None
     best = min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s))
