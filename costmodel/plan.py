@@ -16,7 +16,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-SCHEMA_VERSION = 1
+from hardware.schema import Cluster
+
+SCHEMA_VERSION = 2  # 2: hardware_profile (a plan made on a profile file carries it)
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -96,9 +98,11 @@ class SolverReport(BaseModel):
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     model: str
     hardware: str
+    hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
+                                             "catalog spec (a calibrated or edited profile)")
     global_batch: int = Field(gt=0)
     seq_len: int = Field(gt=0)
     dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
@@ -155,6 +159,14 @@ class Plan(BaseModel):
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) needs tp > 1")
         return self
+
+    def cluster(self) -> Cluster:
+        """The hardware the plan was made for: its embedded profile, else its catalog spec."""
+        if self.hardware_profile is not None:
+            return self.hardware_profile
+        import hardware
+
+        return hardware.load(self.hardware)
 
     def with_overrides(self, **values) -> "Plan":
         """A copy with `values` replaced, validated like a plan read from JSON (model_copy is not)."""

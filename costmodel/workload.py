@@ -63,6 +63,7 @@ class Workload(BaseModel):
     hidden: int | None = None
     vocab: int | None = None
     flash_attention: bool = True
+    max_seq_len: int | None = Field(None, description="longest sequence the model takes (learned positions), if any")
 
     @cached_property
     def layers(self) -> list[LayerProfile]:

@@ -2,9 +2,15 @@
 
 zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
 re-gathered for backward; zero 2: FSDP2 keeping the gathered parameters from
-forward to backward; zero 1: replicated parameters (DDP) with the optimizer
-state sharded by ZeroRedundancyOptimizer; zero 0: DDP. Blocks are sharded one
-by one so that only one block's parameters are gathered at a time.
+forward to backward; zero 1: replicated parameters with the optimizer state
+sharded by ZeroRedundancyOptimizer; zero 0: replicated parameters. Blocks are
+sharded one by one so that only one block's parameters are gathered at a time.
+
+Replicated parameters go through DDP where it can hold them (one plain-tensor
+module per rank, `planner.executable.uses_ddp`) and through FSDP2's
+`replicate` otherwise: DTensor parameters under TP, and the several chunks of
+an interleaved pipeline rank, whose backward passes DDP's reducer cannot
+follow.
 """
 from __future__ import annotations
 
@@ -13,10 +19,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.plan import Plan
 from executor.layers import LayerMap, get_or_none
+from planner.executable import uses_ddp
 
 
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
@@ -37,8 +45,7 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
         fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
         return module
-    if plan.tp > 1:
-        # DDP cannot hold DTensor parameters; FSDP2's replicate is DDP for them.
+    if not uses_ddp(plan):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         replicate(module, mesh=dp_mesh)
@@ -55,6 +62,10 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
     """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     if plan.zero == 1 and plan.dp > 1:
+        if any(isinstance(p, DTensor) for p in params):
+            from executor.zero1 import LocalShardZero
+
+            return LocalShardZero(params, mesh["dp"].get_group(), lr=lr)
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
                                        process_group=mesh["dp"].get_group(), lr=lr)
     return torch.optim.AdamW(params, lr=lr)

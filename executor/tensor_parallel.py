@@ -7,14 +7,18 @@ gathered. With SP the residual stream is a sequence-sharded DTensor (so code
 that reads `x.shape[1]`, e.g. rotary embeddings and causal masks, still sees
 the full sequence), norms run as SequenceParallel, column-split linears
 all-gather their input and row-split linears reduce-scatter their output.
+Under pipelining with SP, a stage hands its neighbour the local sequence
+shard (a plain tensor, which is what `torch.distributed.pipelining` sends)
+and the neighbour wraps it back into the sequence-sharded DTensor.
 """
 from __future__ import annotations
 
 import logging
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
@@ -79,14 +83,36 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, analy
         module.sp_skipped = True
     layout = {}
     for name, style in styles.items():
-        if get_or_none(module, name) is None:
+        sub = get_or_none(module, name)
+        if sub is None:
             continue
-        if style in ("colwise", "rowwise"):
+        if style in ("colwise", "rowwise") and isinstance(sub, (nn.Linear, nn.Embedding)):  # not a stage's stand-in
             layout[name] = _style(name, style, analysis, sp)
         elif sp and _is_norm(get_or_none(module, name)):
             layout[name] = SequenceParallel()
     parallelize_module(module, mesh["tp"], layout)
+    if sp and plan.pp > 1:
+        _sequence_shard_boundaries(module, mesh["tp"])
     if replicated:
         log.info("tensor parallelism left replicated: %s", ", ".join(replicated))
     module.tp_replicated = replicated
     return module
+
+
+def _sequence_shard_boundaries(module: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """A pipeline stage takes and returns the local sequence shard of the residual
+    stream: hidden states in (floating point, unlike the first stage's token ids)
+    become the Shard(1) DTensor the stage's SP layers expect; a DTensor out leaves
+    as its local shard. Registered before FSDP's hooks, so FSDP sees plain tensors."""
+
+    def enter(_module, args):
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() \
+                and not isinstance(args[0], DTensor):
+            return (DTensor.from_local(args[0], tp_mesh, [Shard(1)], run_check=False), *args[1:])
+        return None
+
+    def leave(_module, _args, output):
+        return output.to_local() if isinstance(output, DTensor) else None
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave)

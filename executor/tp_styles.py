@@ -17,6 +17,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from planner.executable import tp_split_classes
+
 _MIXING_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "mean", "var_mean", "softmax", "_softmax", "_log_softmax"}
 
 
@@ -102,7 +104,7 @@ def analyse_tp(model: nn.Module, example: torch.Tensor) -> TPAnalysis:
 
     handles = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.Linear, nn.Embedding)):
+        if isinstance(module, tp_split_classes()):
             handles.append(module.register_forward_hook(hook(name)))
         elif any(True for _ in module.parameters(recurse=False)):
             styles[name] = "replicate"

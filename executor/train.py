@@ -30,6 +30,17 @@ def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.T
     return rows[:, :-1], rows[:, 1:]
 
 
+def precision(plan: Plan, device: torch.device):
+    """bf16/fp16 plans compute under autocast with fp32 weights, gradients and AdamW state:
+    the 16 bytes per parameter the cost model's mixed precision holds, and half-width
+    activations where autocast casts (GEMM inputs and outputs)."""
+    import contextlib
+
+    if plan.dtype == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype])
+
+
 def _plain_step(run: Materialized, plan: Plan, x, y) -> torch.Tensor:
     module, n = run.modules[0], plan.num_micro_batches
     total = torch.zeros((), device=run.device)
@@ -73,10 +84,11 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
         with memory.measure() if step - start_step < MEMORY_STEPS else _null():
             dist.barrier()
             start = time.perf_counter()
-            if run.schedule is None:
-                loss = _plain_step(run, plan, x, y)
-            else:
-                loss = _pipeline_step(run, plan, x, y, at["pp"])
+            with precision(plan, run.device):
+                if run.schedule is None:
+                    loss = _plain_step(run, plan, x, y)
+                else:
+                    loss = _pipeline_step(run, plan, x, y, at["pp"])
             if step == kill_at:  # fault injection for the restart tests: die mid-step, before the update
                 import os
                 import signal

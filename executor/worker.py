@@ -61,7 +61,29 @@ def main(argv: list[str] | None = None) -> None:
                         help="fault injection: on torchrun attempt i (0 first), rank --fail-rank SIGKILLs "
                              "itself mid-step at the i-th step of this comma-separated list")
     parser.add_argument("--fail-rank", type=int, default=1)
+    parser.add_argument("--failure-dir", default=None, help="write this rank's exception here if it fails")
     args = parser.parse_args(argv)
+    try:
+        _work(args)
+    except Exception as error:
+        if args.failure_dir:
+            _record_failure(args.failure_dir, error)
+        raise
+
+
+def _record_failure(folder: str, error: Exception) -> None:
+    import time
+
+    rank = os.environ.get("RANK", "?")
+    root = error
+    while root.__cause__ is not None:  # pipelining wraps a stage's error: report what went wrong inside
+        root = root.__cause__
+    record = {"rank": rank, "type": type(root).__name__, "message": str(root) or repr(root), "time": time.time()}
+    with open(os.path.join(folder, f"failure.rank{rank}.json"), "w") as fh:
+        json.dump(record, fh)
+
+
+def _work(args) -> None:
     if device_and_backend()[0] == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     plan = Plan.from_json(open(args.plan).read())

@@ -31,6 +31,10 @@ class PlanError(ParallaxError):
     """A plan is inconsistent with the model, the hardware or itself."""
 
 
+class RunError(ParallaxError):
+    """A launched run failed: `field` names the rank, the message its exception."""
+
+
 class InfeasibleError(ParallaxError):
     """No layout fits; `report` carries the numbers that explain why."""
 

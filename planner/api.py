@@ -84,18 +84,18 @@ def plan(
     check_pins(fixed, workload, cluster)
     name = model_name(model, workload)
     clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]
-    best_result, best_key = None, None
+    best_result, best_key, best_cluster = None, None, cluster
     for candidate in clusters:
         result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
                         top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve)
         if result.best:
             key = _objective_value(result.best[0].estimate, objective)
             if best_key is None or key < best_key:
-                best_result, best_key = result, key
+                best_result, best_key, best_cluster = result, key, candidate
     if best_result is None:
         report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)
-    best = _to_plan(best_result, objective)
+    best = _to_plan(best_result, objective, best_cluster)
     if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
         best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
     return best
@@ -104,7 +104,7 @@ def plan(
 def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
     """Why the solver compressed: the same plan uncompressed, priced by the estimator."""
     if best.hardware != cluster.spec():
-        cluster = hardware.load(best.hardware, price_per_gpu_hour=cluster.price_per_gpu_hour)
+        cluster = best.cluster()
     plain = price_plan(workload, best.model_copy(update={"compression": "none", "estimate": None}), cluster,
                        memory_reserve=memory_reserve)
     what = f"topk (k={best.topk_fraction:g}, error feedback)" if best.compression == "topk" else \
@@ -131,8 +131,18 @@ def _objective_value(est: Estimate, objective: str) -> float:
     return est.usd_per_million_tokens if objective == "cost" else est.step_time_s
 
 
-def _to_plan(result, objective: str) -> Plan:
-    plans = [c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}) for c in result.best]
+def with_profile(plan_: Plan, cluster: Cluster) -> Plan:
+    """Embed `cluster` when its spec alone would not load it back (a profile file)."""
+    try:
+        same = hardware.load(cluster.spec()) == cluster
+    except hardware.HardwareError:
+        same = False
+    return plan_ if same else plan_.model_copy(update={"hardware_profile": cluster})
+
+
+def _to_plan(result, objective: str, cluster: Cluster) -> Plan:
+    plans = [with_profile(c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}), cluster)
+             for c in result.best]
     best = plans[0]
     notes = []
     origin = {"cp-sat": "CP-SAT", "greedy": "the greedy least-recompute start of the CP-SAT search (CP-SAT found nothing better)"}
@@ -144,6 +154,6 @@ def _to_plan(result, objective: str) -> Plan:
 def estimate(model: Any, plan_: Plan, hw: str | Cluster | None = None, *, example_inputs: Any = None,
              memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
     """Price a given plan (hand-written or solved) without searching."""
-    cluster = resolve_hardware(hw if hw is not None else plan_.hardware)
+    cluster = resolve_hardware(hw) if hw is not None else plan_.cluster()
     workload = resolve_workload(model, seq_len=plan_.seq_len, dtype=plan_.dtype, example_inputs=example_inputs)
     return price_plan(workload, plan_, cluster, memory_reserve=memory_reserve)

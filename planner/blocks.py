@@ -15,6 +15,13 @@ R is column-parallel (output S); one whose input is S is row-parallel (output R,
 one all-reduce of its output). Everything else is S when any activation input
 is S. An activation×activation matmul with an [s, s] output makes attention
 scores; elementwise ops and views of scores stay scores.
+
+The split is the executor's, so that what is priced is what runs: only GEMMs
+of modules that DTensor splits (`planner.executable.TP_SPLIT_MODULES`) are
+split, anything else (GPT-2's fused Conv1D) stays replicated; a column-split
+linear from which no further split linear is reached (the LM head) has its
+output gathered (replicated, one all-gather), as ColwiseParallel with a
+replicated output does.
 """
 from __future__ import annotations
 
@@ -120,9 +127,21 @@ def _wildcard(og: OpGraph, module: str) -> str:
     return module
 
 
+def _split_linears(og: OpGraph) -> tuple[set[int], set[int]]:
+    """(forward linear nodes the executor splits, those among them that reach no later split linear)."""
+    g = og.graph
+    split = {n for n, d in og.nodes() if d["kind"] == "linear" and d.get("module") in og.tp_split_modules}
+    reaches: dict[int, bool] = {}
+    for node in sorted((n for n, _ in og.nodes()), reverse=True):
+        reaches[node] = any(s in split or reaches.get(s, False) for s in g.successors(node)
+                            if g.nodes[s]["phase"] == "forward")
+    return split, {n for n in split if not reaches[n]}
+
+
 def split_tp(og: OpGraph) -> None:
     """Propagate R/S through the forward DAG; classify linears; mark scores."""
     g, s = og.graph, og.seq_len
+    split, gathered = _split_linears(og)
     for node, data in og.nodes(None):
         if data["phase"] == "backward":
             continue
@@ -130,9 +149,15 @@ def split_tp(og: OpGraph) -> None:
         states = [g.nodes[p].get("tp", "R") for p in preds]
         sharded = "S" in states
         data["tp"], data["allreduce"], data["scores"] = ("S" if sharded else "R"), False, False
-        if data["kind"] == "linear":
+        data["tp_style"], data["gather"] = None, False
+        if data["kind"] == "linear" and node not in split:
+            _set_style(og, data["module"], "replicate")
+        elif data["kind"] == "linear":
             style = "rowwise" if sharded else "colwise"
             data["tp"], data["allreduce"] = ("R", True) if sharded else ("S", False)
+            data["tp_style"] = style
+            if node in gathered and not sharded:
+                data["tp"], data["gather"] = "R", True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":
             from_input = any(_from_input(g, p) for p in preds)

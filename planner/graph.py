@@ -54,6 +54,7 @@ class OpGraph:
     tp_styles: dict[str, str] = field(default_factory=dict)
     block_counts: dict[str, int] = field(default_factory=dict)
     module_types: dict[str, str] = field(default_factory=dict)
+    tp_split_modules: set[str] = field(default_factory=set)  # what the executor's TP splits
     meta: dict[str, Any] = field(default_factory=dict)
 
     def warn_once(self, message: str) -> None:

@@ -3,7 +3,9 @@ ZeRO x SP combinations are legal for a workload on a cluster.
 
 Both the CP-SAT planner (which adds the per-stage partition and per-layer
 checkpointing on top) and the exhaustive uniform baseline draw from here, so
-the two search the same layouts. Pinned fields (`fixed`) filter the space.
+the two search the same layouts. Pinned fields (`fixed`) filter the space, and
+so does the executor's declaration (`planner.executable`): a layout the
+executor cannot run is never offered.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from costmodel.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
+from planner.executable import COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, uses_ddp
 
 PINNABLE = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "schedule", "vpp", "recompute", "compression")
 MAX_MICRO_BATCH = 16
@@ -66,9 +69,9 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
         raise PlanError("fixed", f"unknown field(s) {unknown}", f"pin any of {', '.join(PINNABLE)}")
     choices = {
         "recompute": ("none", "selective", "full"),
-        "schedule": ("1f1b", "gpipe", "interleaved"),
+        "schedule": SCHEDULES,
         "zero": (0, 1, 2, 3),
-        "compression": ("none", "fp16", "bf16", "int8", "topk", "powersgd"),
+        "compression": COMPRESSION,
     }
     allowed = fixed.get("compression")
     if isinstance(allowed, (tuple, list, set, frozenset)):  # a set of allowed methods (--allow-compression)
@@ -81,8 +84,15 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
             raise PlanError(key, f"{fixed[key]!r} is not valid", f"use one of {', '.join(map(str, valid))}")
     if workload is None or cluster is None:
         return
+    facts = facts_of_workload(workload)
+    if facts.max_seq_len is not None and workload.seq_len > facts.max_seq_len:
+        raise PlanError("seq_len", f"{workload.seq_len} exceeds {workload.name}'s {facts.max_seq_len} positions",
+                        f"use at most {facts.max_seq_len}")
     if "tp" in fixed and fixed["tp"] not in tp_choices(workload, cluster):
-        raise PlanError("tp", f"tp={fixed['tp']} does not divide the heads ({workload.heads}) and the {cluster.n_gpus} GPUs",
+        problem = layout_problem(_pinned_fields(fixed), facts, workload.seq_len)
+        if problem is not None:
+            raise problem
+        raise PlanError("tp", f"tp={fixed['tp']} must divide the {cluster.n_gpus} GPUs and fit in two nodes",
                         f"use one of {tp_choices(workload, cluster)}")
     if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
         raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
@@ -92,10 +102,17 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
             raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
 
 
+def _pinned_fields(fixed: dict) -> LayoutFields:
+    return LayoutFields(dp=1, tp=fixed.get("tp", 1), pp=1, sp=False)
+
+
 def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:
-    """Powers of two up to two nodes' worth that divide the heads (TP may cross a node if it pays)."""
+    """Powers of two up to two nodes' worth that the executor can split the model by
+    (TP may cross a node if it pays)."""
     limit = min(cluster.n_gpus, 2 * cluster.gpus_per_node)
-    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= limit and cluster.n_gpus % t == 0 and workload.tp_divides(t)]
+    facts = facts_of_workload(workload)
+    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= limit and cluster.n_gpus % t == 0
+            and layout_problem(LayoutFields(dp=1, tp=t, pp=1), facts, workload.seq_len) is None]
 
 
 def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None) -> Iterator[tuple[str, int]]:
@@ -117,6 +134,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
     """Every legal layout that honours the pinned fields."""
     fixed = fixed or {}
     n = cluster.n_gpus
+    facts = facts_of_workload(workload)
     for tp in tp_choices(workload, cluster):
         for pp in divisors(n // tp):
             if pp > workload.n_blocks:
@@ -134,7 +152,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                             layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp)
                             if _honours(layout, fixed):
                                 for method in compression_choices(layout, fixed):
-                                    yield replace(layout, compression=method)
+                                    offered = replace(layout, compression=method)
+                                    if layout_problem(offered, facts, workload.seq_len) is None:
+                                        yield offered
 
 
 def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
@@ -143,7 +163,7 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
     pinned = fixed.get("compression", "none")
     if isinstance(pinned, str):
         return (pinned,)
-    hookable = layout.dp > 1 and layout.zero == 0 and layout.tp == 1
+    hookable = uses_ddp(layout) and layout.zero == 0
     return tuple(m for m in pinned if m == "none" or hookable) or ("none",)
 
 

@@ -76,7 +76,17 @@ def config_meta(config: Any) -> dict[str, Any]:
     """heads / kv_heads / hidden / vocab as the Workload wants them."""
     heads = getattr(config, "num_attention_heads", None)
     return {"heads": heads, "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
-            "hidden": getattr(config, "hidden_size", None), "vocab": getattr(config, "vocab_size", None)}
+            "hidden": getattr(config, "hidden_size", None), "vocab": getattr(config, "vocab_size", None),
+            "max_seq_len": learned_positions(config)}
+
+
+def learned_positions(config: Any) -> int | None:
+    """The size of a learned position table (GPT-2's n_positions, BERT's absolute
+    embeddings): a hard limit on seq_len. Rotary and relative positions have none."""
+    if isinstance(getattr(config, "n_positions", None), int):
+        return config.n_positions
+    absolute = getattr(config, "position_embedding_type", None) == "absolute"
+    return getattr(config, "max_position_embeddings", None) if absolute else None
 
 
 def _block_counts(og: OpGraph, config: Any, real: dict[str, int]) -> dict[str, int]:

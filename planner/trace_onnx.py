@@ -104,6 +104,9 @@ def trace_onnx(path: str | Path, *, seq_len: int | None = None, batch: int = 1, 
     dtype = dtype or {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64"}[float_init]
     og = OpGraph(nx.DiGraph(), name or Path(path).stem, seq_len=seq_len or 1, batch=batch, dtype=dtype)
     _build(og, model, shapes, inits)
+    # An ONNX GEMM against a weight initializer is what a torch nn.Linear exports to:
+    # the split the executor would make of the source module.
+    og.tp_split_modules = {d["module"] for _, d in og.nodes() if d["kind"] == "linear"}
     analyse(og)
     return og
 

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hardware.errors import ModelError
+from planner.executable import tp_split_classes
 from planner.graph import MATMUL_LIKE, OpGraph, new_node
 
 aten = torch.ops.aten
@@ -105,6 +106,8 @@ class Tracer:
             handles.append(sub.register_forward_pre_hook(lambda *_, n=name: self.stack.append(n)))
             handles.append(sub.register_forward_hook(lambda *_, n=name: self._pop(n)))
             self.og.module_types[name] = type(sub).__name__
+            if isinstance(sub, tp_split_classes()):
+                self.og.tp_split_modules.add(name)
         return handles
 
     def _pop(self, name: str) -> None:

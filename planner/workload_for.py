@@ -38,8 +38,12 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
 
 @lru_cache(maxsize=64)
 def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
+    from planner.models.build import build_module, is_reference
     from planner.models.catalog import hf_config
 
+    if is_reference(name):  # small by design: built on the CPU, traced under FakeTensor
+        workload, graph = _module(build_module(name), seq_len, dtype, None, 1)
+        return workload.model_copy(update={"name": name}), graph
     config = hf_config(name)
     from planner.trace_hf import trace_hf
 
@@ -72,7 +76,8 @@ def _module_meta(module: Any) -> dict[str, Any]:
 
     heads = pick("num_attention_heads", "heads", "n_head", "num_heads")
     return {"heads": heads, "kv_heads": pick("num_key_value_heads", "kv_heads") or heads,
-            "hidden": pick("hidden_size", "hidden", "n_embd", "d_model"), "vocab": pick("vocab_size", "vocab")}
+            "hidden": pick("hidden_size", "hidden", "n_embd", "d_model"), "vocab": pick("vocab_size", "vocab"),
+            "max_seq_len": pick("max_seq_len", "n_positions")}
 
 
 def _module(module: Any, seq_len: int, dtype: str, example_inputs: Any, batch: int) -> tuple[Workload, OpGraph]:

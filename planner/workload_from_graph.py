@@ -13,6 +13,10 @@ Conventions:
 - Saved activations: each saved storage once, in the layer that saved it; its
   TP state (R/S) and scores flag come from the op that produced it.
 - act_input: the layer's largest activation input (kept under full recompute).
+- TP collectives are the ones the executor's DTensor layout issues: one
+  all-reduce per row-split linear output in forward, one per column-split
+  linear's input gradient in backward, and an all-gather of each gathered
+  (replicated) column-split output (see `blocks.split_tp`).
 """
 from __future__ import annotations
 
@@ -57,6 +61,8 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
             elementwise += data["bytes"]
     saved = _saved(og, layer)
     reduces = [nbytes(d) for _, d in nodes if d.get("allreduce")]
+    colwise = [_activation_input_bytes(og, n) for n, d in nodes if d.get("tp_style") == "colwise"]
+    comm = reduces or colwise
     inputs = [nbytes(g.nodes[p]) for n in members for p in g.predecessors(n)
               if p not in members and not g.edges[p, n].get("param") and g.nodes[p]["phase"] != "backward"]
     return LayerProfile(
@@ -66,8 +72,18 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
         act_input=max(inputs, default=0.0) / b,
         tp_shardable=kind != "block" or bool(reduces),
-        tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(reduces) / len(reduces) / b) if reduces else 0.0,
+        tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
+        tp_allreduces_bwd=len(colwise),
+        tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b)
+
+
+def _activation_input_bytes(og: OpGraph, node: int) -> float:
+    """Bytes of a linear's activation input: DTensor all-reduces its gradient in backward,
+    once per column-split linear (separate q, k, v projections reduce three times)."""
+    g = og.graph
+    ins = [nbytes(g.nodes[p]) for p in g.predecessors(node) if not g.edges[p, node].get("param")]
+    return max(ins, default=0.0)
 
 
 def _effective_dim(flops: float, flops_per_dim: float, fallback: int) -> int:
@@ -131,4 +147,5 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     meta = og.meta
     return Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
                     heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
-                    vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)))
+                    vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)),
+                    max_seq_len=meta.get("max_seq_len"))

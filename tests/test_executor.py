@@ -23,9 +23,10 @@ STEPS = 3
 SEQ = 16
 GLOBAL_BATCH = 8
 # Attention key biases have an exactly zero true gradient (softmax ignores a
-# per-row constant), so AdamW turns float rounding noise into updates of up to
-# ~1e-5. A missing gradient reduction moves parameters by ~lr = 1e-3, far above.
-PARAM_ATOL = 5e-5
+# per-row constant), and a few other entries a near-zero one, so AdamW turns
+# float rounding noise into updates of up to ~1e-4 on single entries. A missing
+# gradient reduction moves parameters by ~lr = 1e-3 per step, far above.
+PARAM_ATOL = 2e-4
 
 
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
@@ -135,6 +136,10 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "tp_selective_ac": dict(tp=2, recompute="selective"), "pp_selective_ac": dict(pp=2, recompute="selective"),
         "dp_tp": dict(dp=2, tp=2), "dp_tp_zero3": dict(dp=2, tp=2, zero=3, recompute="full"),
         "pp_dp": dict(pp=2, dp=2), "pp_dp_zero3": dict(pp=2, dp=2, zero=3, recompute="selective"),
+        "pp_dp_interleaved_zero1": dict(pp=2, dp=2, schedule="interleaved", vpp=2, zero=1),
+        "pp_dp_interleaved": dict(pp=2, dp=2, schedule="interleaved", vpp=2),
+        "dp_tp_zero1": dict(dp=2, tp=2, zero=1), "pp_tp_sp": dict(pp=2, tp=2, sp=True),
+        "pp_tp_sp_interleaved_ac": dict(pp=2, tp=2, sp=True, schedule="interleaved", vpp=2, recompute="full"),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -151,8 +156,9 @@ def test_reference_gpt_two_ranks_matches_single_process():
 
 
 def test_four_rank_layouts_match_single_process():
-    _check_all(4, {**_cases("reference-tiny", ("dp_tp", "dp_tp_zero3", "pp_dp", "pp_dp_zero3")),
-                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp"))})
+    _check_all(4, {**_cases("reference-tiny", ("dp_tp", "dp_tp_zero3", "pp_dp", "pp_dp_zero3", "pp_dp_interleaved_zero1",
+                                               "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac")),
+                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp", "pp_dp_interleaved", "pp_tp_sp"))})
 
 
 def test_hf_llama_two_ranks_matches_single_process():
@@ -160,11 +166,26 @@ def test_hf_llama_two_ranks_matches_single_process():
                                            "tp_selective_ac", "zero3_full_ac")))
 
 
-def test_hf_gpt2_two_ranks_matches_single_process_and_reports_unsplittable():
-    replicated = _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "tp", "pp_gpipe", "dp_full_ac")))
-    # GPT-2's fused Conv1D projections cannot be column/row split: replicated and named.
-    assert "model.transformer.h.0.attn.c_attn" in replicated["hf-gpt2-tiny-tp"]
-    assert replicated["hf-gpt2-tiny-dp"] == []
+def test_hf_gpt2_two_ranks_matches_single_process():
+    _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac")))
+
+
+def test_gpt2_tp_is_neither_offered_nor_run():
+    """GPT-2's fused Conv1D projections are not what DTensor splits: the executor
+    refuses TP on it, and the planner's space (same declaration) never offers it."""
+    import pytest
+
+    from executor.validate import validate
+    from hardware.errors import PlanError
+    from planner.space import tp_choices
+    from planner.workload_for import workload_for
+    import hardware
+
+    with pytest.raises(PlanError) as refused:
+        validate(make_plan("hf-gpt2-tiny", tp=2), build_model("hf-gpt2-tiny"))
+    assert refused.value.field == "tp" and "tensor-split" in str(refused.value)
+    workload, _ = workload_for("gpt2", seq_len=64)
+    assert tp_choices(workload, hardware.load("8xh100-sxm")) == [1]
 
 
 def test_parallax_run_end_to_end_with_torchrun(tmp_path):

@@ -19,13 +19,23 @@ from test_executor import make_plan
     (dict(tp=3), "tp"),                       # 4 heads
     (dict(pp=7, n_layers=7), "pp"),           # more stages than the 6 layers
     (dict(n_layers=5), "stages"),             # last stage ends before the head
-    (dict(dp=2, tp=2, sp=True, pp=2), "sp"),
-    (dict(dp=2, tp=2, zero=1), "zero"),
+    (dict(dp=2, tp=2, sp=True, pp=2, vpp=3, schedule="interleaved"), "pp"),  # 12 virtual stages, 4 blocks
 ])
 def test_validate_refuses_plans_that_do_not_fit(change, field):
     with pytest.raises(PlanError) as info:
         validate(make_plan("reference-tiny", **change), build_model("reference-tiny"))
     assert info.value.field == field
+
+
+def test_validate_refuses_what_the_declaration_excludes():
+    """The executor's refusals come from planner.executable, which the planner's space reads too."""
+    with pytest.raises(PlanError) as info:
+        validate(make_plan("hf-gpt2-tiny", tp=2), build_model("hf-gpt2-tiny"))
+    assert info.value.field == "tp"
+    compressed = make_plan("reference-tiny", dp=2, zero=1).with_overrides(compression="int8")
+    with pytest.raises(PlanError) as info:
+        validate(compressed, build_model("reference-tiny"))
+    assert info.value.field == "compression"
 
 
 def test_validate_refuses_world_size_mismatch_and_accepts_a_good_plan():
@@ -122,7 +132,6 @@ def test_fit_half_dim_is_flat_when_small_sizes_are_not_slower():
 def test_comm_overlap_and_optimizer_speed_are_priced():
     """Collectives that cannot overlap compute are exposed; a slower optimizer costs more; None keeps the old model."""
     from costmodel.estimate import estimate
-    from executor.predict import workload_for
     from hardware import load
 
     cluster = load("4xcpu")
@@ -130,7 +139,7 @@ def test_comm_overlap_and_optimizer_speed_are_priced():
         model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=4, tp=1, pp=1, zero=3,
         micro_batch=2,
         stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
-    workload = workload_for("gpt-85m", plan)
+    workload = _workload(plan)
     base = estimate(workload, plan, cluster)
 
     def with_eff(**eff):
@@ -145,12 +154,17 @@ def test_comm_overlap_and_optimizer_speed_are_priced():
     assert slow.breakdown_s["optimizer"] == pytest.approx(4 * base.breakdown_s["optimizer"])
 
 
-def test_prediction_keeps_gathered_logits_on_every_tp_rank():
-    from executor.predict import workload_for
+def _workload(plan):
+    """The one workload of the model: what plan, estimate and the run report price."""
+    from planner.workload_for import workload_for
 
+    return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0]
+
+
+def test_prediction_keeps_gathered_logits_on_every_tp_rank():
     plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
                 stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
-    head = workload_for("gpt-85m", plan).segments[-1].layer
+    head = _workload(plan).segments[-1].layer
     assert head.act_tp_sharded == 0 and head.act_replicated >= 256 * 8192 * 4
 
 
@@ -158,11 +172,9 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
     """DTensor TP on the reference GPT (separate q/k/v projections): a block all-reduces twice in
     forward and four times in backward (6 gloo all-reduces counted with torch.profiler); the head
     all-gathers its logits in forward and all-reduces its input gradient; the embedding reduces in forward only."""
-    from executor.predict import workload_for
-
     plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
                 stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
-    layers = {seg.layer.kind: seg.layer for seg in workload_for("gpt-85m", plan).segments}
+    layers = {seg.layer.kind: seg.layer for seg in _workload(plan).segments}
     assert (layers["block"].tp_allreduces_fwd, layers["block"].tp_allreduces_bwd) == (2, 4)
     assert (layers["embedding"].tp_allreduces_fwd, layers["embedding"].tp_allreduces_bwd) == (1, 0)
     head = layers["head"]

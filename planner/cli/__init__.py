@@ -11,7 +11,7 @@ import sys
 import typer
 from pydantic import ValidationError
 
-from hardware.errors import ParallaxError
+from hardware.errors import ParallaxError, RunError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, simulate and run parallel training.")
 
@@ -34,23 +34,37 @@ def _one_line(error: Exception) -> str:
     return str(error)
 
 
+def _is_click_error(error: BaseException) -> bool:
+    """click's usage errors, whichever click raised them (typer may vendor its own copy)."""
+    return any(cls.__name__ == "ClickException" for cls in type(error).__mro__)
+
+
+def _usage_line(error) -> str:
+    """click's message on one line, with the command's --help to try."""
+    context = getattr(error, "ctx", None)
+    where = f" (see '{context.command_path} --help')" if context is not None else ""
+    return f"error: {' '.join(error.format_message().split())}{where}"
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; every failure is one line on stderr and a non-zero exit code:
+    2 for wrong input (usage, values, files), 1 for a failed run or an internal error."""
     _register_commands()
     try:
-        app(args=argv, standalone_mode=False)
-    except (ParallaxError, ValidationError, FileNotFoundError) as error:
+        app(args=argv, standalone_mode=False, prog_name="parallax")
+    except (ParallaxError, ValidationError, FileNotFoundError, IsADirectoryError) as error:
         print(f"error: {_one_line(error)}", file=sys.stderr)
-        return 2
-    except typer.Abort:
+        return 1 if isinstance(error, RunError) else 2
+    except (typer.Abort, KeyboardInterrupt):
         print("aborted", file=sys.stderr)
         return 1
-    except Exception as error:  # click's own usage errors
-        import click
-
-        if isinstance(error, click.ClickException):
-            error.show()
-            return error.exit_code
-        raise
+    except Exception as error:
+        if _is_click_error(error):
+            print(_usage_line(error), file=sys.stderr)
+            return int(getattr(error, "exit_code", 2) or 2)
+        print(f"error: internal error, please report it: {type(error).__name__}: "
+              f"{' '.join(str(error).split())[:300]}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -82,7 +82,7 @@ def simulate_command(
     from costmodel.simulate import simulate
 
     plan = Plan.from_json(plan_path.read_text())
-    cluster = hardware.load(hw or plan.hardware)
+    cluster = hardware.load(hw) if hw else plan.cluster()
     workload = load_workload(plan)
     plan, notes = fit_plan(plan, workload, cluster)
     sim = simulate(workload, plan, cluster)

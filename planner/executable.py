@@ -1,0 +1,147 @@
+"""What the executor runs: the one declaration that the layout space and the
+executor's validation both read.
+
+The planner offers a layout only if `layout_problem` finds nothing wrong with
+it, and the executor refuses a plan (before any process starts) only through
+the same function, so a plan the planner chose is never refused. Model facts
+come from the planner's workload when planning and from the nn.Module when
+running; both describe the same model.
+
+The executor composes what torch provides, applied in this order:
+pipeline (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B over any
+number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
+rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
+pipeline stages too) -> activation checkpointing (per layer) -> data parallel
+(DDP, or FSDP2's replicate where parameters are DTensors or a rank holds
+several chunks; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3).
+Gradient compression runs as DDP communication hooks, so it needs the DDP path.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hardware.errors import PlanError
+
+# Module classes whose weights DTensor's ColwiseParallel / RowwiseParallel split.
+# Anything else holding a GEMM weight (GPT-2's fused Conv1D) stays replicated, so a
+# block built from it is not tensor-parallel at all.
+TP_SPLIT_MODULES = ("Linear", "Embedding")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+
+
+def tp_split_classes() -> tuple[type, ...]:
+    """The classes of TP_SPLIT_MODULES (torch imported only when asked)."""
+    from torch import nn
+
+    return tuple(getattr(nn, name) for name in TP_SPLIT_MODULES)
+COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """The few facts about a model that decide what the executor can run on it."""
+
+    n_blocks: int
+    heads: int | None = None
+    kv_heads: int | None = None
+    tp_splittable: bool = True
+    max_seq_len: int | None = None
+    name: str = "the model"
+
+
+@dataclass(frozen=True)
+class LayoutFields:
+    dp: int
+    tp: int
+    pp: int
+    sp: bool = False
+    zero: int = 0
+    schedule: str = "1f1b"
+    vpp: int = 1
+    compression: str = "none"
+
+
+def facts_of_workload(workload) -> ModelFacts:
+    """The planner's view: a traced or analytic `costmodel.workload.Workload`."""
+    return ModelFacts(n_blocks=workload.n_blocks, heads=workload.heads, kv_heads=workload.kv_heads,
+                      tp_splittable=workload.max_tp() != 1, max_seq_len=workload.max_seq_len, name=workload.name)
+
+
+def uses_ddp(fields) -> bool:
+    """DDP wraps a rank's one plain-tensor module; FSDP2's replicate takes DTensor
+    parameters (tp > 1) and the several chunks of an interleaved rank."""
+    return fields.dp > 1 and fields.zero <= 1 and fields.tp == 1 and fields.vpp == 1
+
+
+def layout_problem(fields, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """The first reason the executor cannot run `fields` on the model, or None."""
+    checks = (_tp_problem, _sp_problem, _pp_problem, _zero_problem, _compression_problem, _seq_problem)
+    for check in checks:
+        problem = check(fields, facts, seq_len)
+        if problem is not None:
+            return problem
+    return None
+
+
+def check_layout(fields, facts: ModelFacts, seq_len: int) -> None:
+    problem = layout_problem(fields, facts, seq_len)
+    if problem is not None:
+        raise problem
+
+
+def _tp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if f.tp == 1:
+        return None
+    if not facts.tp_splittable:
+        return PlanError("tp", f"{facts.name}'s blocks have no projection the executor can tensor-split "
+                         f"(it splits {' and '.join('nn.' + m for m in TP_SPLIT_MODULES)} modules only)", "use tp=1")
+    for count, what in ((facts.heads, "attention heads"), (facts.kv_heads, "key/value heads")):
+        if count is not None and count % f.tp:
+            valid = [t for t in (1, 2, 4, 8, 16, 32, 64) if all(c is None or c % t == 0 for c in (facts.heads, facts.kv_heads))]
+            return PlanError("tp", f"tp={f.tp} does not divide the {count} {what}", f"use one of {valid}")
+    return None
+
+
+def _sp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if f.sp and f.tp == 1:
+        return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off")
+    if f.sp and seq_len % f.tp:
+        return PlanError("sp", f"seq_len {seq_len} is not divisible by tp={f.tp}", "turn sp off or change tp")
+    return None
+
+
+def _pp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if f.schedule not in SCHEDULES:
+        return PlanError("schedule", f"unknown schedule {f.schedule!r}", f"use one of {', '.join(SCHEDULES)}")
+    if f.schedule == "interleaved" and f.pp < 2:
+        return PlanError("schedule", "the interleaved schedule needs pp >= 2", "use 1f1b")
+    if f.pp * f.vpp > facts.n_blocks:
+        return PlanError("pp", f"pp*vpp = {f.pp * f.vpp} stages for {facts.n_blocks} blocks",
+                         f"use pp*vpp <= {facts.n_blocks}")
+    return None
+
+
+def _zero_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if f.zero not in (0, 1, 2, 3):
+        return PlanError("zero", f"{f.zero!r} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    return None
+
+
+def _compression_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if f.compression not in COMPRESSION:
+        return PlanError("compression", f"unknown method {f.compression!r}", f"use one of {', '.join(COMPRESSION)}")
+    if f.compression != "none" and not uses_ddp(f):
+        return PlanError("compression", "gradient compression runs as DDP communication hooks: it needs dp > 1, "
+                         "zero 0 or 1 reductions through DDP, tp=1 and one chunk per rank",
+                         "use compression none, or dp > 1 with zero 0, tp 1 and a non-interleaved schedule")
+    if f.compression != "none" and f.zero != 0:
+        return PlanError("compression", f"zero={f.zero} shards the optimizer step outside DDP's hooks",
+                         "use zero 0 with compression")
+    return None
+
+
+def _seq_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    if facts.max_seq_len is not None and seq_len > facts.max_seq_len:
+        return PlanError("seq_len", f"{seq_len} exceeds {facts.name}'s {facts.max_seq_len} positions",
+                         f"use at most {facts.max_seq_len}")
+    return None

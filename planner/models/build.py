@@ -1,0 +1,42 @@
+"""A catalog model as a torch module with random weights.
+
+The planner traces it (on the meta device or under FakeTensor) and the
+executor trains it, from the same catalog entry: one model, one workload.
+The reference GPT family (`model_type: reference-gpt`) is built from this
+project's own module; every other family through `transformers`.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from hardware.errors import ModelError
+from planner.models.catalog import hf_config, model_config
+from planner.models.reference_gpt import GPTConfig, ReferenceGPT
+
+REFERENCE = "reference-gpt"
+
+
+def is_reference(name: str) -> bool:
+    return model_config(name).get("model_type") == REFERENCE
+
+
+def reference_config(name: str) -> GPTConfig:
+    cfg = model_config(name)
+    return GPTConfig(vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
+                     heads=cfg["num_attention_heads"], ffn_hidden=cfg.get("intermediate_size"),
+                     max_seq_len=cfg["max_position_embeddings"])
+
+
+def build_module(name: str) -> nn.Module:
+    """The catalog model `name`: a ReferenceGPT, or an HF causal LM from its config."""
+    if is_reference(name):
+        return ReferenceGPT(reference_config(name))
+    config = hf_config(name)
+    config._attn_implementation = "sdpa"
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_config(config)
+    except ValueError as error:  # encoder or encoder-decoder families
+        raise ModelError("model", f"{name} is not a causal language model the executor can train ({error})",
+                         "use a decoder-only model such as gpt2 or llama-3-8b") from None
