@@ -120,10 +120,23 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         extra, extra_comm = 0.0, 0.0
     return LayerTime(
         forward=forward,
-        backward=BACKWARD_FACTOR * forward,
+        backward=BACKWARD_FACTOR * forward + dense_gradient_time(layer, ctx),
         recompute=extra,
         tp_comm=comm + tp_backward_collective_time(layer, ctx) + gather + extra_comm,
     )
+
+
+DENSE_GRADIENT_PASSES = 3  # zero-fill, scatter-add of the rows used, accumulate into .grad
+
+
+def dense_gradient_time(layer: LayerProfile, ctx: Context) -> float:
+    """An embedding backward's dense table gradient: memory traffic per micro-batch that
+    does not shrink with the batch (vocabulary-split under TP like the table)."""
+    if not layer.grad_dense_bytes:
+        return 0.0
+    gpu = ctx.cluster.gpu
+    nbytes = DENSE_GRADIENT_PASSES * layer.grad_dense_bytes / _split(layer, ctx)
+    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
 
 
 def _scores_traffic_time(layer: LayerProfile, ctx: Context) -> float:

@@ -133,6 +133,8 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     fwd = sum(t.forward * n for t, n in times)
     bwd = sum(t.backward * n for t, n in times)
     params = sum(layer_params_on_rank(layer, plan.tp) * n for layer, _, n in runs)
+    if plan.pp > 1:  # the stage's own copy of weights tied to a layer on another stage
+        params += sum(layer.tied_params / (plan.tp if layer.tp_shardable else 1) * n for layer, _, n in runs)
     rank.forward += fwd
     rank.backward += bwd
     rank.recompute += sum(t.recompute * n for t, n in times)
@@ -179,11 +181,29 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
     return max(0.0, exposed)
 
 
-def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:
-    owned = max(r.params for r in ranks) / (plan.dp if plan.zero >= 1 else 1)
+def reduction_copy_passes(plan: Plan) -> float:
+    """Memory passes over a rank's gradients that the data-parallel reduction makes beside
+    the wire, on the cores or SMs that compute: DDP divides its buckets in place (a read and
+    a write); FSDP2 copies gradients into a flat buffer, divides and copies the result back
+    (three reads and three writes). Negligible on HBM, a visible share of a CPU step."""
+    if plan.dp == 1:
+        return 0.0
+    return 2.0 if plan.reduces_through_ddp else 6.0
+
+
+def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
+    """The step's seconds per parameter a rank holds: the optimizer over its owned share,
+    plus the reduction's gradient copies (the solver's linear model uses the same number)."""
     gpu = cluster.gpu
+    bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
-    return owned * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound * speed)
+    owned = 1 / plan.dp if plan.zero >= 1 else 1.0
+    copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype]
+    return (owned * OPTIMIZER_TRAFFIC_BYTES / speed + copies) / bandwidth
+
+
+def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:
+    return max(r.params for r in ranks) * optimizer_seconds_per_param(plan, cluster)
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:

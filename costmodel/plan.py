@@ -138,6 +138,14 @@ class Plan(BaseModel):
     def n_virtual_stages(self) -> int:
         return self.pp * self.vpp
 
+    @property
+    def reduces_through_ddp(self) -> bool:
+        """Whether the executor replicates through DDP (one plain-tensor module run once per
+        micro-batch) rather than FSDP2's replicate / fully_shard: DTensor parameters (tp > 1)
+        and pipeline stages, whose per-micro-batch backward DDP's reducer does not follow,
+        go through FSDP2, as ZeRO-2/3 do."""
+        return self.dp > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
+
     @model_validator(mode="after")
     def _consistent_layout(self):
         if self.global_batch % (self.dp * self.micro_batch):

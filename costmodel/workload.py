@@ -41,6 +41,11 @@ class LayerProfile(BaseModel):
                                    "forward all-gathers (a replicated output, e.g. gathered logits; its backward is a "
                                    "local slice)")
     boundary_bytes: float = Field(0.0, ge=0, description="output bytes sent to the next pipeline stage")
+    grad_dense_bytes: float = Field(0.0, ge=0, description="bytes of dense weight gradient a backward materialises "
+                                    "whatever the batch (an embedding's [vocab, hidden] table: zero-filled, "
+                                    "scattered into, accumulated), per micro-batch")
+    tied_params: int = Field(0, ge=0, description="parameters shared with an earlier layer (a tied LM head), "
+                             "counted there; a pipeline stage holding this layer keeps its own copy of them")
 
 
 class Segment(BaseModel):

@@ -11,11 +11,13 @@ def canonical_name(name: str) -> str:
     return name[len("module."):] if name.startswith("module.") else name
 
 
-def full_parameters(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
-    """Every parameter this rank's chunks hold, unsharded (a collective over dp/tp groups)."""
-    out = {}
+def full_parameters(modules: list[nn.Module], aliases: dict[str, str] | None = None) -> dict[str, torch.Tensor]:
+    """Every parameter this rank's chunks hold, unsharded (a collective over dp/tp groups);
+    a tied weight's pipeline copy is named as in the uncut model (`aliases`)."""
+    out, aliases = {}, aliases or {}
     for module in modules:
         for name, param in module.named_parameters():
             value = param.full_tensor() if isinstance(param, DTensor) else param
-            out[canonical_name(name)] = value.detach().cpu().clone()
+            name = canonical_name(name)
+            out[aliases.get(name, name)] = value.detach().cpu().clone()
     return out

@@ -26,6 +26,7 @@ from executor.layers import LayerMap, layer_map
 from executor.mesh import build_mesh, local_device
 from executor.pipeline import apply_pipeline, build_schedule
 from executor.tensor_parallel import apply_tensor_parallel
+from executor.tied import TiedGradients, aliases, tied_groups
 from executor.tp_styles import TPAnalysis, analyse_tp
 from executor.validate import validate
 
@@ -45,6 +46,8 @@ class Materialized:
     mesh: DeviceMesh
     device: torch.device
     tp_replicated: list[str] = field(default_factory=list)
+    tied: TiedGradients | None = None
+    tied_aliases: dict[str, str] = field(default_factory=dict)
 
     def as_tuple(self):
         return (self.modules if len(self.modules) > 1 else self.modules[0]), self.schedule, self.optimizer
@@ -68,6 +71,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     model = model.to(device)
     lmap: LayerMap = layer_map(model)
     analysis = tp_analysis(model, plan)
+    groups = tied_groups(model) if plan.pp > 1 else []
     chunks = apply_pipeline(model, mesh, plan)
     replicated: list[str] = []
     if analysis is not None:
@@ -77,7 +81,8 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
-    return Materialized(chunks, schedule, optimizer, mesh, device, replicated)
+    tied = TiedGradients(groups, lmap, plan, mesh) if groups else None
+    return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups))
 
 
 def materialize(plan: Plan, model: nn.Module):

@@ -21,7 +21,7 @@ def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> Non
     if world_size is not None and world_size != plan.n_gpus:
         raise PlanError("dp*tp*pp", f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} processes requested",
                         f"use --nproc {plan.n_gpus}")
-    check_layout(plan, model_facts(model, lmap), plan.seq_len)
+    check_layout(plan, model_facts(model, lmap), plan.seq_len, plan.num_micro_batches)
     if plan.stages[-1].end != n:
         raise PlanError("stages", f"last stage ends at {plan.stages[-1].end} but the model has {n} layers "
                         f"(embedding + {n - 2} blocks + head)", f"end the last stage at {n}")

@@ -24,7 +24,10 @@ class LocalShardZero:
     def __init__(self, params: list[nn.Parameter], group, lr: float) -> None:
         self.params = params
         self.views = [nn.Parameter(_local(p).detach()) for p in params]
-        self.inner = ZeroRedundancyOptimizer(self.views, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
+        from executor.data_parallel import ADAMW_OPTIONS
+
+        self.inner = ZeroRedundancyOptimizer(self.views, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr,
+                                             **ADAMW_OPTIONS)
 
     @property
     def param_groups(self):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.compute import layer_time
-from costmodel.estimate import OPTIMIZER_TRAFFIC_BYTES, dp_time, layer_params_on_rank, layout_of, p2p_time, zero3_exposed
+from costmodel.estimate import dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time, zero3_exposed
 from costmodel.memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -86,7 +86,6 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
     gpu = cluster.gpu
-    owned_factor = 1 / plan.dp if plan.zero >= 1 else 1.0
     biggest = max(layer_params_on_rank(layer, plan.tp) for layer in layers)
     return StageModelData(
         block=block,
@@ -100,7 +99,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         state_bytes_per_param=per_param,
         dp_seconds_per_param=dp_slope,
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 and plan.zero < 3 else 0.0,
-        optimizer_seconds_per_param=owned_factor * OPTIMIZER_TRAFFIC_BYTES / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound),
+        optimizer_seconds_per_param=optimizer_seconds_per_param(plan, cluster),
         zero3_buffer_bytes=4 * biggest * WEIGHT_BYTES[plan.dtype] if plan.zero >= 3 and plan.dp > 1 else 0.0,
         capacity=capacity,
     )

@@ -12,14 +12,15 @@ pipeline (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B over any
 number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
 rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
 pipeline stages too) -> activation checkpointing (per layer) -> data parallel
-(DDP, or FSDP2's replicate where parameters are DTensors or a rank holds
-several chunks; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3).
+(DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
+pipeline stage; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3).
 Gradient compression runs as DDP communication hooks, so it needs the DDP path.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from costmodel.plan import Plan
 from hardware.errors import PlanError
 
 # Module classes whose weights DTensor's ColwiseParallel / RowwiseParallel split.
@@ -68,25 +69,38 @@ def facts_of_workload(workload) -> ModelFacts:
 
 
 def uses_ddp(fields) -> bool:
-    """DDP wraps a rank's one plain-tensor module; FSDP2's replicate takes DTensor
-    parameters (tp > 1) and the several chunks of an interleaved rank."""
-    return fields.dp > 1 and fields.zero <= 1 and fields.tp == 1 and fields.vpp == 1
+    """`costmodel.plan.Plan.reduces_through_ddp` for any layout-like object: the cost model
+    prices the reduction path the executor takes from the same rule."""
+    return Plan.reduces_through_ddp.fget(fields)
 
 
-def layout_problem(fields, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """The first reason the executor cannot run `fields` on the model, or None."""
+def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int | None = None) -> PlanError | None:
+    """The first reason the executor cannot run `fields` on the model, or None.
+    `micro_batches` (per step and pipeline) is checked against the schedule when given."""
     checks = (_tp_problem, _sp_problem, _pp_problem, _zero_problem, _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
             return problem
-    return None
+    return _micro_batch_problem(fields, micro_batches) if micro_batches is not None else None
 
 
-def check_layout(fields, facts: ModelFacts, seq_len: int) -> None:
-    problem = layout_problem(fields, facts, seq_len)
+def check_layout(fields, facts: ModelFacts, seq_len: int, micro_batches: int | None = None) -> None:
+    problem = layout_problem(fields, facts, seq_len, micro_batches)
     if problem is not None:
         raise problem
+
+
+def _micro_batch_problem(f, m: int) -> PlanError | None:
+    """torch.distributed.pipelining's own conditions on the micro-batch count."""
+    if f.pp > 1 and f.schedule == "1f1b" and m < f.pp:
+        return PlanError("micro_batch", f"1F1B over pp={f.pp} stages needs at least {f.pp} micro-batches, "
+                         f"the plan has {m}", "use a smaller micro_batch, the gpipe schedule, or a smaller pp")
+    rounds = max(1, m // f.pp)
+    if f.pp > 1 and f.schedule == "interleaved" and m % rounds:
+        return PlanError("micro_batch", f"interleaved 1F1B needs a micro-batch count that is a multiple of "
+                         f"{rounds} rounds, the plan has {m}", f"use a multiple of pp={f.pp} micro-batches")
+    return None
 
 
 def _tp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
@@ -132,8 +146,8 @@ def _compression_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None
         return PlanError("compression", f"unknown method {f.compression!r}", f"use one of {', '.join(COMPRESSION)}")
     if f.compression != "none" and not uses_ddp(f):
         return PlanError("compression", "gradient compression runs as DDP communication hooks: it needs dp > 1, "
-                         "zero 0 or 1 reductions through DDP, tp=1 and one chunk per rank",
-                         "use compression none, or dp > 1 with zero 0, tp 1 and a non-interleaved schedule")
+                         "zero 0, tp=1 and pp=1",
+                         "use compression none, or dp > 1 with zero 0, tp 1 and pp 1")
     if f.compression != "none" and f.zero != 0:
         return PlanError("compression", f"zero={f.zero} shards the optimizer step outside DDP's hooks",
                          "use zero 0 with compression")

@@ -153,7 +153,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                             if _honours(layout, fixed):
                                 for method in compression_choices(layout, fixed):
                                     offered = replace(layout, compression=method)
-                                    if layout_problem(offered, facts, workload.seq_len) is None:
+                                    if layout_problem(offered, facts, workload.seq_len, m) is None:
                                         yield offered
 
 

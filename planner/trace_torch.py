@@ -96,6 +96,7 @@ class Tracer:
         self.phase = "forward"
         self.last_forward: int | None = None
         self.pending: list[tuple[torch.Tensor, str]] = []
+        self.first_reader: dict[str, int] = {}
         self.seq_module: dict[int, str] = {}
         self.current_op = ""
 
@@ -175,8 +176,11 @@ class Tracer:
             params.append(name)
             if name not in self.seen_params and self.phase == "forward":
                 self.seen_params.add(name)
+                self.first_reader[name] = node
                 data["param_bytes"] += tensor.numel() * tensor.element_size()
                 data["param_count"] += tensor.numel()
+            elif self.phase == "forward":  # a weight read again: tied, if another layer read it first
+                data["rereads"] = (*data.get("rereads", ()), (name, tensor.numel(), self.first_reader.get(name)))
         data["params"] = tuple(params)
         return weights
 

@@ -73,9 +73,20 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         act_input=max(inputs, default=0.0) / b,
         tp_shardable=kind != "block" or bool(reduces),
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
-        tp_allreduces_bwd=len(colwise),
+        tp_allreduces_bwd=len(colwise), tied_params=_tied_params(og, nodes, layer),
+        grad_dense_bytes=float(sum(d["param_bytes"] for _, d in nodes if d["kind"] == "embedding")),
         tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b)
+
+
+def _tied_params(og: OpGraph, nodes, layer: str) -> int:
+    """Parameters this layer reads that another layer read first (a tied LM head)."""
+    tied = {}
+    for _, data in nodes:
+        for name, numel, first in data.get("rereads", ()):
+            if first is not None and og.graph.nodes[first].get("layer") != layer:
+                tied[name] = numel
+    return int(sum(tied.values()))
 
 
 def _activation_input_bytes(og: OpGraph, node: int) -> float:

@@ -58,7 +58,7 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]],
             vocab = vocab_size(model)
             run = materialize_rank(plan, model)
             result = train_steps(run, plan, STEPS, seed=0, vocab=vocab)
-            params = full_parameters(run.modules)
+            params = full_parameters(run.modules, run.tied_aliases)
             at = coords(run.mesh)
             if at["dp"] == 0 and at["tp"] == 0:
                 torch.save({"params": params, "result": result, "replicated": run.tp_replicated},

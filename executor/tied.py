@@ -1,0 +1,82 @@
+"""Tied weights across pipeline stages (GPT-2's word embedding and LM head).
+
+One Parameter used by two layers becomes two copies once the pipeline cuts
+the model between them, each on the rank that owns its layer. They start
+equal (same seed); summing their gradients over the ranks that hold a copy,
+before every optimizer step, keeps them equal and makes the update the one
+the uncut model takes (Megatron keeps its embedding group the same way).
+Under TP and FSDP both copies are split alike (dim 0 by vocabulary and by dp),
+so the local gradient shards line up.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from costmodel.plan import Plan
+from executor.layers import LayerMap
+
+
+def tied_groups(module: nn.Module) -> list[tuple[str, ...]]:
+    """Parameter names that share one Parameter, the canonical (first) name first."""
+    by_id: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(param), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]
+
+
+def _layer_of(name: str, lmap: LayerMap) -> int:
+    for layer in range(lmap.n_layers):
+        if any(name == m or name.startswith(m + ".") for m in lmap.modules_of(layer)):
+            return layer
+    return 0
+
+
+def _pp_rank_of(layer: int, plan: Plan) -> int:
+    index = next(i for i, s in enumerate(plan.stages) if s.start <= layer < s.end)
+    return index % plan.pp
+
+
+class TiedGradients:
+    """Sums each tied weight's gradient over the pipeline ranks holding a copy of it."""
+
+    def __init__(self, groups: list[tuple[str, ...]], lmap: LayerMap, plan: Plan, mesh: DeviceMesh) -> None:
+        self.entries: list[tuple[tuple[str, ...], object]] = []
+        ranks = mesh.mesh  # (pp, dp, tp) global ranks
+        me = dist.get_rank()
+        for names in groups:
+            holders = sorted({_pp_rank_of(_layer_of(n, lmap), plan) for n in names})
+            if len(holders) < 2:
+                continue
+            for d in range(ranks.shape[1]):
+                for t in range(ranks.shape[2]):
+                    members = [int(ranks[p, d, t]) for p in holders]
+                    group = dist.new_group(members)  # every rank creates every group, in one order
+                    if me in members:
+                        self.entries.append((names, group))
+
+    def sync(self, modules: list[nn.Module]) -> None:
+        params = {_canonical(n): p for m in modules for n, p in m.named_parameters()}
+        for names, group in self.entries:
+            param = next((params[n] for n in names if n in params), None)
+            if param is not None and param.grad is not None:
+                grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
+                dist.all_reduce(grad, group=group)
+
+
+def _canonical(name: str) -> str:
+    return name[len("module."):] if name.startswith("module.") else name
+
+
+def aliases(groups: list[tuple[str, ...]]) -> dict[str, str]:
+    """alias name -> canonical name, for comparing and saving under the uncut model's names."""
+    return {alias: names[0] for names in groups for alias in names[1:]}
+
+
+def sync_tied(tied: TiedGradients | None, modules: list[nn.Module]) -> None:
+    if tied is not None and tied.entries:
+        with torch.no_grad():
+            tied.sync(modules)
