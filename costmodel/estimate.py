@@ -209,18 +209,45 @@ def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
     memory = model_state_bytes(rank.params, plan.dtype, plan.zero, plan.dp)
     kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
-    per_mb, transient, biggest = 0.0, 0.0, 0.0
+    per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):
             per_mb += activation_bytes(layer, policy, **kw) * count
             if policy == "full":  # one layer is rebuilt at a time in backward
                 transient = max(transient, activation_bytes(layer, "none", **kw))
-            biggest = max(biggest, layer_params_on_rank(layer, plan.tp))
+            if layer.kind == "block":
+                biggest = max(biggest, layer_params_on_rank(layer, plan.tp))
+            else:
+                root += layer_params_on_rank(layer, plan.tp) * count
     in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
-    memory["activations"] = per_mb * in_flight + transient
-    if plan.zero >= 3 and plan.dp > 1:  # gathered weights and grads of the current and prefetched layer
-        memory["buffers"] = 4 * biggest * WEIGHT_BYTES[plan.dtype]
+    memory["activations"] = per_mb * in_flight + transient + accumulation_transient(plan, workload, rank)
+    if plan.zero >= 3 and plan.dp > 1:
+        memory["buffers"] = zero3_buffer_bytes(root, biggest, plan.dtype)
     return memory
+
+
+def zero3_buffer_bytes(root_params: float, block_params: float, dtype: str) -> float:
+    """FSDP2's unsharded memory under ZeRO-3, with one unit per block and the rest of the
+    stage (embedding, head, norms) in the root unit: the root's parameters stay gathered
+    through forward and backward (FSDP2 does not reshard the root) and its gradients are
+    unsharded before their reduce-scatter; a block is gathered while the next is prefetched,
+    and one block's gradients wait for their reduce-scatter."""
+    return WEIGHT_BYTES[dtype] * (2 * root_params + 3 * block_params)
+
+
+def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> float:
+    """Accumulating gradients over micro-batches, autograd computes a weight's gradient into a
+    new tensor before adding it to `.grad`: one weight at a time, the largest the rank holds,
+    an embedding table (or its tied copy) being the one these profiles know of."""
+    if plan.num_micro_batches < 2:
+        return 0.0
+    largest = 0.0
+    for est in rank.stage_estimates:
+        for layer, _, _ in stage_runs(plan, workload, est.index):
+            split = plan.tp if layer.tp_shardable else 1
+            tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0
+            largest = max(largest, max(layer.grad_dense_bytes, tied) / split)
+    return largest
 
 
 def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:

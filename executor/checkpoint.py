@@ -137,6 +137,17 @@ def read_latest_manifest(root: str | Path) -> dict | None:
     return manifest
 
 
+def check_checkpointable(plan) -> None:
+    """Refuse, before any process starts, the layouts whose state this module cannot save:
+    several pipeline chunks per rank, and ZeroRedundancyOptimizer's partitioned state."""
+    if plan.vpp > 1:
+        raise PlanError("checkpoint", "checkpointing interleaved pipeline chunks (vpp > 1) is not supported yet",
+                        "use the 1f1b or gpipe schedule with --checkpoint-dir")
+    if plan.zero == 1 and plan.dp > 1:
+        raise PlanError("checkpoint", "ZeroRedundancyOptimizer (zero 1) state cannot be saved with "
+                        "torch.distributed.checkpoint yet", "use zero 0, 2 or 3 with --checkpoint-dir")
+
+
 @dataclass
 class Checkpointer:
     root: Path
@@ -160,11 +171,7 @@ class Checkpointer:
         return run.modules[0]
 
     def _state(self, run) -> dict:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
-        if isinstance(run.optimizer, ZeroRedundancyOptimizer):
-            raise PlanError("checkpoint", "ZeroRedundancyOptimizer (zero 1) state cannot be saved with torch.distributed.checkpoint",
-                            "use zero 0, 2 or 3 with --checkpoint-dir")
+        check_checkpointable(self.plan)
         model_sd, optim_sd = get_state_dict(self._module(run), run.optimizer)
         return {"model": model_sd, "optim": optim_sd}
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.compute import layer_time
-from costmodel.estimate import dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time, zero3_exposed
+from costmodel.estimate import (dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time,
+                                zero3_buffer_bytes, zero3_exposed)
 from costmodel.memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -86,7 +87,6 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
     gpu = cluster.gpu
-    biggest = max(layer_params_on_rank(layer, plan.tp) for layer in layers)
     return StageModelData(
         block=block,
         prefix=[coeff[id(layer)] for layer in layers[:first]],
@@ -100,11 +100,17 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         dp_seconds_per_param=dp_slope,
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 and plan.zero < 3 else 0.0,
         optimizer_seconds_per_param=optimizer_seconds_per_param(plan, cluster),
-        zero3_buffer_bytes=4 * biggest * WEIGHT_BYTES[plan.dtype] if plan.zero >= 3 and plan.dp > 1 else 0.0,
+        zero3_buffer_bytes=(zero3_buffer_bytes(max(_params(layers[:first], plan), _params(layers[last:], plan)),
+                                               layer_params_on_rank(layers[first], plan.tp), plan.dtype)
+                            if plan.zero >= 3 and plan.dp > 1 else 0.0),
         capacity=capacity,
     )
 
 
+
+
+def _params(layers, plan) -> float:
+    return sum(layer_params_on_rank(layer, plan.tp) for layer in layers)
 
 
 def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
