@@ -30,8 +30,8 @@ def _one_line(error: Exception) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "input"
-        return f"{where}: {first['msg']}"
-    return str(error)
+        return " ".join(f"{where}: {first['msg']}".split())
+    return " ".join(str(error).split())
 
 
 def _is_click_error(error: BaseException) -> bool:

@@ -23,7 +23,11 @@ def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp) -> dict:
 
 
 def _progress() -> Progress:
-    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True), transient=True)
+    """A spinner on a terminal; nothing at all when stderr is a file or a pipe (a failure stays one line)."""
+    import sys
+
+    return Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=Console(stderr=True),
+                    transient=True, disable=not sys.stderr.isatty())
 
 
 @app.command("plan")
