@@ -32,12 +32,18 @@ def model_facts(model: nn.Module, lmap: LayerMap | None = None) -> ModelFacts:
     lmap = lmap or layer_map(model)
     return ModelFacts(n_blocks=lmap.n_layers - 2, heads=lmap.heads, kv_heads=lmap.kv_heads,
                       tp_splittable=_blocks_hold_splittable(model, lmap), max_seq_len=_max_positions(model),
+                      vocab=_vocab(model),
                       name=type(getattr(model, "model", model)).__name__)
 
 
 def _blocks_hold_splittable(model: nn.Module, lmap: LayerMap) -> bool:
     block = model.get_submodule(lmap.block_names[0])
     return any(isinstance(m, tp_split_classes()) for m in block.modules())
+
+
+def _vocab(model: nn.Module) -> int | None:
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None
 
 
 def _max_positions(model: nn.Module) -> int | None:

@@ -47,6 +47,7 @@ class ModelFacts:
     kv_heads: int | None = None
     tp_splittable: bool = True
     max_seq_len: int | None = None
+    vocab: int | None = None
     name: str = "the model"
 
 
@@ -65,7 +66,8 @@ class LayoutFields:
 def facts_of_workload(workload) -> ModelFacts:
     """The planner's view: a traced or analytic `costmodel.workload.Workload`."""
     return ModelFacts(n_blocks=workload.n_blocks, heads=workload.heads, kv_heads=workload.kv_heads,
-                      tp_splittable=workload.max_tp() != 1, max_seq_len=workload.max_seq_len, name=workload.name)
+                      tp_splittable=workload.max_tp() != 1, max_seq_len=workload.max_seq_len, vocab=workload.vocab,
+                      name=workload.name)
 
 
 def uses_ddp(fields) -> bool:
@@ -121,6 +123,11 @@ def _sp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
         return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off")
     if f.sp and seq_len % f.tp:
         return PlanError("sp", f"seq_len {seq_len} is not divisible by tp={f.tp}", "turn sp off or change tp")
+    if f.sp and facts.vocab is not None and facts.vocab % f.tp:
+        # the embedding and head then stay replicated, and a replicated module cannot take
+        # the sequence-sharded stream
+        return PlanError("sp", f"tp={f.tp} does not divide {facts.name}'s {facts.vocab} vocabulary entries, "
+                         "which sequence parallelism needs split", "turn sp off or use a tp dividing the vocabulary")
     return None
 
 

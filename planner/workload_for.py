@@ -41,14 +41,29 @@ def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
     from planner.models.build import build_module, is_reference
     from planner.models.catalog import hf_config
 
-    if is_reference(name):  # small by design: built on the CPU, traced under FakeTensor
-        workload, graph = _module(build_module(name), seq_len, dtype, None, 1)
-        return workload.model_copy(update={"name": name}), graph
+    if is_reference(name):  # two blocks on the meta device, priced at the entry's real depth
+        return _reference(name, seq_len, dtype)
     config = hf_config(name)
     from planner.trace_hf import trace_hf
 
     graph = trace_hf(config, seq_len=seq_len, dtype=dtype, name=name)
     return to_workload(graph), graph
+
+
+def _reference(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
+    import torch
+
+    from planner.models.build import reference_config
+    from planner.models.reference_gpt import ReferenceGPT
+    from planner.trace_torch import trace_module
+
+    real = reference_config(name)
+    with torch.device("meta"):
+        module = ReferenceGPT(reference_config(name, n_layers=min(2, real.n_layers)))
+        tokens = torch.zeros(1, seq_len, dtype=torch.long)
+    graph = trace_module(module, (tokens,), seq_len=seq_len, dtype=dtype, name=name)
+    graph.meta.update({k: v for k, v in _module_meta(module).items() if v is not None})
+    return to_workload(graph, n_blocks=real.n_layers), graph
 
 
 def _is_hf_config(model: Any) -> bool:

@@ -20,11 +20,12 @@ def is_reference(name: str) -> bool:
     return model_config(name).get("model_type") == REFERENCE
 
 
-def reference_config(name: str) -> GPTConfig:
+def reference_config(name: str, n_layers: int | None = None) -> GPTConfig:
+    """The entry's GPTConfig; `n_layers` overrides the depth (tracing builds two blocks)."""
     cfg = model_config(name)
-    return GPTConfig(vocab_size=cfg["vocab_size"], n_layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"],
-                     heads=cfg["num_attention_heads"], ffn_hidden=cfg.get("intermediate_size"),
-                     max_seq_len=cfg["max_position_embeddings"])
+    return GPTConfig(vocab_size=cfg["vocab_size"], n_layers=n_layers or cfg["num_hidden_layers"],
+                     hidden=cfg["hidden_size"], heads=cfg["num_attention_heads"], ffn_hidden=cfg.get("intermediate_size"),
+                     max_seq_len=cfg["max_position_embeddings"], tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
 def build_module(name: str) -> nn.Module:

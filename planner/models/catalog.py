@@ -84,7 +84,7 @@ def param_count(cfg: dict[str, Any]) -> int:
     """
     h, L, heads, kv, f, V = _dims(cfg)
     kind = family(cfg)
-    tied = cfg.get("tie_word_embeddings", True)
+    tied = cfg.get("tie_word_embeddings", kind != "reference-gpt")
     if kind == "gpt2":
         block = 4 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * f + f) + (f * h + h)
         return V * h + cfg.get("max_position_embeddings", 1024) * h + L * block + 2 * h + (0 if tied else V * h)
@@ -102,6 +102,9 @@ def param_count(cfg: dict[str, Any]) -> int:
         block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
         mlm_head = h * h + h + 2 * h + V  # transform dense + LayerNorm + decoder bias (weight tied)
         return emb + L * block + mlm_head
+    if kind == "reference-gpt":  # planner/models/reference_gpt.py: biased q/k/v/o and MLP, two LayerNorms
+        block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
+        return (V + cfg.get("max_position_embeddings", 2048)) * h + L * block + 2 * h + (0 if tied else V * h)
     hd = h // heads  # Llama / Mistral and other gated-MLP decoders
     block = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * f + 2 * h
     return V * h + L * block + h + (0 if tied else V * h)

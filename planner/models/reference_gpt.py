@@ -22,6 +22,7 @@ class GPTConfig:
     heads: int = 4
     ffn_hidden: int | None = None
     max_seq_len: int = 128
+    tie_embeddings: bool = False  # the LM head reuses the token embedding (GPT-2/GPT-3)
 
     @property
     def ffn(self) -> int:
@@ -85,6 +86,8 @@ class ReferenceGPT(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
         self.ln_f = nn.LayerNorm(cfg.hidden)
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage may hold only some of the modules (the others are
