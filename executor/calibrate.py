@@ -115,13 +115,11 @@ def attention_flops(device: str, dtype: torch.dtype) -> float:
 
 
 def optimizer_seconds_per_param(device: str, dtype: torch.dtype = torch.float32) -> float:
-    """Seconds per parameter of one torch.optim.AdamW step with the executor's own options."""
-    from executor.data_parallel import ADAMW_OPTIONS
-
+    """Seconds per parameter of one torch.optim.AdamW step (the executor's optimizer, default settings)."""
     params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS, device=device, dtype=dtype)) for _ in range(4)]
     for p in params:
         p.grad = torch.randn_like(p)
-    opt = torch.optim.AdamW(params, lr=1e-3, **ADAMW_OPTIONS)
+    opt = torch.optim.AdamW(params, lr=1e-3)
     return _timeit(opt.step, device, repeat=3) / (4 * OPTIMIZER_PARAMS)
 
 

@@ -58,15 +58,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     return ddp
 
 
-# torch's default AdamW implementation for the device. The fused kernel would match the
-# cost model's one-pass traffic better (~4x faster on this CPU for gpt2), but it refuses
-# DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor"), and one optimizer
-# for every layout keeps the calibrated `optimizer` efficiency valid for all of them.
-ADAMW_OPTIONS: dict = {}
-
-
 def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1."""
+    """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1.
+
+    torch's default AdamW implementation, the one `parallax calibrate` times. The fused
+    kernel would match the cost model's one-pass traffic better (~4x faster on this CPU for
+    gpt2) but refuses DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor")."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
     if plan.zero == 1 and plan.dp > 1:
         if any(isinstance(p, DTensor) for p in params):
@@ -74,8 +71,8 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
 
             return LocalShardZero(params, mesh["dp"].get_group(), lr=lr)
         return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                       process_group=mesh["dp"].get_group(), lr=lr, **ADAMW_OPTIONS)
-    return torch.optim.AdamW(params, lr=lr, **ADAMW_OPTIONS)
+                                       process_group=mesh["dp"].get_group(), lr=lr)
+    return torch.optim.AdamW(params, lr=lr)
 
 
 def sync_context(module: nn.Module, last_micro_batch: bool):

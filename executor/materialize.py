@@ -81,7 +81,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
-    tied = TiedGradients(groups, lmap, plan, mesh) if groups else None
+    tied = TiedGradients(groups, lmap, plan, mesh, chunks) if groups else None
     return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups))
 
 

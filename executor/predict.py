@@ -17,12 +17,11 @@ from planner.models.catalog import list_models
 def _traceable(model_name: str):
     """A catalog name as it is; any other model as the module the workers build."""
     if model_name in list_models():
-        return model_name, None
+        return model_name
     from executor.models import HFStage, build_model
 
     module = build_model(model_name)
-    module = module.model if isinstance(module, HFStage) else module
-    return module, None
+    return module.model if isinstance(module, HFStage) else module
 
 
 def predict(plan: Plan, model_name: str, cluster=None) -> tuple[float | None, float | None, str]:
@@ -31,7 +30,7 @@ def predict(plan: Plan, model_name: str, cluster=None) -> tuple[float | None, fl
 
     try:
         cluster = cluster if cluster is not None else plan.cluster()
-        model, _ = _traceable(model_name)
+        model = _traceable(model_name)
         inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
         result = estimate(model, plan, cluster, example_inputs=inputs)
     except ParallaxError as error:

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from costmodel.plan import Plan
 from executor.layers import get_or_none
 from executor.tp_styles import TPAnalysis
+from planner.executable import tp_split_classes
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, analy
         sub = get_or_none(module, name)
         if sub is None:
             continue
-        if style in ("colwise", "rowwise") and isinstance(sub, (nn.Linear, nn.Embedding)):  # not a stage's stand-in
+        if style in ("colwise", "rowwise") and isinstance(sub, tp_split_classes()):  # not a stage's stand-in
             layout[name] = _style(name, style, analysis, sp)
         elif sp and _is_norm(get_or_none(module, name)):
             layout[name] = SequenceParallel()

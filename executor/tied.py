@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from costmodel.plan import Plan
+from executor.compare import canonical_name
 from executor.layers import LayerMap
 
 
@@ -43,8 +44,11 @@ def _pp_rank_of(layer: int, plan: Plan) -> int:
 class TiedGradients:
     """Sums each tied weight's gradient over the pipeline ranks holding a copy of it."""
 
-    def __init__(self, groups: list[tuple[str, ...]], lmap: LayerMap, plan: Plan, mesh: DeviceMesh) -> None:
-        self.entries: list[tuple[tuple[str, ...], object]] = []
+    def __init__(self, groups: list[tuple[str, ...]], lmap: LayerMap, plan: Plan, mesh: DeviceMesh,
+                 modules: list[nn.Module]) -> None:
+        """`modules`: this rank's fully wrapped chunks (their parameters no longer change)."""
+        self.entries: list[tuple[nn.Parameter, object]] = []
+        params = {canonical_name(n): p for m in modules for n, p in m.named_parameters()}
         ranks = mesh.mesh  # (pp, dp, tp) global ranks
         me = dist.get_rank()
         for names in groups:
@@ -55,28 +59,19 @@ class TiedGradients:
                 for t in range(ranks.shape[2]):
                     members = [int(ranks[p, d, t]) for p in holders]
                     group = dist.new_group(members)  # every rank creates every group, in one order
-                    if me in members:
-                        self.entries.append((names, group))
+                    param = next((params[n] for n in names if n in params), None)
+                    if me in members and param is not None:
+                        self.entries.append((param, group))
 
-    def sync(self, modules: list[nn.Module]) -> None:
-        params = {_canonical(n): p for m in modules for n, p in m.named_parameters()}
-        for names, group in self.entries:
-            param = next((params[n] for n in names if n in params), None)
-            if param is not None and param.grad is not None:
+    @torch.no_grad()
+    def sync(self) -> None:
+        for param, group in self.entries:
+            if param.grad is not None:
                 grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
                 dist.all_reduce(grad, group=group)
-
-
-def _canonical(name: str) -> str:
-    return name[len("module."):] if name.startswith("module.") else name
 
 
 def aliases(groups: list[tuple[str, ...]]) -> dict[str, str]:
     """alias name -> canonical name, for comparing and saving under the uncut model's names."""
     return {alias: names[0] for names in groups for alias in names[1:]}
 
-
-def sync_tied(tied: TiedGradients | None, modules: list[nn.Module]) -> None:
-    if tied is not None and tied.entries:
-        with torch.no_grad():
-            tied.sync(modules)

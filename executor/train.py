@@ -12,7 +12,6 @@ from executor.data_parallel import sync_context
 from executor.materialize import Materialized, lm_loss, materialize_rank
 from executor.memory import PeakMemory
 from executor.mesh import coords
-from executor.tied import sync_tied
 from executor.models import build_model, vocab_size
 
 MEMORY_STEPS = 2  # steps 0-1 run under the CPU memory tracker (its dispatch overhead would skew timing)
@@ -95,7 +94,8 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
                 import signal
 
                 os.kill(os.getpid(), signal.SIGKILL)
-            sync_tied(run.tied, run.modules)
+            if run.tied is not None:
+                run.tied.sync()
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             if run.device.type == "cuda":

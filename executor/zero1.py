@@ -24,10 +24,7 @@ class LocalShardZero:
     def __init__(self, params: list[nn.Parameter], group, lr: float) -> None:
         self.params = params
         self.views = [nn.Parameter(_local(p).detach()) for p in params]
-        from executor.data_parallel import ADAMW_OPTIONS
-
-        self.inner = ZeroRedundancyOptimizer(self.views, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr,
-                                             **ADAMW_OPTIONS)
+        self.inner = ZeroRedundancyOptimizer(self.views, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
 
     @property
     def param_groups(self):

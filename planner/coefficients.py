@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from costmodel.compute import layer_time
 from costmodel.estimate import (dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time,
                                 zero3_buffer_bytes, zero3_exposed)
-from costmodel.memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -86,7 +86,6 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.dp).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
-    gpu = cluster.gpu
     return StageModelData(
         block=block,
         prefix=[coeff[id(layer)] for layer in layers[:first]],

@@ -38,7 +38,7 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
 
 @lru_cache(maxsize=64)
 def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
-    from planner.models.build import build_module, is_reference
+    from planner.models.build import is_reference
     from planner.models.catalog import hf_config
 
     if is_reference(name):  # two blocks on the meta device, priced at the entry's real depth

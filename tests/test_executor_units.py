@@ -152,13 +152,11 @@ def test_comm_overlap_and_optimizer_speed_are_priced():
     assert serial.breakdown_s["zero_comm"] > 0
     slow = estimate(workload, plan, with_eff(optimizer=0.25))
     # the AdamW traffic takes 4x as long; FSDP2's gradient copies (reduction_copy_passes) do not change
-    from costmodel.estimate import WEIGHT_BYTES, reduction_copy_passes
+    from costmodel.estimate import WEIGHT_BYTES, optimizer_seconds_per_param, reduction_copy_passes
 
     bandwidth = cluster.gpu.hbm_gbps * 1e9 * cluster.gpu.efficiency.memory_bound
-    held = base.breakdown_s["optimizer"]
-    copies_per_param = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype] / bandwidth
-    params = held / (copies_per_param + (1 / plan.dp) * 28 / (bandwidth * (cluster.gpu.efficiency.optimizer or 1.0)))
-    copies = params * copies_per_param
+    held_params = base.breakdown_s["optimizer"] / optimizer_seconds_per_param(plan, cluster)
+    copies = held_params * reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype] / bandwidth
     assert reduction_copy_passes(plan) == 6  # zero 3 reduces through FSDP2
     assert slow.breakdown_s["optimizer"] - copies == pytest.approx(4 * (base.breakdown_s["optimizer"] - copies))
 
