@@ -197,17 +197,16 @@ def overlap_fraction(device: str, nbytes: int = 32 * 2 ** 20) -> float:
 def link_from_all_reduce(curve: dict[int, float], world: int) -> tuple[float, float]:
     """(bandwidth B/s, per-hop latency s) with which the cost model's all-reduce best reproduces `curve`.
 
-    The cost model prices an all-reduce of S bytes on n ranks as the cheaper of
-    a ring, 2*((n-1)/n*S/bw + (n-1)*a), and a tree, 2*ceil(log2 n)*a + 2*S/bw;
-    (bw, a) minimise the squared relative error over the measured sizes.
+    A profile without a collective library's protocols (what calibrate writes)
+    has the cost model price an all-reduce of S bytes on n ranks as one ring,
+    2*((n-1)/n*S/bw + (n-1)*a) (costmodel/collectives.py); (bw, a) minimise the
+    squared relative error over the measured sizes.
     """
-    import math
-
-    steps_ring, steps_tree = 2 * (world - 1), 2 * math.ceil(math.log2(max(world, 2)))
+    steps_ring = 2 * (world - 1)
     frac = 2 * (world - 1) / world
 
     def model(nbytes: int, bw: float, a: float) -> float:
-        return min(frac * nbytes / bw + steps_ring * a, 2 * nbytes / bw + steps_tree * a)
+        return frac * nbytes / bw + steps_ring * a
 
     small, large = min(curve), max(curve)
     bw0 = frac * (large - small) / max(curve[large] - curve[small], 1e-9)

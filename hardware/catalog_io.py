@@ -15,9 +15,10 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hardware.errors import HardwareError
-from hardware.schema import GPU, Node, _Sourced
+from hardware.schema import GPU, Collectives, Node, _Sourced
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
+LIBRARY_DIR = CATALOG_DIR / "collectives"
 
 
 class Network(_Sourced):
@@ -26,6 +27,7 @@ class Network(_Sourced):
     nic_gbps: float = Field(gt=0, description="per-GPU NIC bandwidth, Gb/s (bits)")
     nic_latency_us: float = Field(ge=0)
     inter_fabric: str = "infiniband"
+    collectives: Collectives | None = None
 
 
 class CatalogEntry(BaseModel):
@@ -64,10 +66,31 @@ def read_json(path: Path) -> object:
                             "see hardware/catalog/*.json for the format") from None
 
 
+def with_library(data: dict, origin: str) -> dict:
+    """Expand `network.collectives.library_file` ("nccl") into the protocols of
+    `hardware/catalog/collectives/<name>.json`, so that the library's figures are
+    written once and each fabric adds only its own measured `nic_scaling`."""
+    network = data.get("network")
+    spec = network.get("collectives") if isinstance(network, dict) else None
+    if not isinstance(spec, dict) or "library_file" not in spec:
+        return data
+    name = spec["library_file"]
+    path = LIBRARY_DIR / f"{name}.json"
+    if not isinstance(name, str) or not path.is_file():
+        known = ", ".join(sorted(p.stem for p in LIBRARY_DIR.glob("*.json")))
+        raise HardwareError("network.collectives.library_file", f"unknown collective library {name!r} in {origin}",
+                            f"use one of {known}")
+    library = read_json(path)
+    rest = {k: v for k, v in spec.items() if k != "library_file"}
+    merged = {**library, **rest, "sources": {**library.get("sources", {}), **rest.get("sources", {})}}
+    return {**data, "network": {**network, "collectives": merged}}
+
+
 def parse_entry(data: object, origin: str) -> CatalogEntry:
     """Validate a catalog-entry dict; `origin` names the file in the error."""
     if not isinstance(data, dict):
         raise HardwareError("hw", f"{origin} must hold a JSON object, not {type(data).__name__}")
+    data = with_library(data, origin)
     try:
         return CatalogEntry.model_validate(data)
     except ValidationError as error:

@@ -18,7 +18,7 @@ from hardware.catalog_io import (CatalogEntry, Network, canonical_name, first_er
                                  list_catalog, parse_entry, read_json, unknown_gpu)
 from hardware.errors import HardwareError
 from hardware.prices import PriceQuote, price_per_gpu_hour as _price_lookup
-from hardware.schema import GPU, Cluster, Node
+from hardware.schema import GPU, Cluster, Collectives, Node
 
 __all__ = ["load", "list_catalog", "gpu_entry"]
 
@@ -53,6 +53,8 @@ def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gb
     price, price_sources = _price(base, price_per_gpu_hour, price_table)
     fields = dict(name=base.name, gpu=base.gpu, node=node, n_nodes=n_nodes, nic_gbps=nic,
                   nic_latency_us=nic_lat, inter_fabric=base.network.inter_fabric,
+                  collectives=_shift_steps(base.network.collectives, node.link_latency_us - base.node.link_latency_us,
+                                            nic_lat - base.network.nic_latency_us),
                   price_per_gpu_hour=price, sources={**net_sources, **price_sources})
     try:
         return Cluster(**fields)
@@ -121,7 +123,8 @@ def _from_cluster(cluster: Cluster) -> _Base:
     """Re-open a Cluster so overrides can be applied the same way as to an entry."""
     net_sources = {k: v for k, v in cluster.sources.items() if k in ("nic_gbps", "nic_latency_us")}
     network = Network.model_construct(nic_gbps=cluster.nic_gbps, nic_latency_us=cluster.nic_latency_us,
-                                      inter_fabric=cluster.inter_fabric, sources=net_sources)
+                                      inter_fabric=cluster.inter_fabric, collectives=cluster.collectives,
+                                      sources=net_sources)
     price = None
     if cluster.price_per_gpu_hour is not None:
         price = PriceQuote(cluster.price_per_gpu_hour, cluster.sources.get("price_per_gpu_hour", "profile"))
@@ -202,6 +205,17 @@ def _network(network: Network, nic_gbps, nic_latency_us) -> tuple[float, float, 
     if nic_latency_us is not None:
         latency, sources["nic_latency_us"] = _number("nic_latency_us", nic_latency_us, allow_zero=True), USER
     return nic, latency, sources
+
+
+def _shift_steps(collectives: Collectives | None, intra_delta_us: float, inter_delta_us: float):
+    """A link-latency override moves every protocol's step latency by the same amount:
+    the link is that much slower (or faster) per hop, whatever the library does on it."""
+    if collectives is None or (intra_delta_us == 0 and inter_delta_us == 0):
+        return collectives
+    ring, tree = ([p.model_copy(update={"intra_step_us": max(0.0, p.intra_step_us + intra_delta_us),
+                                        "inter_step_us": max(0.0, p.inter_step_us + inter_delta_us)})
+                   for p in protocols] for protocols in (collectives.ring, collectives.tree))
+    return collectives.model_copy(update={"ring": ring, "tree": tree})
 
 
 def _price(base: _Base, override, table) -> tuple[float | None, dict[str, str]]:

@@ -101,6 +101,45 @@ class Node(_Sourced):
                     "None: 1, one device per rank")
 
 
+class Protocol(_Sourced):
+    """One way a collective library moves data: a fixed launch cost, a latency per ring
+    step inside a node and across nodes, and the share of the links' bus bandwidth it
+    reaches (NCCL's LL, LL128 and Simple trade the last against the first two)."""
+
+    name: str
+    launch_us: float = Field(ge=0)
+    intra_step_us: float = Field(ge=0)
+    inter_step_us: float = Field(ge=0)
+    bandwidth_fraction: float = Field(gt=0, le=1)
+
+
+class Collectives(_Sourced):
+    """How the collective library behaves on this fabric (NCCL on GPUs, gloo on CPU ranks).
+
+    A ring spans every rank of its group, so its latency is a sum over all its
+    steps; `tree` lists the all-reduce double-binary-tree protocols, whose latency
+    grows with log2 of the node count; the library picks the cheapest for each
+    message, which makes bus bandwidth a function of message size. `nic_scaling`
+    is the measured bus bandwidth across nodes as a fraction of its two-node value,
+    by node count, interpolated in log2(nodes) and held flat beyond the points.
+    """
+
+    library: str
+    ring: list[Protocol] = Field(min_length=1)
+    tree: list[Protocol] = Field(default_factory=list)
+    nic_scaling: list[tuple[float, float]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _scaling_is_sourced_and_sorted(self):
+        if self.nic_scaling:
+            if "nic_scaling" not in self.sources:
+                raise ValueError("no source given for nic_scaling; add it under 'sources'")
+            nodes = [point[0] for point in self.nic_scaling]
+            if nodes != sorted(nodes) or any(n < 1 for n in nodes) or any(f <= 0 for _, f in self.nic_scaling):
+                raise ValueError("nic_scaling must be [nodes, fraction] points with nodes >= 1 ascending, fractions > 0")
+        return self
+
+
 class Cluster(_Sourced):
     """`n_nodes` identical nodes joined by one NIC per GPU."""
 
@@ -114,6 +153,9 @@ class Cluster(_Sourced):
     nic_latency_us: float = Field(ge=0)
     inter_fabric: str = "infiniband"
     price_per_gpu_hour: float | None = Field(default=None, ge=0)
+    collectives: Collectives | None = Field(
+        default=None, description="the collective library's protocols on this fabric (None: one alpha-beta "
+                                  "protocol from the link latencies, as `calibrate` measures them)")
 
     @property
     def n_gpus(self) -> int:
