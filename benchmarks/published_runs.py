@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
+from planner.summary import hsdp_tag  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
 from planner.search import best_plan  # noqa: E402
 
@@ -103,7 +104,7 @@ def predict(row: dict) -> tuple[float, str]:
         "s_per_iter": est.step_time_s,
         "mfu_pct": est.mfu * 100,
     }[metric]
-    layout = f"dp{plan.dp} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
+    layout = f"dp{plan.dp}{hsdp_tag(plan)} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
     return value, layout
 
 

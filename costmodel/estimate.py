@@ -58,10 +58,12 @@ class Layout:
     dp_group: coll.Group
     pp_inter_node: bool
     m: int
+    shard_group: coll.Group  # ZeRO's shard group: all of dp, or HSDP's dp_shard
+    replicate_group: coll.Group  # HSDP's copies of the shards (size 1 otherwise)
 
 
 def layout_of(plan: Plan, cluster: Cluster) -> Layout:
-    """Mesh order is (pp, dp, tp): TP innermost, inside a node first."""
+    """Mesh order is (pp, dp_replicate, dp_shard, tp): TP innermost, inside a node first."""
     tp_group = coll.group_of(plan.tp, 1, cluster)
     ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch, tp_group=tp_group)
     return Layout(
@@ -69,6 +71,8 @@ def layout_of(plan: Plan, cluster: Cluster) -> Layout:
         dp_group=coll.group_of(plan.dp, plan.tp, cluster),
         pp_inter_node=plan.dp * plan.tp >= cluster.gpus_per_node,
         m=plan.num_micro_batches,
+        shard_group=coll.group_of(plan.shard_degree, plan.tp, cluster),
+        replicate_group=coll.group_of(plan.dp_replicate if plan.zero >= 2 else 1, plan.tp * plan.shard_degree, cluster),
     )
 
 
@@ -82,20 +86,33 @@ def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
     return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
 
 
-def zero3_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:
-    """ZeRO-3 gathers a layer's weights before its forward and its backward and
-    reduce-scatters its gradients, per micro-batch. With one-layer prefetch
-    they hide behind the layer's whole forward (with its TP collectives) and
-    whole backward (with recomputation); only the excess is exposed."""
-    if plan.zero < 3 or plan.dp == 1:
-        return 0.0
+def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, float, float]:
+    """(forward all-gather, backward all-gather, reduce-scatter) seconds of one layer's
+    weights per micro-batch under ZeRO-2/3 (FSDP2): the weights are gathered for every
+    forward, again for every backward under ZeRO-3 (resharded after forward), and every
+    micro-batch's gradients are reduce-scattered, over the shard group. The bytes do
+    not shrink as dp grows; the ring's latency grows with it."""
+    if plan.zero < 2 or plan.shard_degree == 1:
+        return 0.0, 0.0, 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
-    gather = coll.all_gather(nbytes, lay.dp_group, lay.ctx.cluster)
-    scatter = coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
+    gather = coll.all_gather(nbytes, lay.shard_group, lay.ctx.cluster)
+    scatter = coll.reduce_scatter(nbytes, lay.shard_group, lay.ctx.cluster)
+    return gather, (gather if plan.zero >= 3 else 0.0), scatter
+
+
+def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:
+    """What of a layer's ZeRO-2/3 collectives the compute does not hide. With one-layer
+    prefetch a layer's gathers run beside its neighbour's whole forward (with its TP
+    collectives) and whole backward (with recomputation), the reduce-scatter beside the
+    next backward; gathers and scatters share the one link, so they add up."""
+    fwd_gather, bwd_gather, scatter = sharded_collectives(params, plan, lay)
+    if not (fwd_gather or scatter):
+        return 0.0
     forward = t.forward + t.tp_comm / 2
     backward = t.backward + t.recompute + t.tp_comm / 2
     cluster = lay.ctx.cluster
-    return exposed_after_overlap(gather, forward, cluster) + exposed_after_overlap(gather + scatter, backward, cluster)
+    return (exposed_after_overlap(fwd_gather, forward, cluster)
+            + exposed_after_overlap(bwd_gather + scatter, backward, cluster))
 
 
 def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float:
@@ -142,26 +159,57 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
     # One-layer prefetch: each layer's gathers hide behind its own compute.
     rank.zero_comm += sum(
-        zero3_exposed(layer_params_on_rank(layer, plan.tp), t, plan, lay) * n
+        sharded_exposed(layer_params_on_rank(layer, plan.tp), t, plan, lay) * n
         for (layer, _, n), (t, _) in zip(runs, times)
     )
+    rank.zero_comm += prefetch_fill(runs, times, plan, lay)
     rank.params += params
     rank.stage_estimates.append(
         StageEstimate(index=index, start=stage.start, end=stage.end, forward_s=fwd, backward_s=bwd, memory_bytes={})
     )
 
 
-def dp_time(params: float, plan: Plan, lay: Layout) -> float:
-    """Once-per-step gradient reduction (ZeRO 0-2), before overlap."""
-    if plan.dp == 1 or plan.zero >= 3:
+def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
+    """The sharded collectives one-layer prefetch cannot hide: a stage's first gather of
+    each pass has no earlier layer to run beside (forward: its first layer; backward:
+    its last), and its last reduce-scatter (the first layer's) drains after the compute.
+    `sharded_exposed` hid them behind their own layer, so the hidden part comes back."""
+    if plan.zero < 2 or plan.shard_degree == 1:
         return 0.0
+    overlap = lay.ctx.cluster.gpu.efficiency.comm_overlap
+    overlap = 1.0 if overlap is None else overlap
+    (first, _, _), (last, _, _) = runs[0], runs[-1]
+    t_first, t_last = times[0][0], times[-1][0]
+    fwd_gather, _, scatter = sharded_collectives(layer_params_on_rank(first, plan.tp), plan, lay)
+    _, bwd_gather, _ = sharded_collectives(layer_params_on_rank(last, plan.tp), plan, lay)
+    forward = t_first.forward + t_first.tp_comm / 2
+    backward_last = t_last.backward + t_last.recompute + t_last.tp_comm / 2
+    backward_first = t_first.backward + t_first.recompute + t_first.tp_comm / 2
+    return overlap * (min(fwd_gather, forward) + min(bwd_gather, backward_last) + min(scatter, backward_first))
+
+
+def dp_time(params: float, plan: Plan, lay: Layout) -> float:
+    """Once-per-step gradient reduction, before overlap: DDP's all-reduce (ZeRO-0), the
+    reduce-scatter of a sharded optimizer (ZeRO-1, its weight all-gather follows the step), HSDP's
+    all-reduce of each shard across the replicas (ZeRO-2/3 reduce-scatter per micro-batch)."""
+    if plan.dp == 1:
+        return 0.0
+    if plan.zero >= 2:
+        shard = params / plan.shard_degree * WEIGHT_BYTES[plan.dtype]
+        return coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
     nbytes = params * WEIGHT_BYTES[plan.dtype]
     if plan.zero == 0:
         return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
-    gather = coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
-    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster) + gather
+    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
+
+
+def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
+    """ZeRO-1's all-gather of the updated weights: after the optimizer step, so never hidden."""
+    if plan.zero != 1 or plan.dp == 1:
+        return 0.0
+    return coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
 
 
 def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
@@ -197,7 +245,7 @@ def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     gpu = cluster.gpu
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
-    owned = 1 / plan.dp if plan.zero >= 1 else 1.0
+    owned = 1 / plan.shard_degree
     copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype]
     return (owned * OPTIMIZER_TRAFFIC_BYTES / speed + copies) / bandwidth
 
@@ -207,7 +255,7 @@ def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    memory = model_state_bytes(rank.params, plan.dtype, plan.zero, plan.dp)
+    memory = model_state_bytes(rank.params, plan.dtype, plan.zero, plan.shard_degree)
     kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
@@ -221,7 +269,7 @@ def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime)
                 root += layer_params_on_rank(layer, plan.tp) * count
     in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     memory["activations"] = per_mb * in_flight + transient + accumulation_transient(plan, workload, rank)
-    if plan.zero >= 3 and plan.dp > 1:
+    if plan.zero >= 3 and plan.shard_degree > 1:
         memory["buffers"] = zero3_buffer_bytes(root, biggest, plan.dtype)
     return memory
 
@@ -269,7 +317,7 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
     m = lay.m
     shared = shared_core_pipeline_time(ranks, plan, cluster)
     pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
-    dp = exposed_dp(ranks, plan, lay)
+    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params, plan, lay) for r in ranks)
     opt = optimizer_time(ranks, plan, cluster)
     step = pipe + dp + opt
     crit = max(ranks, key=lambda r: r.per_micro_batch)

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hardware.schema import Cluster
 
-SCHEMA_VERSION = 2  # 2: hardware_profile (a plan made on a profile file carries it)
+SCHEMA_VERSION = 3  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP)
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -98,7 +98,7 @@ class SolverReport(BaseModel):
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     model: str
     hardware: str
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
@@ -111,6 +111,8 @@ class Plan(BaseModel):
     pp: int = Field(ge=1)
     sp: bool = False
     zero: int = Field(0, ge=0, le=3)
+    dp_shard: int | None = Field(None, ge=1, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
+                                 "this many dp ranks, replicate across the dp/dp_shard groups (None: shard over all dp)")
     micro_batch: int = Field(ge=1)
     schedule: Schedule = "1f1b"
     vpp: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedule)")
@@ -129,6 +131,18 @@ class Plan(BaseModel):
     @property
     def n_gpus(self) -> int:
         return self.dp * self.tp * self.pp
+
+    @property
+    def shard_degree(self) -> int:
+        """The ranks that share one copy of the sharded states (1 without ZeRO)."""
+        if self.zero == 0:
+            return 1
+        return self.dp_shard if self.dp_shard is not None and self.zero >= 2 else self.dp
+
+    @property
+    def dp_replicate(self) -> int:
+        """Copies of the sharded states: dp / shard_degree (HSDP's replicate groups)."""
+        return self.dp // self.shard_degree if self.zero else self.dp
 
     @property
     def num_micro_batches(self) -> int:
@@ -164,6 +178,11 @@ class Plan(BaseModel):
                 raise ValueError(f"stages must be contiguous: one ends at {before.end}, next starts at {after.start}")
         if self.stages[0].start != 0:
             raise ValueError("the first stage must start at layer 0")
+        if self.dp_shard is not None:
+            if self.zero < 2:
+                raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) needs zero 2 or 3, not {self.zero}")
+            if self.dp % self.dp_shard:
+                raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) needs tp > 1")
         return self

@@ -67,7 +67,7 @@ def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> Engin
     fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
-    if plan.dp > 1 and plan.zero < 3:
+    if plan.dp > 1 and (plan.zero < 2 or plan.dp_replicate > 1):
         grads = {s: buckets(plan, pricer, s, templates[(s, "B")], bucket_bytes) for s in range(n)}
     return EngineInput(
         n_stages=n,
@@ -84,15 +84,19 @@ def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> Engin
 
 
 def _bucket_pricer(plan: Plan, lay):
-    """ZeRO-0 all-reduces each bucket; ZeRO-1/2 reduce-scatter it (the owner updates its shard)."""
+    """ZeRO-0 all-reduces each bucket; ZeRO-1 reduce-scatters it (the owner updates its shard);
+    HSDP all-reduces each bucket's shard across the replicas."""
     cluster, group = lay.ctx.cluster, lay.dp_group
     if plan.zero == 0:
         return lambda nbytes: (coll.all_reduce(nbytes, group, cluster), "allreduce")
+    if plan.zero >= 2:
+        shard, replicas = plan.shard_degree, lay.replicate_group
+        return lambda nbytes: (coll.all_reduce(nbytes / shard, replicas, cluster), "allreduce")
     return lambda nbytes: (coll.reduce_scatter(nbytes, group, cluster), "reduce-scatter")
 
 
 def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -> tuple[float, float]:
-    """Optimizer after the rank's compute and gradient reductions, then (ZeRO-1/2) the weight all-gather.
+    """Optimizer after the rank's compute and gradient reductions, then (ZeRO-1) the weight all-gather.
 
     Returns (end of the rank's step, optimizer seconds).
     """
@@ -100,7 +104,7 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     opt = optimizer_time([rank_time], plan, cluster)
     out.events.append(Event(r, "compute", "optimizer", start, opt, "optimizer"))
     end = start + opt
-    if plan.zero in (1, 2) and plan.dp > 1:
+    if plan.zero == 1 and plan.dp > 1:
         nbytes = rank_time.params * WEIGHT_BYTES[plan.dtype]
         gather = coll.all_gather(nbytes, lay.dp_group, cluster)
         stream = "intra" if lay.dp_group.nodes == 1 else "inter"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from . import collectives as coll
 from .compression import reduction_element_bytes
 from .compute import LayerTime, layer_time, tp_collective_time
-from .estimate import Layout, layer_params_on_rank
+from .estimate import Layout, layer_params_on_rank, sharded_collectives
 from .memory import WEIGHT_BYTES, activation_bytes
 from .plan import Plan
 from .workload import LayerProfile, Workload
@@ -70,20 +70,17 @@ class Pricer:
         self.plan, self.workload, self.lay = plan, workload, lay
         self._layers: dict[tuple[int, str], tuple[LayerTime, float, float]] = {}
         self.tp_stream = stream_for(lay.ctx.tp_group)
-        self.dp_stream = stream_for(lay.dp_group)
+        self.dp_stream = stream_for(lay.dp_group if plan.zero < 2 else lay.shard_group)
         self.pp_stream = "inter" if lay.pp_inter_node else "intra"
 
-    def layer(self, layer: LayerProfile, policy: str) -> tuple[LayerTime, float, float]:
-        """(LayerTime, forward TP comm, ZeRO-3 gather seconds)."""
+    def layer(self, layer: LayerProfile, policy: str) -> tuple[LayerTime, float, tuple[float, float, float]]:
+        """(LayerTime, forward TP comm, ZeRO-2/3 (forward gather, backward gather, reduce-scatter) seconds)."""
         key = (id(layer), policy)
         if key not in self._layers:
             lt = layer_time(layer, self.lay.ctx, policy)
             fwd_comm = tp_collective_time(layer, self.lay.ctx)
-            gather = 0.0
-            if self.plan.zero >= 3 and self.plan.dp > 1:
-                nbytes = layer_params_on_rank(layer, self.plan.tp) * WEIGHT_BYTES[self.plan.dtype]
-                gather = coll.all_gather(nbytes, self.lay.dp_group, self.lay.ctx.cluster)
-            self._layers[key] = (lt, fwd_comm, gather)
+            sharded = sharded_collectives(layer_params_on_rank(layer, self.plan.tp), self.plan, self.lay)
+            self._layers[key] = (lt, fwd_comm, sharded)
         return self._layers[key]
 
     def stage_layers(self, index: int) -> list[tuple[int, LayerProfile, str]]:
@@ -98,7 +95,7 @@ class Pricer:
             rows = rows[::-1]
         work, gathers, scatters, comp, recomp = [], [], [], 0.0, 0.0
         for _, layer, policy in rows:
-            lt, fwd_comm, gather = self.layer(layer, policy)
+            lt, fwd_comm, (fwd_gather, bwd_gather, scatter) = self.layer(layer, policy)
             if phase == "F":
                 c, t = lt.forward, fwd_comm
             else:
@@ -106,8 +103,8 @@ class Pricer:
                 recomp += lt.recompute
             comp += c
             work.append((c, t))
-            gathers.append(gather)
-            scatters.append(gather if phase == "B" else 0.0)  # reduce-scatter moves the same bytes
+            gathers.append(fwd_gather if phase == "F" else bwd_gather)
+            scatters.append(scatter if phase == "B" else 0.0)
         return _lay_out(rows, work, gathers, scatters, comp - recomp, recomp, phase, self)
 
 

@@ -5,6 +5,10 @@ re-gathered for backward; zero 2: FSDP2 keeping the gathered parameters from
 forward to backward; zero 1: replicated parameters with the optimizer state
 sharded by ZeroRedundancyOptimizer; zero 0: replicated parameters. Blocks are
 sharded one by one so that only one block's parameters are gathered at a time.
+Hybrid sharding (`plan.dp_shard`) hands FSDP2 the 2-D (dp_replicate, dp_shard)
+view of the dp dimension: states sharded inside a shard group, gradients all-reduced across the
+groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients (the
+cost model prices it so): accumulating them unsharded would hold a full copy.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
 module per rank, `planner.executable.uses_ddp`) and through FSDP2's
@@ -23,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.plan import Plan
 from executor.layers import LayerMap, get_or_none
+from executor.mesh import hsdp_mesh
 from planner.executable import uses_ddp
 
 
@@ -38,6 +43,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     dp_mesh = mesh["dp"]
     if plan.zero >= 2:
         reshard = plan.zero == 3
+        if plan.dp_replicate > 1:
+            dp_mesh = hsdp_mesh(mesh, plan)
         for name in lmap.block_names:
             block = get_or_none(module, name)
             if block is not None and any(True for _ in block.parameters()):
@@ -81,6 +88,8 @@ def sync_context(module: nn.Module, last_micro_batch: bool):
 
     if isinstance(module, DDP) and not last_micro_batch:
         return module.no_sync()
-    if hasattr(module, "set_requires_gradient_sync"):
+    if hasattr(module, "set_requires_all_reduce"):  # FSDP2 sharded: reduce-scatter always, HSDP's all-reduce once
+        module.set_requires_all_reduce(last_micro_batch)
+    elif hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()

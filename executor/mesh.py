@@ -3,6 +3,8 @@
 The mesh's dimensions are ("pp", "dp", "tp"): TP innermost, so the ranks that
 exchange activations every layer are neighbours (same node, fastest links),
 and PP outermost, so only point-to-point stage traffic crosses the widest gap.
+Hybrid sharding unflattens "dp" into (dp_replicate, dp_shard), shard innermost
+(`hsdp_mesh`), the order the cost model places its groups in.
 """
 from __future__ import annotations
 
@@ -56,6 +58,11 @@ def build_mesh(plan: Plan) -> DeviceMesh:
                         f"launch {plan.n_gpus} processes or change the degrees")
     kind, _ = device_and_backend()
     return init_device_mesh(kind, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+
+
+def hsdp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
+    """The 2-D (dp_replicate, dp_shard) view of the dp dimension that FSDP2 takes for HSDP."""
+    return mesh["dp"]._unflatten(0, (plan.dp_replicate, plan.shard_degree), ("dp_replicate", "dp_shard"))
 
 
 def coords(mesh: DeviceMesh) -> dict[str, int]:

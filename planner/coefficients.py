@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from costmodel.compute import layer_time
 from costmodel.estimate import (dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time,
-                                zero3_buffer_bytes, zero3_exposed)
+                                weight_gather_time, zero3_buffer_bytes, sharded_exposed)
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -54,7 +54,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
         t = layer_time(layer, ctx, policy)
-        zero = zero3_exposed(params, t, plan, lay)
+        zero = sharded_exposed(params, t, plan, lay)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
@@ -83,7 +83,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         if id(layer) not in coeff:
             coeff[id(layer)] = _layer(layer, plan, lay)
     block = coeff[id(layers[first])]
-    per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.dp).values())
+    per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.shard_degree).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
     return StageModelData(
@@ -97,11 +97,13 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         ],
         state_bytes_per_param=per_param,
         dp_seconds_per_param=dp_slope,
-        dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 and plan.zero < 3 else 0.0,
-        optimizer_seconds_per_param=optimizer_seconds_per_param(plan, cluster),
+        dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 else 0.0,
+        # ZeRO-1's weight all-gather follows the step as the optimizer does: linear in the rank's parameters
+        optimizer_seconds_per_param=(optimizer_seconds_per_param(plan, cluster)
+                                     + weight_gather_time(probe, plan, lay) / probe),
         zero3_buffer_bytes=(zero3_buffer_bytes(max(_params(layers[:first], plan), _params(layers[last:], plan)),
                                                layer_params_on_rank(layers[first], plan.tp), plan.dtype)
-                            if plan.zero >= 3 and plan.dp > 1 else 0.0),
+                            if plan.zero >= 3 and plan.shard_degree > 1 else 0.0),
         capacity=capacity,
     )
 

@@ -13,7 +13,8 @@ number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
 rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
 pipeline stages too) -> activation checkpointing (per layer) -> data parallel
 (DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
-pipeline stage; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3).
+pipeline stage; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3,
+on the 2-D (dp_replicate, dp_shard) mesh for hybrid sharding).
 Gradient compression runs as DDP communication hooks, so it needs the DDP path.
 """
 from __future__ import annotations
@@ -61,6 +62,7 @@ class LayoutFields:
     schedule: str = "1f1b"
     vpp: int = 1
     compression: str = "none"
+    dp_shard: int | None = None
 
 
 def facts_of_workload(workload) -> ModelFacts:
@@ -145,6 +147,11 @@ def _pp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
 def _zero_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
     if f.zero not in (0, 1, 2, 3):
         return PlanError("zero", f"{f.zero!r} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    shard = getattr(f, "dp_shard", None)
+    if shard is not None and (f.zero < 2 or shard < 1 or f.dp % shard):
+        valid = [d for d in range(1, f.dp + 1) if f.dp % d == 0]
+        return PlanError("dp_shard", f"dp_shard={shard} (hybrid sharding) needs zero 2 or 3 and a divisor of dp={f.dp}",
+                         f"use zero 3 with dp_shard in {valid}")
     return None
 
 

@@ -57,7 +57,9 @@ class _Eval:
 
 def _lay(cluster: Cluster, tp: int, mb: int, dtype: str, dp: int, m: int, pp_inter_node: bool) -> Layout:
     ctx = Context(cluster=cluster, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, cluster))
-    return Layout(ctx=ctx, dp_group=coll.group_of(dp, tp, cluster), pp_inter_node=pp_inter_node, m=m)
+    dp_group = coll.group_of(dp, tp, cluster)
+    return Layout(ctx=ctx, dp_group=dp_group, pp_inter_node=pp_inter_node, m=m, shard_group=dp_group,
+                  replicate_group=coll.Group(1, 1))
 
 
 def _capacity(cluster: Cluster, reserve: float) -> float:

@@ -18,9 +18,9 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 from planner.executable import COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, uses_ddp
 
-PINNABLE = ("dp", "tp", "pp", "sp", "zero", "micro_batch", "schedule", "vpp", "recompute", "compression")
+PINNABLE = ("dp", "tp", "pp", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
 MAX_MICRO_BATCH = 16
-VPP_CHOICES = (2, 3, 4)
+VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ class Layout:
     schedule: str
     vpp: int
     compression: str = "none"
+    dp_shard: int | None = None
 
     def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str) -> Plan:
         kinds = [layer.kind for layer in workload.layers]
@@ -54,6 +55,7 @@ class Layout:
             schedule=self.schedule,
             vpp=self.vpp,
             compression=self.compression,
+            dp_shard=self.dp_shard,
             stages=uniform_stages(kinds, self.pp * self.vpp, recompute),
         )
 
@@ -97,7 +99,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
         raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
                         f"use a divisor of {cluster.n_gpus} up to {workload.n_blocks}")
-    for key in ("dp", "tp", "pp", "micro_batch", "vpp"):
+    for key in ("dp", "tp", "pp", "micro_batch", "vpp", "dp_shard"):
         if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
             raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
 
@@ -115,7 +117,8 @@ def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:
             and layout_problem(LayoutFields(dp=1, tp=t, pp=1), facts, workload.seq_len) is None]
 
 
-def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None) -> Iterator[tuple[str, int]]:
+def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None,
+               pinned_vpp: int | None = None) -> Iterator[tuple[str, int]]:
     """GPipe takes the time of 1F1B with more micro-batches in flight, so it is
     dominated and only offered when pinned."""
     if pp == 1:
@@ -125,7 +128,8 @@ def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None) -> Iterator[t
     if pinned == "gpipe":
         yield "gpipe", 1
     if m % pp == 0:
-        for v in VPP_CHOICES:
+        depths = (pinned_vpp,) if pinned_vpp is not None and pinned_vpp > 1 else VPP_CHOICES
+        for v in depths:
             if n_blocks >= pp * v:
                 yield "interleaved", v
 
@@ -146,15 +150,33 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                 if mb > MAX_MICRO_BATCH:
                     break
                 m = global_batch // (dp * mb)
-                for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule")):
-                    for zero in (0, 1, 2, 3) if dp > 1 else (0,):
+                for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule"), fixed.get("vpp")):
+                    for zero, shard in zero_choices(dp, tp, cluster, fixed):
                         for sp in (False, True) if tp > 1 else (False,):
-                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp)
+                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard)
                             if _honours(layout, fixed):
                                 for method in compression_choices(layout, fixed):
                                     offered = replace(layout, compression=method)
                                     if layout_problem(offered, facts, workload.seq_len, m) is None:
                                         yield offered
+
+
+def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict) -> Iterator[tuple[int, int | None]]:
+    """ZeRO stages with their shard group: all of dp, and for ZeRO-2/3 hybrid sharding
+    (HSDP) with the shard group filling the node, where the gathers stay on NVLink and
+    only the once-per-step all-reduce crosses nodes (or a pinned dp_shard)."""
+    if dp == 1:
+        yield 0, None
+        return
+    for zero in (0, 1, 2, 3):
+        yield zero, None
+        if zero < 2:
+            continue
+        pinned = fixed.get("dp_shard")
+        inside = cluster.gpus_per_node // tp if cluster.gpus_per_node % tp == 0 else 0
+        for shard in ((pinned,) if pinned is not None else (inside,)):
+            if shard and 1 < shard < dp and dp % shard == 0:
+                yield zero, shard
 
 
 def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
@@ -168,7 +190,10 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
 
 
 def _honours(layout: Layout, fixed: dict) -> bool:
-    return all(getattr(layout, key) == value for key, value in fixed.items() if key not in ("recompute", "compression"))
+    def value_of(key):  # a dp_shard of all dp is plain sharding
+        return (layout.dp_shard or layout.dp) if key == "dp_shard" else getattr(layout, key)
+
+    return all(value_of(key) == value for key, value in fixed.items() if key not in ("recompute", "compression"))
 
 
 def recompute_choices(fixed: dict | None) -> tuple[str, ...]:

@@ -9,10 +9,15 @@ from costmodel.plan import Plan
 GIB = 2**30
 
 
+def hsdp_tag(plan: Plan) -> str:
+    """" (hsdp 8x16)": replicas x shard group, for hybrid-sharded plans."""
+    return f" (hsdp {plan.dp_replicate}x{plan.shard_degree})" if plan.zero >= 2 and plan.dp_replicate > 1 else ""
+
+
 def _layout_line(plan: Plan) -> str:
     sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
     return (
-        f"dp={plan.dp} tp={plan.tp}{' +sp' if plan.sp else ''} pp={plan.pp} zero={plan.zero} "
+        f"dp={plan.dp}{hsdp_tag(plan)} tp={plan.tp}{' +sp' if plan.sp else ''} pp={plan.pp} zero={plan.zero} "
         f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
     )
