@@ -29,6 +29,7 @@ import os
 from pathlib import Path
 
 import hardware
+from planner.summary import hsdp_tag
 import planner
 from executor.calibrate import calibrate
 from executor.launch import run

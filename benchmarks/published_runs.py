@@ -4,8 +4,11 @@
 
 Each CSV row gives a model's dimensions, the cluster and (some of) the layout,
 and one published metric. Blank layout fields are left to the planner under
-the fixed ones. The script prints published vs predicted with the signed
-error, then `MAPE: X% over N rows`.
+the fixed ones; a fully pinned layout the search does not offer, or that the
+memory model rejects, is estimated as given and flagged. The script prints
+published vs predicted with the signed error, a row it cannot predict with
+why, the MAPE per mechanism class (GPU, and ZeRO-3/FSDP, HSDP, Megatron
+TP x PP, or plain DP), then `MAPE: X% over N rows (K not predicted)`.
 
 Row conventions (not per-row fudge factors): a blank kv_heads means
 kv_heads = heads, a blank ffn_hidden means 4*hidden, a blank gated_mlp means
@@ -76,10 +79,13 @@ def row_cluster(row: dict):
 
 def row_pins(row: dict) -> dict:
     pins: dict = {}
-    for key, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero_stage", "zero")):
+    for key, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero_stage", "zero"),
+                       ("dp_shard", "dp_shard")):
         value = _int(row, key)
         if value is not None:
             pins[field] = value
+    if pins.get("zero", 0) >= 2 and "dp" in pins and "dp_shard" not in pins:
+        pins["dp_shard"] = pins["dp"]  # a published ZeRO-2/3 run shards over all of dp unless it says otherwise
     vpp = _int(row, "vpp")
     if vpp is not None:
         pins["vpp"] = vpp
@@ -93,9 +99,24 @@ def row_pins(row: dict) -> dict:
     return pins
 
 
-def predict(row: dict) -> tuple[float, str]:
+def mechanism(plan) -> str:
+    """The class a row's error is reported under: what dominates its communication."""
+    if plan.zero >= 2 and plan.dp_replicate > 1:
+        kind = "hsdp"
+    elif plan.zero >= 2 and plan.dp > 1:
+        kind = "zero3/fsdp" if plan.zero == 3 else "zero2"
+    elif plan.tp > 1 or plan.pp > 1:
+        kind = "megatron tp x pp"
+    else:
+        kind = "dp"
+    return f"{kind} {plan.hardware.split('x', 1)[-1]}"
+
+
+def predict(row: dict) -> tuple[float, str, str, list[str]]:
     workload, cluster = row_workload(row), row_cluster(row)
     plan = best_plan(workload, cluster, global_batch=_int(row, "global_batch"), fixed=row_pins(row), model=row["id"])
+    if plan is None:
+        raise ValueError("no layout fits under the unpinned fields; pin tp and pp to estimate the layout as given")
     est = plan.estimate or estimate(workload, plan, cluster)
     metric = row["metric"].strip()
     value = {
@@ -105,28 +126,43 @@ def predict(row: dict) -> tuple[float, str]:
         "mfu_pct": est.mfu * 100,
     }[metric]
     layout = f"dp{plan.dp}{hsdp_tag(plan)} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
-    return value, layout
+    return value, layout, mechanism(plan), plan.notes
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
     args = parser.parse_args(argv)
-    with open(args.csv, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    errors = []
+    try:
+        with open(args.csv, newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        print(f"cannot read {args.csv}: {error}")
+        return 1
+    errors: dict[str, list[float]] = {}
+    missed = 0
     print(f"{'id':32} {'metric':32} {'published':>10} {'predicted':>10} {'error':>8}  layout")
     for row in rows:
-        if row.get("metric", "").strip() not in METRICS:
-            print(f"{row.get('id', '?'):32} skipped: unknown metric {row.get('metric')!r}")
+        name = (row.get("id") or "?").strip()
+        try:
+            if (row.get("metric") or "").strip() not in METRICS:
+                raise ValueError(f"unknown metric {row.get('metric')!r} (use one of {', '.join(METRICS)})")
+            published = float(row["value"])
+            predicted, layout, kind, notes = predict(row)
+        except Exception as error:  # noqa: BLE001 - one bad row must not stop the table
+            missed += 1
+            print(f"{name:32} not predicted: {type(error).__name__}: {' '.join(str(error).split())}")
             continue
-        predicted, layout = predict(row)
-        published = float(row["value"])
         error = (predicted - published) / published
-        errors.append(abs(error))
-        print(f"{row['id']:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%}  {layout}")
-    if errors:
-        print(f"MAPE: {100 * sum(errors) / len(errors):.1f}% over {len(errors)} rows")
+        errors.setdefault(kind, []).append(abs(error))
+        flags = f"  [{'; '.join(notes)}]" if notes else ""
+        print(f"{name:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%}  {layout}{flags}")
+    every = [e for values in errors.values() for e in values]
+    if len(errors) > 1:
+        for kind, values in sorted(errors.items()):
+            print(f"  MAPE {kind}: {100 * sum(values) / len(values):.1f}% over {len(values)} rows")
+    mape = f"{100 * sum(every) / len(every):.1f}%" if every else "n/a"
+    print(f"MAPE: {mape} over {len(every)} rows ({missed} not predicted)")
     return 0
 
 

@@ -17,6 +17,7 @@ from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
 
 from .infeasible import infeasibility_report
+from .pinned import is_fully_pinned, pinned_plan
 from .search import search
 from .space import check_pins
 
@@ -92,6 +93,9 @@ def plan(
             key = _objective_value(result.best[0].estimate, objective)
             if best_key is None or key < best_key:
                 best_result, best_key, best_cluster = result, key, candidate
+    if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
+        return with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
+                                        model=name, memory_reserve=memory_reserve), cluster)
     if best_result is None:
         report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)

@@ -23,6 +23,7 @@ from .bounds import lower_bound, memory_aware_bound
 from .coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
                            stage_model_data)
 from .enumerate import Candidate
+from .pinned import is_fully_pinned, pinned_plan
 from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
 
@@ -235,9 +236,14 @@ def _report(ranked, bound, considered, refined, wall) -> SolverReport:
 
 
 def best_plan(workload, cluster, *, global_batch, fixed=None, model=None, dtype="bf16", **kwargs) -> Plan | None:
-    """The fastest fitting plan with its estimate, or None."""
+    """The fastest fitting plan with its estimate; a fully pinned layout the search does not
+    offer (or that does not fit) estimated as given, with notes saying why; else None."""
     result = search(workload, cluster, global_batch=global_batch, fixed=fixed, model=model, dtype=dtype, top_k=1, **kwargs)
     if not result.best:
+        if is_fully_pinned(fixed):
+            reserve = kwargs.get("memory_reserve", DEFAULT_MEMORY_RESERVE)
+            return pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, model=model,
+                               memory_reserve=reserve)
         return None
     cand = result.best[0]
     return cand.plan.model_copy(update={"estimate": cand.estimate, "solver": result.report})

@@ -1,0 +1,76 @@
+"""A layout the user pinned whole, estimated as given.
+
+When the degrees are pinned (tp and pp, dp following from the GPU count), the
+user asks what that layout does, not which layout to pick. The estimate then
+answers even where the search would not offer the layout: a layout the
+executor's declaration refuses, or one the memory model rejects. The plan says
+so in its notes: the executor's objection, or the modelled peak against the
+usable memory. A pin that no layout can honour is a PlanError naming the field.
+"""
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+from costmodel.estimate import GIB, estimate
+from costmodel.plan import Plan
+from costmodel.workload import Workload
+from hardware.errors import PlanError
+from hardware.schema import Cluster
+
+from .executable import facts_of_workload, layout_problem
+from .space import Layout, recompute_choices
+
+
+def is_fully_pinned(fixed: dict | None) -> bool:
+    return bool(fixed) and "tp" in fixed and "pp" in fixed
+
+
+def pinned_layout(fixed: dict, cluster: Cluster) -> Layout:
+    """The one layout `fixed` names; unpinned fields take the plain defaults."""
+    tp, pp, n = fixed["tp"], fixed["pp"], cluster.n_gpus
+    if n % (tp * pp):
+        raise PlanError("pp", f"tp*pp = {tp}*{pp} does not divide the {n} GPUs", f"pick tp and pp whose product divides {n}")
+    dp = fixed.get("dp", n // (tp * pp))
+    if dp * tp * pp != n:
+        raise PlanError("dp", f"dp*tp*pp = {dp}*{tp}*{pp} is not the cluster's {n} GPUs", f"use dp={n // (tp * pp)}")
+    vpp = fixed.get("vpp", 1)
+    schedule = fixed.get("schedule", "interleaved" if vpp > 1 else "1f1b")
+    compression = fixed.get("compression", "none")
+    return Layout(dp=dp, tp=tp, pp=pp, sp=fixed.get("sp", False), zero=fixed.get("zero", 0),
+                  micro_batch=fixed.get("micro_batch", 1), schedule=schedule, vpp=vpp,
+                  compression=compression if isinstance(compression, str) else "none",
+                  dp_shard=fixed.get("dp_shard"))
+
+
+def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, **kw) -> Plan:
+    try:
+        return layout.to_plan(workload, cluster, recompute=policy, **kw)
+    except ValidationError as error:
+        first = error.errors()[0]
+        field = ".".join(str(p) for p in first["loc"]) or "layout"
+        raise PlanError(field, first["msg"].removeprefix("Value error, "), "change the pinned layout") from None
+    except ValueError as error:
+        raise PlanError("pp", str(error), "pin fewer pipeline stages") from None
+
+
+def pinned_plan(workload: Workload, cluster: Cluster, *, global_batch: int, fixed: dict, dtype: str = "bf16",
+                model: str | None = None, memory_reserve: float) -> Plan:
+    """The pinned layout with its estimate: the fastest checkpointing policy that fits (or,
+    when none does, the one with the smallest peak), flagged where it falls outside."""
+    layout = pinned_layout(fixed, cluster)
+    priced = []
+    for policy in recompute_choices(fixed):
+        plan = _as_plan(layout, workload, cluster, policy, global_batch=global_batch, dtype=dtype,
+                        model=model or workload.name)
+        priced.append((plan, estimate(workload, plan, cluster, memory_reserve=memory_reserve)))
+    fitting = [pe for pe in priced if pe[1].fits]
+    plan, est = (min(fitting, key=lambda pe: pe[1].step_time_s) if fitting
+                 else min(priced, key=lambda pe: pe[1].peak_memory_bytes))
+    notes = []
+    problem = layout_problem(layout, facts_of_workload(workload), workload.seq_len, plan.num_micro_batches)
+    if problem is not None:
+        notes.append(f"outside the executor's space: {problem}")
+    if not est.fits:
+        notes.append(f"memory model: {est.peak_memory_bytes / GIB:.0f} GiB > "
+                     f"{est.memory_capacity_bytes / GIB:.0f} GiB usable")
+    return plan.model_copy(update={"estimate": est, "notes": [*plan.notes, *notes]})

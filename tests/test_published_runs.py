@@ -1,0 +1,53 @@
+"""benchmarks/published_runs.py predicts any CSV with the documented columns, and never crashes."""
+import csv
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("published_runs", ROOT / "benchmarks" / "published_runs.py")
+published_runs = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(published_runs)
+
+COLUMNS = ("id,n_layers,hidden,heads,kv_heads,ffn_hidden,gated_mlp,seq_len,vocab,global_batch,micro_batch,tp,pp,dp,"
+           "vpp,seq_parallel,recompute,zero_stage,gpu,n_gpus,gpus_per_node,nic_gbps_per_gpu,metric,value").split(",")
+ROWS = [
+    # a 96-layer model with interleaving depth 6: outside the searched depths, still estimated
+    dict(id="vpp6", n_layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200, global_batch=1536, micro_batch=1,
+         tp=8, pp=8, dp=16, vpp=6, seq_parallel="yes", recompute="selective", zero_stage=1, gpu="a100-80g",
+         n_gpus=1024, gpus_per_node=8, nic_gbps_per_gpu=200, metric="tflops_per_gpu_model", value=150),
+    # ZeRO-3 of a 530B model on 64 GPUs: the memory model rejects it; estimated and flagged
+    dict(id="too_big", n_layers=105, hidden=20480, heads=128, seq_len=2048, vocab=51200, global_batch=64, micro_batch=1,
+         tp=1, pp=1, dp=64, zero_stage=3, recompute="full", gpu="a100-80g", n_gpus=64, gpus_per_node=8,
+         nic_gbps_per_gpu=200, metric="tflops_per_gpu_model", value=100),
+    dict(id="hsdp", n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp="yes", seq_len=4096,
+         vocab=128256, global_batch=256, micro_batch=1, tp=1, pp=1, dp=64, zero_stage=3, recompute="none",
+         gpu="h100-sxm", n_gpus=64, gpus_per_node=8, nic_gbps_per_gpu=400, metric="mfu_pct", value=40),
+    dict(id="bad_metric", n_layers=2, hidden=64, heads=2, seq_len=128, vocab=100, global_batch=8, gpu="a100-80g",
+         n_gpus=8, gpus_per_node=8, nic_gbps_per_gpu=200, metric="furlongs", value=1),
+    dict(id="bad_gpu", n_layers=2, hidden=64, heads=2, seq_len=128, vocab=100, global_batch=8, gpu="tpu-v9",
+         n_gpus=8, gpus_per_node=8, nic_gbps_per_gpu=200, metric="mfu_pct", value=1),
+    dict(id="bad_number", n_layers="many", hidden=64, heads=2, seq_len=128, vocab=100, global_batch=8, gpu="a100-80g",
+         n_gpus=8, gpus_per_node=8, nic_gbps_per_gpu=200, metric="mfu_pct", value=1),
+]
+
+
+def test_every_row_is_predicted_or_says_why(tmp_path, capsys):
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(ROWS)
+    assert published_runs.main(["--csv", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = {line.split()[0]: line for line in out[1:] if line and not line.startswith(("  ", "MAPE"))}
+    assert " v6 " in table["vpp6"]
+    assert "memory model:" in table["too_big"] and "GiB usable" in table["too_big"]
+    for name in ("bad_metric", "bad_gpu", "bad_number"):
+        assert "not predicted:" in table[name]
+    assert out[-1].startswith("MAPE: ") and out[-1].endswith("over 3 rows (3 not predicted)")
+    assert any(line.startswith("  MAPE ") for line in out)
+
+
+def test_missing_file_is_one_line(tmp_path, capsys):
+    assert published_runs.main(["--csv", str(tmp_path / "none.csv")]) == 1
+    assert "cannot read" in capsys.readouterr().out
