@@ -142,7 +142,8 @@ def train_table(steps: int) -> list[str]:
 def whatif_table() -> list[str]:
     import hardware
     from costmodel import TransformerDims, transformer_workload
-    from costmodel.estimate import dp_time, estimate, layout_of
+    from costmodel.data_parallel import dp_time
+    from costmodel.estimate import estimate, layout_of
     from costmodel.plan import Plan, uniform_stages
 
     wl = transformer_workload(TransformerDims(name="llama-7b", n_layers=32, hidden=4096, heads=32, ffn_hidden=11008,

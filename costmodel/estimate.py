@@ -19,8 +19,9 @@ from itertools import groupby
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .compression import plan_reduction_time
-from .compute import Context, LayerTime, layer_time, recompute_flops
+from .compute import Context, layer_time, recompute_flops
+from .data_parallel import (exposed_dp, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
+                            weight_gather_time)
 from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
@@ -29,7 +30,6 @@ from .workload import LayerProfile, Workload
 
 DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buffers
 GIB = 2**30
-OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
 
 
 @dataclass
@@ -76,55 +76,10 @@ def layout_of(plan: Plan, cluster: Cluster) -> Layout:
     )
 
 
-def layer_params_on_rank(layer: LayerProfile, tp: int) -> float:
-    return layer.params / (tp if layer.tp_shardable else 1)
-
-
 def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
     """Send of the stage output forward plus its gradient backward, one micro-batch."""
     nbytes = layer.boundary_bytes * plan.micro_batch / plan.tp  # scatter-gather over TP ranks
     return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
-
-
-def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, float, float]:
-    """(forward all-gather, backward all-gather, reduce-scatter) seconds of one layer's
-    weights per micro-batch under ZeRO-2/3 (FSDP2): the weights are gathered for every
-    forward, again for every backward under ZeRO-3 (resharded after forward), and every
-    micro-batch's gradients are reduce-scattered, over the shard group. The bytes do
-    not shrink as dp grows; the ring's latency grows with it."""
-    if plan.zero < 2 or plan.shard_degree == 1:
-        return 0.0, 0.0, 0.0
-    nbytes = params * WEIGHT_BYTES[plan.dtype]
-    gather = coll.all_gather(nbytes, lay.shard_group, lay.ctx.cluster)
-    scatter = coll.reduce_scatter(nbytes, lay.shard_group, lay.ctx.cluster)
-    return gather, (gather if plan.zero >= 3 else 0.0), scatter
-
-
-def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:
-    """What of a layer's ZeRO-2/3 collectives the compute does not hide. With one-layer
-    prefetch a layer's gathers run beside its neighbour's whole forward (with its TP
-    collectives) and whole backward (with recomputation), the reduce-scatter beside the
-    next backward; gathers and scatters share the one link, so they add up."""
-    fwd_gather, bwd_gather, scatter = sharded_collectives(params, plan, lay)
-    if not (fwd_gather or scatter):
-        return 0.0
-    forward = t.forward + t.tp_comm / 2
-    backward = t.backward + t.recompute + t.tp_comm / 2
-    cluster = lay.ctx.cluster
-    return (exposed_after_overlap(fwd_gather, forward, cluster)
-            + exposed_after_overlap(bwd_gather + scatter, backward, cluster))
-
-
-def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float:
-    """What of `comm` seconds of collectives stays on the critical path beside `window` seconds of compute.
-
-    Collectives hide behind compute in proportion to the hardware's `comm_overlap`
-    (1 when they run on their own engines, as NCCL beside GEMMs; near 0 when they
-    need the cores the compute uses, as gloo on oversubscribed CPU ranks).
-    """
-    overlap = cluster.gpu.efficiency.comm_overlap
-    overlap = 1.0 if overlap is None else overlap
-    return comm - overlap * min(comm, max(window, 0.0))
 
 
 def stage_runs(plan: Plan, workload: Workload, index: int) -> list[tuple[LayerProfile, str, int]]:
@@ -169,89 +124,10 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     )
 
 
-def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
-    """The sharded collectives one-layer prefetch cannot hide: a stage's first gather of
-    each pass has no earlier layer to run beside (forward: its first layer; backward:
-    its last), and its last reduce-scatter (the first layer's) drains after the compute.
-    `sharded_exposed` hid them behind their own layer, so the hidden part comes back."""
-    if plan.zero < 2 or plan.shard_degree == 1:
-        return 0.0
-    overlap = lay.ctx.cluster.gpu.efficiency.comm_overlap
-    overlap = 1.0 if overlap is None else overlap
-    (first, _, _), (last, _, _) = runs[0], runs[-1]
-    t_first, t_last = times[0][0], times[-1][0]
-    fwd_gather, _, scatter = sharded_collectives(layer_params_on_rank(first, plan.tp), plan, lay)
-    _, bwd_gather, _ = sharded_collectives(layer_params_on_rank(last, plan.tp), plan, lay)
-    forward = t_first.forward + t_first.tp_comm / 2
-    backward_last = t_last.backward + t_last.recompute + t_last.tp_comm / 2
-    backward_first = t_first.backward + t_first.recompute + t_first.tp_comm / 2
-    return overlap * (min(fwd_gather, forward) + min(bwd_gather, backward_last) + min(scatter, backward_first))
-
-
-def dp_time(params: float, plan: Plan, lay: Layout) -> float:
-    """Once-per-step gradient reduction, before overlap: DDP's all-reduce (ZeRO-0), the
-    reduce-scatter of a sharded optimizer (ZeRO-1, its weight all-gather follows the step), HSDP's
-    all-reduce of each shard across the replicas (ZeRO-2/3 reduce-scatter per micro-batch)."""
-    if plan.dp == 1:
-        return 0.0
-    if plan.zero >= 2:
-        shard = params / plan.shard_degree * WEIGHT_BYTES[plan.dtype]
-        return coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
-    if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
-        return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
-    nbytes = params * WEIGHT_BYTES[plan.dtype]
-    if plan.zero == 0:
-        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
-    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
-
-
-def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
-    """ZeRO-1's all-gather of the updated weights: after the optimizer step, so never hidden."""
-    if plan.zero != 1 or plan.dp == 1:
-        return 0.0
-    return coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
-
-
 def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
     totals = [r.per_micro_batch for r in ranks]
     slowest = max(totals)
     return m * slowest + (sum(totals) - slowest) / vpp
-
-
-def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
-    """Gradient reduction left over after the last backward; rank r > 0 has r later backwards of slack."""
-    exposed = 0.0
-    slack = 0.0
-    for rank in ranks:
-        window = rank.backward + rank.recompute + slack
-        exposed = max(exposed, exposed_after_overlap(dp_time(rank.params, plan, lay), window, lay.ctx.cluster))
-        slack += rank.backward + rank.recompute
-    return max(0.0, exposed)
-
-
-def reduction_copy_passes(plan: Plan) -> float:
-    """Memory passes over a rank's gradients that the data-parallel reduction makes beside
-    the wire, on the cores or SMs that compute: DDP divides its buckets in place (a read and
-    a write); FSDP2 copies gradients into a flat buffer, divides and copies the result back
-    (three reads and three writes). Negligible on HBM, a visible share of a CPU step."""
-    if plan.dp == 1:
-        return 0.0
-    return 2.0 if plan.reduces_through_ddp else 6.0
-
-
-def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
-    """The step's seconds per parameter a rank holds: the optimizer over its owned share,
-    plus the reduction's gradient copies (the solver's linear model uses the same number)."""
-    gpu = cluster.gpu
-    bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
-    speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
-    owned = 1 / plan.shard_degree
-    copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype]
-    return (owned * OPTIMIZER_TRAFFIC_BYTES / speed + copies) / bandwidth
-
-
-def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:
-    return max(r.params for r in ranks) * optimizer_seconds_per_param(plan, cluster)
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .estimate import RankTime, optimizer_time, price_ranks, rank_memory
+from .data_parallel import optimizer_time
+from .estimate import RankTime, price_ranks, rank_memory
 from .memory import WEIGHT_BYTES
 from .plan import Plan
 from .simulate_engine import Engine, EngineInput, Event

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from . import collectives as coll
 from .compression import reduction_element_bytes
 from .compute import LayerTime, layer_time, tp_collective_time
-from .estimate import Layout, layer_params_on_rank, sharded_collectives
+from .data_parallel import layer_params_on_rank, sharded_collectives
+from .estimate import Layout
 from .memory import WEIGHT_BYTES, activation_bytes
 from .plan import Plan
 from .workload import LayerProfile, Workload

@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.compute import layer_time
-from costmodel.estimate import (dp_time, layer_params_on_rank, layout_of, optimizer_seconds_per_param, p2p_time,
-                                weight_gather_time, zero3_buffer_bytes, sharded_exposed)
+from costmodel.data_parallel import (dp_time, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
+                                     weight_gather_time)
+from costmodel.estimate import layout_of, p2p_time, zero3_buffer_bytes
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload

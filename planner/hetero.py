@@ -32,8 +32,9 @@ from typing import Any
 
 from costmodel import collectives as coll
 from costmodel.compute import Context, layer_time
-from costmodel.estimate import (DEFAULT_MEMORY_RESERVE, GIB, Layout, RankTime, dp_time, optimizer_time,
-                                p2p_time, pipeline_time, rank_memory, stage_time)
+from costmodel.data_parallel import dp_time, optimizer_time
+from costmodel.estimate import (DEFAULT_MEMORY_RESERVE, GIB, Layout, RankTime, p2p_time, pipeline_time, rank_memory,
+                                stage_time)
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan, StagePlan, uniform_stages
 from costmodel.workload import Workload

@@ -14,7 +14,8 @@ from costmodel import collectives as coll
 from costmodel.compression import (DEFAULT_TOPK_FRACTION, TOPK_INDEX_BYTES, compressed_reduction_time,
                                    compression_compute_time, plan_reduction_time, topk_gathered_bytes,
                                    wire_bytes_per_rank)
-from costmodel.estimate import dp_time, layout_of
+from costmodel.data_parallel import dp_time
+from costmodel.estimate import layout_of
 from costmodel.plan import Plan, uniform_stages
 from executor.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
 from hardware.errors import PlanError
