@@ -41,16 +41,32 @@ def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float
     return comm - overlap * min(comm, max(window, 0.0))
 
 
+def held_zero(plan: Plan) -> int:
+    """The ZeRO stage whose memory the ranks hold. Under torch.distributed.pipelining
+    FSDP2 keeps a stage's weights and gradients unsharded from one micro-batch's
+    backward to the next and reduce-scatters once per step (the schedule sets that
+    itself), so pipelined ZeRO-2/3 hold what ZeRO-1 holds."""
+    return 1 if plan.pp > 1 and plan.zero >= 2 else plan.zero
+
+
 def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, float, float]:
     """(forward all-gather, backward all-gather, reduce-scatter) seconds of one layer's
-    weights per micro-batch under ZeRO-2/3 (FSDP2): the weights are gathered for every
-    forward, again for every backward under ZeRO-3 (resharded after forward), and every
-    micro-batch's gradients are reduce-scattered, over the shard group. The bytes do
-    not shrink as dp grows; the ring's latency grows with it."""
+    weights per micro-batch under ZeRO-2/3 (FSDP2), over the shard group. Without
+    pipelining the weights are gathered for every forward, again for every backward
+    under ZeRO-3 (resharded after forward), and every micro-batch's gradients are
+    reduce-scattered. Pipelined, the weights stay gathered after a backward: ZeRO-3
+    gathers once per backward and for the warm-up forwards before the first one
+    (pp of the m, the first rank's count), ZeRO-2 once per step, and the reduce-scatter
+    is once per step (`dp_time`). The bytes do not shrink as dp grows; the ring's
+    latency grows with it."""
     if plan.zero < 2 or plan.shard_degree == 1:
         return 0.0, 0.0, 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
     gather = coll.all_gather(nbytes, lay.shard_group, lay.ctx.cluster)
+    if plan.pp > 1:
+        m = plan.num_micro_batches
+        warm = min(m, plan.pp) if plan.zero >= 3 else 1
+        return gather * warm / m, (gather if plan.zero >= 3 else 0.0), 0.0
     scatter = coll.reduce_scatter(nbytes, lay.shard_group, lay.ctx.cluster)
     return gather, (gather if plan.zero >= 3 else 0.0), scatter
 
@@ -92,12 +108,14 @@ def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
 def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     """Once-per-step gradient reduction, before overlap: DDP's all-reduce (ZeRO-0), the
     reduce-scatter of a sharded optimizer (ZeRO-1, its weight all-gather follows the step), HSDP's
-    all-reduce of each shard across the replicas (ZeRO-2/3 reduce-scatter per micro-batch)."""
+    all-reduce of each shard across the replicas (ZeRO-2/3 reduce-scatter per micro-batch),
+    and pipelined ZeRO-2/3's one reduce-scatter per step before it."""
     if plan.dp == 1:
         return 0.0
     if plan.zero >= 2:
         shard = params / plan.shard_degree * WEIGHT_BYTES[plan.dtype]
-        return coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
+        once = coll.reduce_scatter(params * WEIGHT_BYTES[plan.dtype], lay.shard_group, lay.ctx.cluster) if plan.pp > 1 else 0.0
+        return once + coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
     nbytes = params * WEIGHT_BYTES[plan.dtype]

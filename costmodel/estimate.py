@@ -20,7 +20,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import Context, layer_time, recompute_flops
-from .data_parallel import (exposed_dp, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
+from .data_parallel import (exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
 from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
@@ -131,7 +131,7 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    memory = model_state_bytes(rank.params, plan.dtype, plan.zero, plan.shard_degree)
+    memory = model_state_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree)
     kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
@@ -145,7 +145,7 @@ def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime)
                 root += layer_params_on_rank(layer, plan.tp) * count
     in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     memory["activations"] = per_mb * in_flight + transient + accumulation_transient(plan, workload, rank)
-    if plan.zero >= 3 and plan.shard_degree > 1:
+    if held_zero(plan) >= 3 and plan.shard_degree > 1:
         memory["buffers"] = zero3_buffer_bytes(root, biggest, plan.dtype)
     return memory
 

@@ -68,7 +68,7 @@ def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> Engin
     fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
-    if plan.dp > 1 and (plan.zero < 2 or plan.dp_replicate > 1):
+    if plan.dp > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
         grads = {s: buckets(plan, pricer, s, templates[(s, "B")], bucket_bytes) for s in range(n)}
     return EngineInput(
         n_stages=n,
@@ -90,9 +90,10 @@ def _bucket_pricer(plan: Plan, lay):
     cluster, group = lay.ctx.cluster, lay.dp_group
     if plan.zero == 0:
         return lambda nbytes: (coll.all_reduce(nbytes, group, cluster), "allreduce")
-    if plan.zero >= 2:
-        shard, replicas = plan.shard_degree, lay.replicate_group
-        return lambda nbytes: (coll.all_reduce(nbytes / shard, replicas, cluster), "allreduce")
+    if plan.zero >= 2:  # pipelined: the one reduce-scatter per step, then HSDP's all-reduce
+        shard, replicas, once = plan.shard_degree, lay.replicate_group, plan.pp > 1
+        return lambda nbytes: ((coll.reduce_scatter(nbytes, lay.shard_group, cluster) if once else 0.0)
+                               + coll.all_reduce(nbytes / shard, replicas, cluster), "reduce")
     return lambda nbytes: (coll.reduce_scatter(nbytes, group, cluster), "reduce-scatter")
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.compute import layer_time
-from costmodel.data_parallel import (dp_time, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
+from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
                                      weight_gather_time)
 from costmodel.estimate import layout_of, p2p_time, zero3_buffer_bytes
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
@@ -84,7 +84,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         if id(layer) not in coeff:
             coeff[id(layer)] = _layer(layer, plan, lay)
     block = coeff[id(layers[first])]
-    per_param = sum(model_state_bytes(1.0, plan.dtype, plan.zero, plan.shard_degree).values())
+    per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
     return StageModelData(
@@ -104,7 +104,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
                                      + weight_gather_time(probe, plan, lay) / probe),
         zero3_buffer_bytes=(zero3_buffer_bytes(max(_params(layers[:first], plan), _params(layers[last:], plan)),
                                                layer_params_on_rank(layers[first], plan.tp), plan.dtype)
-                            if plan.zero >= 3 and plan.shard_degree > 1 else 0.0),
+                            if held_zero(plan) >= 3 and plan.shard_degree > 1 else 0.0),
         capacity=capacity,
     )
 
