@@ -15,7 +15,11 @@ kv_heads = heads, a blank ffn_hidden means 4*hidden, a blank gated_mlp means
 no. Rows with a gated MLP are taken as Llama-era models (flash attention, no
 dropout, no biases, rotary positions); the others as GPT-era Megatron models
 (attention scores materialised, dropout, biases, learned positions), which
-is what the 2021-22 Megatron-LM runs used.
+is what the 2021-22 Megatron-LM runs used. Optional yes/no columns
+flash_attention, biases, dropout and learned_positions state the model where
+it is neither (MPT: flash attention, no biases, no dropout, learned positions);
+a blank nic_gbps_per_gpu takes the catalog's network. Other columns (source)
+are ignored.
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E
 from planner.search import best_plan  # noqa: E402
 
 DEFAULT_CSV = ROOT / "benchmarks" / "data" / "calibration_runs.csv"
-METRICS = ("tflops_per_gpu_incl_recompute", "tflops_per_gpu_model", "s_per_iter", "mfu_pct")
+METRICS = ("tflops_per_gpu_incl_recompute", "tflops_per_gpu_model", "s_per_iter", "mfu_pct", "tokens_per_s_per_gpu")
 
 
 def _int(row: dict, key: str, default: int | None = None) -> int | None:
@@ -46,6 +50,11 @@ def _yes(row: dict, key: str) -> bool | None:
     if not value:
         return None
     return value in ("yes", "true", "1", "y")
+
+
+def _flag(row: dict, key: str, default: bool) -> bool:
+    value = _yes(row, key)
+    return default if value is None else value
 
 
 def row_workload(row: dict):
@@ -61,10 +70,10 @@ def row_workload(row: dict):
         vocab=_int(row, "vocab"),
         seq_len=_int(row, "seq_len"),
         gated_mlp=gated,
-        dropout=not gated,
-        biases=not gated,
-        learned_positions=not gated,
-        flash_attention=gated,
+        dropout=_flag(row, "dropout", not gated),
+        biases=_flag(row, "biases", not gated),
+        learned_positions=_flag(row, "learned_positions", not gated),
+        flash_attention=_flag(row, "flash_attention", gated),
     )
     return transformer_workload(dims)
 
@@ -124,6 +133,7 @@ def predict(row: dict) -> tuple[float, str, str, list[str]]:
         "tflops_per_gpu_model": est.tflops_per_gpu_model,
         "s_per_iter": est.step_time_s,
         "mfu_pct": est.mfu * 100,
+        "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
     layout = f"dp{plan.dp}{hsdp_tag(plan)} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
     return value, layout, mechanism(plan), plan.notes

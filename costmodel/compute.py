@@ -64,6 +64,13 @@ def _elementwise_share(layer: LayerProfile, ctx: Context) -> float:
     return replicated + (1.0 - replicated) / t
 
 
+def attention_efficiency(layer: LayerProfile, gpu) -> float:
+    """A fused kernel (no saved scores) runs the attention core at its own speed; the
+    unfused core (scores written, softmaxed and read back) at `attention`."""
+    fused = layer.act_attention_scores == 0 and gpu.efficiency.fused_attention is not None
+    return gpu.efficiency.fused_attention if fused else gpu.efficiency.attention
+
+
 def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
     gpu = ctx.cluster.gpu
@@ -74,7 +81,7 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     if layer.matmul_flops:
         min_dim = max(1.0, layer.matmul_min_dim / t)
         gemm = layer.matmul_flops * b / t / (peak * gemm_efficiency(ctx, min_dim))
-    attention = layer.attention_flops * b / t / (peak * gpu.efficiency.attention)
+    attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
     memory = layer.elementwise_bytes * b * _elementwise_share(layer, ctx) / (
         gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     )

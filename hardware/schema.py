@@ -52,6 +52,10 @@ class Efficiency(_Sourced):
     memory_bound: float = Field(gt=0, le=1)
     intra_node_bw: float = Field(gt=0, le=1)
     inter_node_bw: float = Field(gt=0, le=1)
+    fused_attention: float | None = Field(
+        default=None, gt=0, le=1,
+        description="attention core speed where the scores are never materialised (a fused flash kernel), "
+                    "a fraction of peak (None: `attention`, the unfused core's)")
     optimizer: float | None = Field(
         default=None, gt=0, le=1,
         description="optimizer step speed / the fused memory-bound estimate (None: fused, 1)")
