@@ -46,7 +46,7 @@ def comparison_table(plan: HeteroPlan) -> Table:
 
 @app.command("hetero-plan")
 def hetero_plan_command(
-    model: str = typer.Argument(..., help="built-in name (see `parallax models`) or HF config JSON"),
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, or a cached HF id (org/name)"),
     hw: str = typer.Option(..., "--hw", help="mixed spec, e.g. 16xa100-80g+8xh100-sxm"),
     global_batch: int = typer.Option(..., "--global-batch"),
     seq_len: int = typer.Option(..., "--seq-len"),

@@ -32,7 +32,7 @@ def _progress() -> Progress:
 
 @app.command("plan")
 def plan_command(
-    model: str = typer.Argument(..., help="built-in name (see `parallax models`), HF config JSON or .onnx path"),
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
     hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, or a profile file"),
     global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
     seq_len: int = typer.Option(..., "--seq-len"),

@@ -48,7 +48,7 @@ def _slo_line(plan: InferencePlan) -> str:
 
 @app.command("serve-plan")
 def serve_plan_command(
-    model: str = typer.Argument(..., help="built-in name (see `parallax models`) or HF config JSON"),
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, or a cached HF id (org/name)"),
     hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 8xh100-sxm"),
     prompt_len: int = typer.Option(..., "--prompt-len", help="prompt tokens per request"),
     output_len: int = typer.Option(..., "--output-len", help="generated tokens per request"),

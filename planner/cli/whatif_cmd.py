@@ -41,7 +41,7 @@ def rows_table(rows, title: str) -> Table:
 
 @app.command("whatif")
 def whatif_command(
-    model: str = typer.Argument(..., help="built-in model name (see `parallax models`)"),
+    model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, or a cached HF id (org/name)"),
     hw: list[str] = typer.Option(..., "--hw", help="hardware spec; repeat to compare, e.g. --hw h100-sxm --hw a100-80g"),
     gpus: Optional[str] = typer.Option(None, "--gpus", help="GPU counts to sweep, e.g. 64,128,256"),
     global_batch: int = typer.Option(512, "--global-batch"),

@@ -30,13 +30,61 @@ def _load(name: str) -> dict[str, Any]:
 
 
 def model_config(name: str) -> dict[str, Any]:
-    """The config dict of a built-in model (a fresh copy: callers may edit it)."""
+    """The config dict of a model name: a built-in name, a path to a HuggingFace
+    `config.json` or to a folder holding one, or a HuggingFace model id found in the
+    local HF cache (never fetched: planning runs offline). A fresh copy: callers may edit it."""
     names = list_models()
-    if name not in names:
-        close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
-        hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(names)}"
-        raise ModelError("model", f"unknown model {name!r}", hint)
-    return json.loads(json.dumps(_load(name)))
+    if name in names:
+        return json.loads(json.dumps(_load(name)))
+    path = Path(name).expanduser()
+    if path.is_dir() or path.is_file() or name.endswith(".json"):
+        return _config_file(path / "config.json" if path.is_dir() else path)
+    if _looks_like_hub_id(name):
+        return _cached_hub_config(name)
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.4)
+    hint = f"did you mean {', '.join(close)}?" if close else f"known: {', '.join(names)}"
+    raise ModelError("model", f"unknown model {name!r}",
+                     f"{hint}; or give a config.json path, a folder holding one, or a cached HF id (org/name)")
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and " " not in name and not name.startswith((".", "~"))
+
+
+def _config_file(path: Path) -> dict[str, Any]:
+    """A transformers config.json, checked to be one."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ModelError("model", f"{path} does not exist",
+                         "give a config.json path, a folder holding config.json, or a built-in name") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ModelError("model", f"cannot read {path}: {error}") from None
+    except json.JSONDecodeError as error:
+        raise ModelError("model", f"{path} is not valid JSON: {error.msg} at line {error.lineno}",
+                         "a config.json written by transformers (save_pretrained)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ModelError("model_type", f"{path} has no model_type, so it is not a HuggingFace model config",
+                         "a config.json written by transformers (save_pretrained), e.g. with model_type 'llama'")
+    data.setdefault("_source", str(path))
+    return data
+
+
+def _cached_hub_config(model_id: str) -> dict[str, Any]:
+    """`model_id`'s config.json from the local HF cache, without touching the network."""
+    try:
+        from huggingface_hub import constants, try_to_load_from_cache
+    except ImportError:  # pragma: no cover - transformers brings huggingface_hub
+        raise ModelError("model", f"{model_id!r} looks like a HuggingFace id, but huggingface_hub is not installed",
+                         "pip install 'parallax[hf]' or give a config.json path") from None
+    found = try_to_load_from_cache(model_id, "config.json")
+    if not isinstance(found, str):
+        raise ModelError("model", f"{model_id!r} is not in the local HF cache ({constants.HF_HUB_CACHE}); "
+                                  "planning runs offline",
+                         f"download it first (huggingface-cli download {model_id} config.json) "
+                         "or give a config.json path")
+    return _config_file(Path(found))
 
 
 def hf_config(name_or_dict: str | dict[str, Any]):
