@@ -47,7 +47,8 @@ class LayerTime:
 
 def gemm_efficiency(ctx: Context, min_dim: float) -> float:
     eff = ctx.cluster.gpu.efficiency
-    return eff.matmul_max * min_dim / (min_dim + eff.matmul_half_dim)
+    top = eff.fp8_matmul_max if ctx.dtype == "fp8" and eff.fp8_matmul_max is not None else eff.matmul_max
+    return top * min_dim / (min_dim + eff.matmul_half_dim)
 
 
 def _split(layer: LayerProfile, ctx: Context) -> int:
@@ -74,13 +75,13 @@ def attention_efficiency(layer: LayerProfile, gpu) -> float:
 def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
     gpu = ctx.cluster.gpu
-    peak = gpu.peak_flops(ctx.dtype)
+    peak = gpu.peak_flops(ctx.dtype if ctx.dtype != "fp8" else "bf16")  # FP8 runs only the GEMMs in FP8
     t = _split(layer, ctx)
     b = ctx.micro_batch
     gemm = 0.0
     if layer.matmul_flops:
         min_dim = max(1.0, layer.matmul_min_dim / t)
-        gemm = layer.matmul_flops * b / t / (peak * gemm_efficiency(ctx, min_dim))
+        gemm = layer.matmul_flops * b / t / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
     memory = layer.elementwise_bytes * b * _elementwise_share(layer, ctx) / (
         gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound

@@ -141,9 +141,16 @@ def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int) -> float:
     return blocks * _kv_per_token_per_block_rank(workload, tp)
 
 
-def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int) -> float:
+def served_weight_bytes(workload: Workload, dtype: str) -> float:
+    """Bytes per served weight: FP8 serving stores and reads 1-byte weights (the KV cache
+    and activations stay in the workload's 16-bit dtype)."""
+    return 1.0 if dtype == "fp8" else workload.dtype_bytes
+
+
+def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int, dtype: str = "bf16") -> float:
     """Weights of the heaviest stage on one of its TP ranks."""
-    return max(sum(_params_on_rank(l, tp) * n for l, n in runs) for runs in _stages(workload, pp)) * workload.dtype_bytes
+    held = max(sum(_params_on_rank(l, tp) * n for l, n in runs) for runs in _stages(workload, pp))
+    return held * served_weight_bytes(workload, dtype)
 
 
 # --- time -----------------------------------------------------------------------
@@ -158,7 +165,9 @@ class ServingModel:
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
         gpu = cluster.gpu
-        self.peak = gpu.peak_flops(dtype)
+        self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
+        self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
+        self.weight_bytes = served_weight_bytes(workload, dtype)
         self.hbm = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
@@ -195,7 +204,7 @@ class ServingModel:
         return biggest
 
     def max_sequences(self, tp: int, pp: int) -> int:
-        free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp) - self.workspace(tp, pp)
+        free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp, self.dtype) - self.workspace(tp, pp)
         per_seq = kv_bytes_per_token_per_gpu(self.w, tp, pp) * (self.prompt_len + self.output_len)
         return max(0, int(free // per_seq)) if per_seq > 0 else 0
 
@@ -211,7 +220,7 @@ class ServingModel:
         if layer.kind == "head":  # logits of the last position only
             gemm /= self.prompt_len
             memory /= self.prompt_len
-        weights = _params_on_rank(layer, tp) * self.w.dtype_bytes / self.hbm if layer.kind != "embedding" else 0.0
+        weights = _params_on_rank(layer, tp) * self.weight_bytes / self.hbm if layer.kind != "embedding" else 0.0
         comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
         return count * max(gemm + attention + memory, weights), count * comm
 
@@ -241,13 +250,13 @@ class ServingModel:
         for layer, n in runs:
             t = tp if layer.tp_shardable else 1
             if layer.kind == "embedding":
-                weight_bytes = b * (self.w.hidden or 0) * self.w.dtype_bytes / t  # gathers b rows only
+                weight_bytes = b * (self.w.hidden or 0) * self.weight_bytes / t  # gathers b rows only
             else:
-                weight_bytes = _params_on_rank(layer, tp) * self.w.dtype_bytes
+                weight_bytes = _params_on_rank(layer, tp) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * layer.elementwise_bytes / self.s / t
             flops_t = b * (layer.matmul_flops / self.s) / t / (self.peak * self.cluster.gpu.efficiency.matmul_max)
-            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.peak * self.cluster.gpu.efficiency.attention)
+            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)
             out["kv_cache"] += n * mem_kv
@@ -286,7 +295,7 @@ class ServingModel:
         kv_gpu = kv_bytes_per_token_per_gpu(self.w, tp, pp)
         return ServingEstimate(
             tp=tp, pp=pp, batch=batch, context_len=self.prompt_len + self.output_len / 2,
-            weights_bytes_per_gpu=weight_bytes_per_gpu(self.w, tp, pp),
+            weights_bytes_per_gpu=weight_bytes_per_gpu(self.w, tp, pp, self.dtype),
             kv_bytes_per_token=kv_bytes_per_token(self.w), kv_bytes_per_token_per_gpu=kv_gpu,
             kv_cache_bytes_per_gpu=kv_gpu * batch * (self.prompt_len + self.output_len),
             workspace_bytes_per_gpu=self.workspace(tp, pp), memory_capacity_bytes=self.capacity,

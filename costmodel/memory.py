@@ -5,7 +5,8 @@ precision Adam: 2 bytes of 16-bit weights, 2 of gradients and 12 of fp32
 optimizer state (master weights, momentum, variance) per parameter; ZeRO
 stage 1 shards the 12, stage 2 also the gradients, stage 3 everything over
 the data-parallel group. In fp32 training the weights and gradients take 4
-bytes each and the optimizer 8.
+bytes each and the optimizer 8. FP8 training (Transformer Engine style) keeps
+the bf16 weights and fp32 states and adds the 1-byte FP8 copy its GEMMs read.
 
 Activations follow Korthikanti et al. 2022 per policy: "none" keeps
 everything, "selective" drops the attention scores, "full" keeps only the
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 from .workload import LayerProfile
 
-OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12}
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 weights, gradients and collectives
+FP8_WEIGHT_COPY_BYTES = 1  # per held weight: the FP8 cast the GEMMs read, kept beside the bf16 weight
 
 
 def model_state_bytes(params: float, dtype: str, zero: int, dp: int) -> dict[str, float]:
     """Weights, gradients and optimizer state of `params` parameters on one rank."""
-    w = WEIGHT_BYTES[dtype]
-    weights, grads, optimizer = w * params, w * params, OPTIMIZER_BYTES[dtype] * params
+    w = WEIGHT_BYTES[dtype] + (FP8_WEIGHT_COPY_BYTES if dtype == "fp8" else 0)
+    weights, grads, optimizer = w * params, WEIGHT_BYTES[dtype] * params, OPTIMIZER_BYTES[dtype] * params
     if zero >= 1:
         optimizer /= dp
     if zero >= 2:

@@ -105,7 +105,8 @@ class Plan(BaseModel):
                                              "catalog spec (a calibrated or edited profile)")
     global_batch: int = Field(gt=0)
     seq_len: int = Field(gt=0)
-    dtype: Literal["fp32", "bf16", "fp16"] = "bf16"
+    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field("bf16", description="fp8: GEMMs in FP8 (the GPU's FP8 "
+                                                          "peak), the rest in bf16, fp32 master weights")
     dp: int = Field(ge=1)
     tp: int = Field(ge=1)
     pp: int = Field(ge=1)

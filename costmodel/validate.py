@@ -8,8 +8,16 @@ from .plan import Plan
 from .workload import Workload
 
 
+def check_dtype(dtype: str, cluster: Cluster) -> None:
+    """FP8 needs a GPU whose catalog entry has an FP8 peak (Hopper and later, MI300X)."""
+    if dtype == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
+        raise PlanError("dtype", f"fp8 needs FP8 GEMMs, and {cluster.gpu.name} has no fp8 peak in its profile",
+                        "use bf16, or a GPU with an FP8 peak such as h100-sxm, h200, b200 or mi300x")
+
+
 def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     """Raise PlanError naming the first field that does not fit."""
+    check_dtype(plan.dtype, cluster)
     if plan.n_gpus != cluster.n_gpus:
         raise PlanError(
             "dp*tp*pp",

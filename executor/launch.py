@@ -105,6 +105,9 @@ def executed_dtype_notes(plan: Plan, device: str) -> list[str]:
     """How the plan's dtype ran (see executor.train.precision)."""
     if plan.dtype == "fp32":
         return []
+    if plan.dtype == "fp8":
+        return [f"fp8 plan executed in bf16: weights, gradients and AdamW state in fp32, compute under "
+                f"torch.autocast({device}, bf16); this executor has no FP8 GEMMs, so the measured step is a bf16 step"]
     return [f"{plan.dtype}: weights, gradients and AdamW state in fp32, compute under torch.autocast({device}, {plan.dtype})"]
 
 

@@ -36,9 +36,10 @@ def precision(plan: Plan, device: torch.device):
     activations where autocast casts (GEMM inputs and outputs)."""
     import contextlib
 
-    if plan.dtype == "fp32":
+    if plan.dtype == "fp32":  # fp8 plans compute in bf16 here: see executor.launch.executed_dtype_notes
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[plan.dtype])
+    return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
+                                              "fp8": torch.bfloat16}[plan.dtype])
 
 
 def _plain_step(run: Materialized, plan: Plan, x, y) -> torch.Tensor:

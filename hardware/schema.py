@@ -52,6 +52,8 @@ class Efficiency(_Sourced):
     memory_bound: float = Field(gt=0, le=1)
     intra_node_bw: float = Field(gt=0, le=1)
     inter_node_bw: float = Field(gt=0, le=1)
+    fp8_matmul_max: float | None = Field(
+        default=None, gt=0, le=1, description="matmul_max of FP8 GEMMs, a fraction of the FP8 peak (None: matmul_max)")
     fused_attention: float | None = Field(
         default=None, gt=0, le=1,
         description="attention core speed where the scores are never materialised (a fused flash kernel), "
@@ -82,7 +84,10 @@ class GPU(_Sourced):
         return peaks
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak in FLOP/s for `dtype` (fp16 and bf16 fall back to each other)."""
+        """Dense peak in FLOP/s for `dtype` (fp16 and bf16 fall back to each other; fp8 never
+        falls back: a GPU without an FP8 peak cannot run FP8 GEMMs)."""
+        if dtype == "fp8" and "fp8" not in self.peak_tflops:
+            raise ValueError(f"GPU {self.name} has no fp8 peak")
         for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype), "fp32"):
             if key in self.peak_tflops:
                 return self.peak_tflops[key] * 1e12

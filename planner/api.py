@@ -12,6 +12,7 @@ import hardware
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from costmodel.plan import Estimate, Plan
+from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
@@ -21,7 +22,7 @@ from .pinned import is_fully_pinned, pinned_plan
 from .search import search
 from .space import check_pins
 
-DTYPES = ("bf16", "fp16", "fp32")
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
@@ -81,6 +82,7 @@ def plan(
     if allow_compression and "compression" not in fixed:
         fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    check_dtype(dtype, cluster)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
     check_pins(fixed, workload, cluster)
     name = model_name(model, workload)

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_gpu
+from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
@@ -221,6 +222,7 @@ def plan_inference(
     """The best serving layout of `model` on `hw` for the request mix and SLO."""
     _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    check_dtype(dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve)
@@ -293,7 +295,7 @@ def _nothing_fits(sm: ServingModel, workload: Workload, cluster: Cluster) -> Inf
     n = cluster.n_gpus
     tp = max(d for d in range(1, n + 1) if n % d == 0 and workload.tp_divides(d))
     pp = max(1, min(workload.n_blocks, n // tp))
-    weights = weight_bytes_per_gpu(workload, tp, pp)
+    weights = weight_bytes_per_gpu(workload, tp, pp, sm.dtype)
     per_seq = sm.prompt_len + sm.output_len
     return InfeasibleError(
         "hw", f"{workload.name} does not fit on {cluster.spec()} for serving: even at tp={tp} pp={pp} the weights "

@@ -144,8 +144,10 @@ def whatif(
     time_limit_s: float = 2.0,
     storage_gbps: float | None = None,
     restart_s: float | None = None,
+    dtype: str = "bf16",
 ) -> list[WhatIfRow]:
-    """Plan `model` on every hardware x GPU count; one row per target, infeasible ones included."""
+    """Plan `model` on every hardware x GPU count; one row per target, infeasible ones included
+    (an FP8 sweep lists the GPUs without an FP8 peak with the reason)."""
     if not hw_specs:
         raise HardwareError("hw", "no hardware given", "pass at least one spec, e.g. 64xh100-sxm")
     if tokens is not None and not tokens > 0:
@@ -155,6 +157,8 @@ def whatif(
         # a sweep plans many targets: each gets a short solver budget (named
         # models are traced once, workload_for caches them)
         fn = functools.partial(fn, time_limit_s=time_limit_s)
+    if dtype != "bf16":
+        fn = functools.partial(fn, dtype=dtype)
     overrides = dict(nic_gbps=nic_gbps, intra_gbps=intra_gbps, price_per_gpu_hour=price_per_gpu_hour)
     rows = []
     for spec in hw_specs:

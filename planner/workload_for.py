@@ -24,6 +24,8 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
     """(Workload, OpGraph) for `model` at `seq_len` tokens per sequence."""
     if seq_len <= 0:
         raise ModelError("seq_len", f"must be positive, got {seq_len}")
+    if dtype == "fp8":  # FP8 is how the GEMMs run (the cost model's choice); the model is traced in bf16
+        dtype = "bf16"
     if isinstance(model, str) and not model.endswith(".onnx"):
         return _named(model, seq_len, dtype)
     if isinstance(model, (str, Path)):

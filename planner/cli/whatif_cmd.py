@@ -55,13 +55,14 @@ def whatif_command(
     storage_gbps: Optional[float] = typer.Option(None, "--storage-gbps",
                                                  help="aggregate checkpoint write bandwidth, GB/s (default 2000, Llama 3 paper)"),
     restart_min: Optional[float] = typer.Option(None, "--restart-min", help="minutes to restart after a failure (default 10)"),
+    dtype: str = typer.Option("bf16", "--dtype", help="bf16, fp16, fp32 or fp8 (FP8 GEMMs where the GPU has an FP8 peak)"),
 ) -> None:
     """Plan MODEL on each hardware x GPU count and compare step time, throughput and cost."""
     from planner.whatif import whatif
 
     rows = whatif(model, hw, parse_counts(gpus), global_batch=global_batch, seq_len=seq_len, tokens=tokens,
                   price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps, storage_gbps=storage_gbps,
-                  restart_s=restart_min * 60 if restart_min is not None else None)
+                  restart_s=restart_min * 60 if restart_min is not None else None, dtype=dtype)
     console = Console(width=220)
     console.print(rows_table(rows, f"{model}: global batch {global_batch} x {seq_len} tokens"))
     if any(getattr(r, "goodput", None) for r in rows):
