@@ -36,7 +36,7 @@ CASES = [
 def layout(plan) -> str:
     sched = f" {plan.schedule}" + (f"x{plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else ""
     policies = sorted({p for s in plan.stages for p in s.recompute})
-    return f"dp{plan.dp}{hsdp_tag(plan)} tp{plan.tp}{'+sp' if plan.sp else ''} pp{plan.pp}{sched} z{plan.zero} mb{plan.micro_batch} rc={'/'.join(policies)}"
+    return f"dp{plan.dp}{hsdp_tag(plan)}{f' cp{plan.cp}' if plan.cp > 1 else ''} tp{plan.tp}{'+sp' if plan.sp else ''} pp{plan.pp}{sched} z{plan.zero} mb{plan.micro_batch} rc={'/'.join(policies)}"
 
 
 def run_case(name, hw, global_batch, seq_len, time_limit):

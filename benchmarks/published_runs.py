@@ -135,7 +135,7 @@ def predict(row: dict) -> tuple[float, str, str, list[str]]:
         "mfu_pct": est.mfu * 100,
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
-    layout = f"dp{plan.dp}{hsdp_tag(plan)} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
+    layout = f"dp{plan.dp}{hsdp_tag(plan)}{f' cp{plan.cp}' if plan.cp > 1 else ''} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
     return value, layout, mechanism(plan), plan.notes
 
 

@@ -84,7 +84,7 @@ def reduction_element_bytes(plan: Plan) -> float:
     if plan.zero >= 1 or plan.compression == "none":
         return grad_bytes
     if plan.compression == "topk":
-        return topk_gathered_bytes(1.0, plan.dp, grad_bytes, plan.topk_fraction) / 2
+        return topk_gathered_bytes(1.0, plan.data_parallel, grad_bytes, plan.topk_fraction) / 2
     return wire_element_bytes(plan.compression, grad_bytes, plan.powersgd_rank)
 
 

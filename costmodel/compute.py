@@ -29,8 +29,11 @@ class Context:
     dtype: str
     tp: int
     sp: bool
-    micro_batch: int
+    micro_batch: float  # sequences' worth of tokens per rank: micro_batch / cp
     tp_group: Group
+    cp: int = 1
+    cp_group: Group | None = None
+    cp_kv_bytes: float = 0.0  # one whole sequence's keys and values of one attention layer
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,22 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     return gemm, attention, memory
 
 
+def cp_gather_time(layer: LayerProfile, ctx: Context) -> float:
+    """Context parallelism's all-gather of a layer's keys and values over the cp group
+    (the all-gather form, Dubey et al. 2024 sec. 3.3.2, that the executor runs): the whole
+    sequences' K and V, split over TP by heads, before the attention; not hidden. The
+    backward reduce-scatters their gradients, the same bytes."""
+    if ctx.cp == 1 or not layer.attention_flops or ctx.cp_group is None:
+        return 0.0
+    t = _split(layer, ctx)
+    return all_gather(ctx.cp_kv_bytes * ctx.micro_batch * ctx.cp / t, ctx.cp_group, ctx.cluster)
+
+
+def forward_collectives(layer: LayerProfile, ctx: Context) -> float:
+    """One forward's collectives on the layer's critical path: TP's and CP's."""
+    return tp_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
+
+
 def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
     """One forward's TP collectives (all-reduce, or all-gather + reduce-scatter with SP: same volume)."""
     if _split(layer, ctx) == 1 or not layer.tp_allreduces_fwd:
@@ -116,7 +135,7 @@ def tp_gather_time(layer: LayerProfile, ctx: Context) -> float:
 def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
     gemm, attention, memory = forward_parts(layer, ctx)
     forward = gemm + attention + memory
-    comm = tp_collective_time(layer, ctx)
+    comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
     if recompute == "full":
         extra, extra_comm = forward, comm + gather
@@ -130,7 +149,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         forward=forward,
         backward=BACKWARD_FACTOR * forward + dense_gradient_time(layer, ctx),
         recompute=extra,
-        tp_comm=comm + tp_backward_collective_time(layer, ctx) + gather + extra_comm,
+        tp_comm=comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx) + gather + extra_comm,
     )
 
 

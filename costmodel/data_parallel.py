@@ -110,7 +110,7 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     reduce-scatter of a sharded optimizer (ZeRO-1, its weight all-gather follows the step), HSDP's
     all-reduce of each shard across the replicas (ZeRO-2/3 reduce-scatter per micro-batch),
     and pipelined ZeRO-2/3's one reduce-scatter per step before it."""
-    if plan.dp == 1:
+    if plan.data_parallel == 1:
         return 0.0
     if plan.zero >= 2:
         shard = params / plan.shard_degree * WEIGHT_BYTES[plan.dtype]
@@ -126,7 +126,7 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
 
 def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
     """ZeRO-1's all-gather of the updated weights: after the optimizer step, so never hidden."""
-    if plan.zero != 1 or plan.dp == 1:
+    if plan.zero != 1 or plan.data_parallel == 1:
         return 0.0
     return coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
 
@@ -147,7 +147,7 @@ def reduction_copy_passes(plan: Plan) -> float:
     the wire, on the cores or SMs that compute: DDP divides its buckets in place (a read and
     a write); FSDP2 copies gradients into a flat buffer, divides and copies the result back
     (three reads and three writes). Negligible on HBM, a visible share of a CPU step."""
-    if plan.dp == 1:
+    if plan.data_parallel == 1:
         return 0.0
     return 2.0 if plan.reduces_through_ddp else 6.0
 

@@ -62,14 +62,26 @@ class Layout:
     replicate_group: coll.Group  # HSDP's copies of the shards (size 1 otherwise)
 
 
-def layout_of(plan: Plan, cluster: Cluster) -> Layout:
-    """Mesh order is (pp, dp_replicate, dp_shard, tp): TP innermost, inside a node first."""
+def kv_bytes_per_sequence(workload: Workload) -> float:
+    """One attention layer's keys and values for a whole sequence."""
+    heads = workload.heads or 1
+    head_dim = (workload.hidden or 0) / heads
+    return 2.0 * (workload.kv_heads or heads) * head_dim * workload.seq_len * workload.dtype_bytes
+
+
+def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:
+    """Mesh order is (pp, dp, cp, tp), dp x cp being the data-parallel ranks (HSDP
+    splits them into replicate x shard, shard inner): TP innermost, inside a node first."""
+    if plan.cp > 1 and workload is None:
+        raise ValueError("a context-parallel plan is priced with its workload (the keys and values it gathers)")
     tp_group = coll.group_of(plan.tp, 1, cluster)
-    ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch, tp_group=tp_group)
+    ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank,
+                  tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
+                  cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0)
     return Layout(
         ctx=ctx,
-        dp_group=coll.group_of(plan.dp, plan.tp, cluster),
-        pp_inter_node=plan.dp * plan.tp >= cluster.gpus_per_node,
+        dp_group=coll.group_of(plan.data_parallel, plan.tp, cluster),
+        pp_inter_node=plan.data_parallel * plan.tp >= cluster.gpus_per_node,
         m=plan.num_micro_batches,
         shard_group=coll.group_of(plan.shard_degree, plan.tp, cluster),
         replicate_group=coll.group_of(plan.dp_replicate if plan.zero >= 2 else 1, plan.tp * plan.shard_degree, cluster),
@@ -78,7 +90,7 @@ def layout_of(plan: Plan, cluster: Cluster) -> Layout:
 
 def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
     """Send of the stage output forward plus its gradient backward, one micro-batch."""
-    nbytes = layer.boundary_bytes * plan.micro_batch / plan.tp  # scatter-gather over TP ranks
+    nbytes = layer.boundary_bytes * plan.micro_batch_per_rank / plan.tp  # scatter-gather over TP ranks
     return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
 
 
@@ -132,7 +144,7 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
     memory = model_state_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree)
-    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
+    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):
@@ -177,7 +189,7 @@ def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> fl
 def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:
     """Check the plan, then price each pipeline rank's per-micro-batch work (shared with the simulator)."""
     check_plan(plan, workload, cluster)
-    lay = layout_of(plan, cluster)
+    lay = layout_of(plan, cluster, workload)
     ranks = [RankTime() for _ in range(plan.pp)]
     for index in range(plan.n_virtual_stages):
         stage_time(plan, workload, lay, index, ranks[index % plan.pp])

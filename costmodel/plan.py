@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hardware.schema import Cluster
 
-SCHEMA_VERSION = 3  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP)
+SCHEMA_VERSION = 3  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -110,6 +110,8 @@ class Plan(BaseModel):
     dp: int = Field(ge=1)
     tp: int = Field(ge=1)
     pp: int = Field(ge=1)
+    cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks (2 of its 2*cp "
+                                         "chunks each, the causal load balance), keys and values all-gathered")
     sp: bool = False
     zero: int = Field(0, ge=0, le=3)
     dp_shard: int | None = Field(None, ge=1, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
@@ -131,19 +133,29 @@ class Plan(BaseModel):
 
     @property
     def n_gpus(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def data_parallel(self) -> int:
+        """Ranks holding the same weights, over which gradients reduce and ZeRO shards: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def micro_batch_per_rank(self) -> float:
+        """Sequences' worth of tokens one rank computes per micro-batch (micro_batch / cp)."""
+        return self.micro_batch / self.cp
 
     @property
     def shard_degree(self) -> int:
         """The ranks that share one copy of the sharded states (1 without ZeRO)."""
         if self.zero == 0:
             return 1
-        return self.dp_shard if self.dp_shard is not None and self.zero >= 2 else self.dp
+        return self.dp_shard if self.dp_shard is not None and self.zero >= 2 else self.data_parallel
 
     @property
     def dp_replicate(self) -> int:
-        """Copies of the sharded states: dp / shard_degree (HSDP's replicate groups)."""
-        return self.dp // self.shard_degree if self.zero else self.dp
+        """Copies of the sharded states: dp x cp / shard_degree (HSDP's replicate groups)."""
+        return self.data_parallel // self.shard_degree if self.zero else self.data_parallel
 
     @property
     def num_micro_batches(self) -> int:
@@ -159,7 +171,7 @@ class Plan(BaseModel):
         micro-batch) rather than FSDP2's replicate / fully_shard: DTensor parameters (tp > 1)
         and pipeline stages, whose per-micro-batch backward DDP's reducer does not follow,
         go through FSDP2, as ZeRO-2/3 do."""
-        return self.dp > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
+        return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
 
     @model_validator(mode="after")
     def _consistent_layout(self):
@@ -182,8 +194,10 @@ class Plan(BaseModel):
         if self.dp_shard is not None:
             if self.zero < 2:
                 raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) needs zero 2 or 3, not {self.zero}")
-            if self.dp % self.dp_shard:
-                raise ValueError(f"dp_shard={self.dp_shard} must divide dp={self.dp}")
+            if self.data_parallel % self.dp_shard:
+                raise ValueError(f"dp_shard={self.dp_shard} must divide dp*cp={self.data_parallel}")
+        if self.cp > 1 and self.seq_len % (2 * self.cp):
+            raise ValueError(f"seq_len {self.seq_len} must be a multiple of 2*cp = {2 * self.cp} (two chunks per cp rank)")
         if self.sp and self.tp == 1:
             raise ValueError("sp (sequence parallel) needs tp > 1")
         return self

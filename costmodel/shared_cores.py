@@ -36,7 +36,7 @@ def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluste
         return None
     pp, vpp, m = plan.pp, plan.vpp, plan.num_micro_batches
     orders = rank_orders(plan.schedule, pp, m, vpp)
-    per_pp = plan.dp * plan.tp  # physical ranks doing each pipeline rank's work at once
+    per_pp = plan.dp * plan.cp * plan.tp  # physical ranks doing each pipeline rank's work at once
     n = cluster.gpus_per_node
     pp_per_node = max(1, n // per_pp)
     work = []

@@ -68,7 +68,7 @@ def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> Engin
     fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
-    if plan.dp > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
+    if plan.data_parallel > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
         grads = {s: buckets(plan, pricer, s, templates[(s, "B")], bucket_bytes) for s in range(n)}
     return EngineInput(
         n_stages=n,
@@ -106,7 +106,7 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     opt = optimizer_time([rank_time], plan, cluster)
     out.events.append(Event(r, "compute", "optimizer", start, opt, "optimizer"))
     end = start + opt
-    if plan.zero == 1 and plan.dp > 1:
+    if plan.zero == 1 and plan.data_parallel > 1:
         nbytes = rank_time.params * WEIGHT_BYTES[plan.dtype]
         gather = coll.all_gather(nbytes, lay.dp_group, cluster)
         stream = "intra" if lay.dp_group.nodes == 1 else "inter"

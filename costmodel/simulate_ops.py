@@ -4,7 +4,7 @@ Every micro-batch of a stage runs the same layers, so each (stage, phase) is
 priced once into an `OpTemplate`: segment offsets relative to the op's start,
 when each layer finishes (gradient buckets become ready then), and the
 activation bytes the op adds or frees. Costs come from the analytic model's
-own per-layer terms (`compute.layer_time`, `compute.tp_collective_time`,
+own per-layer terms (`compute.layer_time`, `compute.forward_collectives`,
 `collectives.*`), so the simulator and `estimate` disagree only where the
 *timing* differs, never the prices.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from . import collectives as coll
 from .compression import reduction_element_bytes
-from .compute import LayerTime, layer_time, tp_collective_time
+from .compute import LayerTime, forward_collectives, layer_time
 from .data_parallel import layer_params_on_rank, sharded_collectives
 from .estimate import Layout
 from .memory import WEIGHT_BYTES, activation_bytes
@@ -79,7 +79,7 @@ class Pricer:
         key = (id(layer), policy)
         if key not in self._layers:
             lt = layer_time(layer, self.lay.ctx, policy)
-            fwd_comm = tp_collective_time(layer, self.lay.ctx)
+            fwd_comm = forward_collectives(layer, self.lay.ctx)
             sharded = sharded_collectives(layer_params_on_rank(layer, self.plan.tp), self.plan, self.lay)
             self._layers[key] = (lt, fwd_comm, sharded)
         return self._layers[key]
@@ -146,7 +146,7 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
 
 def stage_activation(plan: Plan, pricer: Pricer, index: int) -> tuple[float, float]:
     """(bytes one in-flight micro-batch keeps, transient bytes while a full-recompute layer is rebuilt)."""
-    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
+    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
     kept, transient = 0.0, 0.0
     for _, layer, policy in pricer.stage_layers(index):
         kept += activation_bytes(layer, policy, **kw)
@@ -158,7 +158,7 @@ def stage_activation(plan: Plan, pricer: Pricer, index: int) -> tuple[float, flo
 def p2p_seconds(plan: Plan, pricer: Pricer, boundary_layer: int) -> float:
     """One-way send of the activation (or its gradient) at a stage boundary, one micro-batch."""
     layer = pricer.workload.layers[boundary_layer]
-    nbytes = layer.boundary_bytes * plan.micro_batch / plan.tp
+    nbytes = layer.boundary_bytes * plan.micro_batch_per_rank / plan.tp
     return coll.point_to_point(nbytes, pricer.lay.ctx.cluster, inter_node=pricer.lay.pp_inter_node)
 
 

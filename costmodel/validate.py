@@ -21,7 +21,7 @@ def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     if plan.n_gpus != cluster.n_gpus:
         raise PlanError(
             "dp*tp*pp",
-            f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} GPUs but the hardware has {cluster.n_gpus}",
+            f"dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} GPUs but the hardware has {cluster.n_gpus}",
             "make the degrees multiply to the GPU count",
         )
     if plan.stages[-1].end != workload.n_layers:

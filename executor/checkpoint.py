@@ -143,7 +143,7 @@ def check_checkpointable(plan) -> None:
     if plan.vpp > 1:
         raise PlanError("checkpoint", "checkpointing interleaved pipeline chunks (vpp > 1) is not supported yet",
                         "use the 1f1b or gpipe schedule with --checkpoint-dir")
-    if plan.zero == 1 and plan.dp > 1:
+    if plan.zero == 1 and plan.data_parallel > 1:
         raise PlanError("checkpoint", "ZeroRedundancyOptimizer (zero 1) state cannot be saved with "
                         "torch.distributed.checkpoint yet", "use zero 0, 2 or 3 with --checkpoint-dir")
 

@@ -60,7 +60,7 @@ def check_compression(plan: Plan) -> None:
     """Refuse what the hooks cannot do, before any process starts."""
     if plan.compression not in METHODS:
         raise PlanError("compression", f"unknown method {plan.compression!r}", f"use one of {', '.join(METHODS)}")
-    if plan.compression == "none" or plan.dp == 1:
+    if plan.compression == "none" or plan.data_parallel == 1:
         return
     if plan.zero >= 1:
         raise PlanError("compression", f"{plan.compression} compression runs as DDP communication hooks; "
@@ -280,7 +280,7 @@ def register_compression(ddp: nn.Module, plan: Plan, group: dist.ProcessGroup | 
     """Register `plan.compression`'s hook on a DDP module, with the plan's options and the run's
     `seed`; the state is kept as `ddp.parallax_compression`."""
     check_compression(plan)
-    if plan.compression == "none" or plan.dp == 1:
+    if plan.compression == "none" or plan.data_parallel == 1:
         return None
     config = CompressionConfig.from_plan(plan, seed)
     module = getattr(ddp, "module", ddp)

@@ -34,7 +34,7 @@ from planner.executable import uses_ddp
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
     """Wrap or shard `module` over the dp dimension; a no-op when dp == 1. `seed` (the run's) seeds
     the compression hooks' randomness (stochastic rounding, PowerSGD)."""
-    if plan.dp == 1:
+    if plan.data_parallel == 1:
         return module
     if plan.compression != "none":
         from executor.compression import check_compression
@@ -72,7 +72,7 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
     kernel would match the cost model's one-pass traffic better (~4x faster on this CPU for
     gpt2) but refuses DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor")."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    if plan.zero == 1 and plan.dp > 1:
+    if plan.zero == 1 and plan.data_parallel > 1:
         if any(isinstance(p, DTensor) for p in params):
             from executor.zero1 import LocalShardZero
 

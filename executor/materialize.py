@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.plan import Plan
 from executor.checkpointing import apply_checkpointing
+from executor.context_parallel import apply_context_parallel
 from executor.data_parallel import apply_data_parallel, build_optimizer
 from executor.layers import LayerMap, layer_map
 from executor.mesh import build_mesh, local_device
@@ -77,6 +78,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     if analysis is not None:
         chunks = [apply_tensor_parallel(c, mesh, plan, analysis) for c in chunks]
         replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
+    chunks = [apply_context_parallel(c, mesh, plan) for c in chunks]
     chunks = [apply_checkpointing(c, mesh, plan, lmap) for c in chunks]
     chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)

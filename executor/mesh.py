@@ -51,13 +51,14 @@ def init_distributed(timeout_s: float = 120.0, init_method: str | None = None,
 
 
 def build_mesh(plan: Plan) -> DeviceMesh:
-    """The (pp, dp, tp) mesh of `plan`; its degrees must multiply to the world size."""
+    """The (pp, dp, tp) mesh of `plan`, "dp" holding all dp x cp data-parallel ranks (context
+    parallelism unflattens it, executor/context_parallel.py); the degrees multiply to the world size."""
     world = dist.get_world_size()
     if plan.n_gpus != world:
-        raise PlanError("dp*tp*pp", f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world} processes run",
+        raise PlanError("dp*cp*tp*pp", f"{plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world} processes run",
                         f"launch {plan.n_gpus} processes or change the degrees")
     kind, _ = device_and_backend()
-    return init_device_mesh(kind, (plan.pp, plan.dp, plan.tp), mesh_dim_names=MESH_DIMS)
+    return init_device_mesh(kind, (plan.pp, plan.data_parallel, plan.tp), mesh_dim_names=MESH_DIMS)
 
 
 def hsdp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:

@@ -25,10 +25,13 @@ class HFStage(nn.Module):
         super().__init__()
         self.model = model
         self.first = True  # the pipeline applier clears it on later stages
+        self.position_ids: torch.Tensor | None = None  # the tokens' positions when not 0..s-1 (context parallelism)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
-            return self.model(input_ids=x, use_cache=False).logits
+            extra = {} if self.position_ids is None else {
+                "position_ids": self.position_ids.to(x.device)[None].expand(x.shape[0], -1)}
+            return self.model(input_ids=x, use_cache=False, **extra).logits
         return self.model(inputs_embeds=x, use_cache=False).logits
 
 

@@ -24,10 +24,17 @@ def global_batch(plan: Plan, step: int, seed: int, vocab: int) -> torch.Tensor:
 
 
 def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This DP rank's contiguous slice, split into inputs and next-token targets."""
+    """This data-parallel rank's contiguous slice of sequences, split into inputs and next-token
+    targets; under context parallelism (dp_rank = replica * cp + cp rank) its two sequence chunks."""
+    from executor.context_parallel import shard_sequence
+
     per_rank = plan.global_batch // plan.dp
-    rows = tokens[dp_rank * per_rank:(dp_rank + 1) * per_rank]
-    return rows[:, :-1], rows[:, 1:]
+    replica, cp_rank = divmod(dp_rank, plan.cp)
+    rows = tokens[replica * per_rank:(replica + 1) * per_rank]
+    x, y = rows[:, :-1], rows[:, 1:]
+    if plan.cp > 1:
+        x, y = shard_sequence(x, plan.cp, cp_rank), shard_sequence(y, plan.cp, cp_rank)
+    return x, y
 
 
 def precision(plan: Plan, device: torch.device):
@@ -64,7 +71,7 @@ def _pipeline_step(run: Materialized, plan: Plan, x, y, pp_rank: int) -> torch.T
 def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], device) -> float:
     """Mean over DP replicas of the last stage's loss, known to every rank."""
     counts = loss is not None and at["pp"] == plan.pp - 1 and at["tp"] == 0
-    value = (loss.float() / plan.dp) if counts else torch.zeros((), device=device)
+    value = (loss.float() / plan.data_parallel) if counts else torch.zeros((), device=device)
     value = value.clone()
     dist.all_reduce(value)
     return float(value)

@@ -11,6 +11,7 @@ from costmodel.plan import Plan
 from hardware.errors import PlanError
 from planner.executable import ModelFacts, check_layout, tp_split_classes
 
+from executor.context_parallel import cp_supported
 from executor.layers import LayerMap, layer_map
 
 
@@ -19,7 +20,8 @@ def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> Non
     lmap = layer_map(model)
     n = lmap.n_layers
     if world_size is not None and world_size != plan.n_gpus:
-        raise PlanError("dp*tp*pp", f"{plan.dp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} processes requested",
+        raise PlanError("dp*cp*tp*pp", f"{plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} "
+                        "processes requested",
                         f"use --nproc {plan.n_gpus}")
     check_layout(plan, model_facts(model, lmap), plan.seq_len, plan.num_micro_batches)
     if plan.stages[-1].end != n:
@@ -32,8 +34,8 @@ def model_facts(model: nn.Module, lmap: LayerMap | None = None) -> ModelFacts:
     lmap = lmap or layer_map(model)
     return ModelFacts(n_blocks=lmap.n_layers - 2, heads=lmap.heads, kv_heads=lmap.kv_heads,
                       tp_splittable=_blocks_hold_splittable(model, lmap), max_seq_len=_max_positions(model),
-                      vocab=_vocab(model),
-                      name=type(getattr(model, "model", model)).__name__)
+                      vocab=_vocab(model), name=type(getattr(model, "model", model)).__name__,
+                      cp_routable=cp_supported(model))
 
 
 def _blocks_hold_splittable(model: nn.Module, lmap: LayerMap) -> bool:

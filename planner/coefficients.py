@@ -58,7 +58,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
         zero = sharded_exposed(params, t, plan, lay)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
-        activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch)
+        activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params)
 
 
@@ -76,7 +76,7 @@ def single_block_profile(workload: Workload) -> bool:
 
 def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity: float) -> StageModelData:
     """`plan` carries the layout (its stages are ignored)."""
-    lay = layout_of(plan, cluster)
+    lay = layout_of(plan, cluster, workload)
     first, last = block_span(workload)
     layers = workload.layers
     coeff = {}

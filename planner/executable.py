@@ -50,6 +50,7 @@ class ModelFacts:
     max_seq_len: int | None = None
     vocab: int | None = None
     name: str = "the model"
+    cp_routable: bool = True  # its attention is reachable: HF's attention registry or the reference GPT's `attend`
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class LayoutFields:
     vpp: int = 1
     compression: str = "none"
     dp_shard: int | None = None
+    cp: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp * self.cp
 
 
 def facts_of_workload(workload) -> ModelFacts:
@@ -81,7 +87,7 @@ def uses_ddp(fields) -> bool:
 def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int | None = None) -> PlanError | None:
     """The first reason the executor cannot run `fields` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
-    checks = (_tp_problem, _sp_problem, _pp_problem, _zero_problem, _compression_problem, _seq_problem)
+    checks = (_tp_problem, _sp_problem, _pp_problem, _cp_problem, _zero_problem, _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
@@ -144,13 +150,34 @@ def _pp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
     return None
 
 
+def _cp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """Context parallelism runs on its own data path (sequence chunks, gathered keys and
+    values; executor/context_parallel.py): without pipeline stages or compression hooks."""
+    cp = getattr(f, "cp", 1)
+    if cp == 1:
+        return None
+    if not facts.cp_routable:
+        return PlanError("cp", f"{facts.name}'s attention cannot be routed through the gathered keys and values "
+                         "(an HF attention registry or an `attend` hook is needed)", "use cp=1")
+    if f.pp > 1:
+        return PlanError("cp", f"cp={cp} with pp={f.pp}: the executor runs context parallelism without pipeline "
+                         "stages", "use pp=1 with cp, or cp=1")
+    if seq_len % (2 * cp):
+        return PlanError("cp", f"seq_len {seq_len} is not a multiple of 2*cp = {2 * cp}",
+                         f"use a cp whose 2*cp divides {seq_len}")
+    if getattr(f, "compression", "none") != "none":
+        return PlanError("compression", "gradient compression is not offered with context parallelism", "use 'none'")
+    return None
+
+
 def _zero_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
     if f.zero not in (0, 1, 2, 3):
         return PlanError("zero", f"{f.zero!r} is not a ZeRO stage", "use 0, 1, 2 or 3")
     shard = getattr(f, "dp_shard", None)
-    if shard is not None and (f.zero < 2 or shard < 1 or f.dp % shard):
-        valid = [d for d in range(1, f.dp + 1) if f.dp % d == 0]
-        return PlanError("dp_shard", f"dp_shard={shard} (hybrid sharding) needs zero 2 or 3 and a divisor of dp={f.dp}",
+    ranks = f.dp * getattr(f, "cp", 1)
+    if shard is not None and (f.zero < 2 or shard < 1 or ranks % shard):
+        valid = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        return PlanError("dp_shard", f"dp_shard={shard} (hybrid sharding) needs zero 2 or 3 and a divisor of dp*cp={ranks}",
                          f"use zero 3 with dp_shard in {valid}")
     return None
 

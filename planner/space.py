@@ -18,9 +18,11 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 from planner.executable import COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, uses_ddp
 
-PINNABLE = ("dp", "tp", "pp", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
+PINNABLE = ("dp", "tp", "pp", "cp", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
 MAX_MICRO_BATCH = 16
 VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
+CP_CHOICES = (2, 4, 8, 16)
+CP_MIN_SEQ = 16384  # pruning: below it the K/V all-gathers cost more than the activations they save
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,11 @@ class Layout:
     vpp: int
     compression: str = "none"
     dp_shard: int | None = None
+    cp: int = 1
+
+    @property
+    def data_parallel(self) -> int:
+        return self.dp * self.cp
 
     def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str) -> Plan:
         kinds = [layer.kind for layer in workload.layers]
@@ -56,6 +63,7 @@ class Layout:
             vpp=self.vpp,
             compression=self.compression,
             dp_shard=self.dp_shard,
+            cp=self.cp,
             stages=uniform_stages(kinds, self.pp * self.vpp, recompute),
         )
 
@@ -90,6 +98,10 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if facts.max_seq_len is not None and workload.seq_len > facts.max_seq_len:
         raise PlanError("seq_len", f"{workload.seq_len} exceeds {workload.name}'s {facts.max_seq_len} positions",
                         f"use at most {facts.max_seq_len}")
+    if fixed.get("cp", 1) != 1:
+        problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
+        if problem is not None:
+            raise problem
     if "tp" in fixed and fixed["tp"] not in tp_choices(workload, cluster):
         problem = layout_problem(_pinned_fields(fixed), facts, workload.seq_len)
         if problem is not None:
@@ -99,7 +111,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
         raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
                         f"use a divisor of {cluster.n_gpus} up to {workload.n_blocks}")
-    for key in ("dp", "tp", "pp", "micro_batch", "vpp", "dp_shard"):
+    for key in ("dp", "tp", "pp", "cp", "micro_batch", "vpp", "dp_shard"):
         if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
             raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
 
@@ -140,10 +152,8 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
     n = cluster.n_gpus
     facts = facts_of_workload(workload)
     for tp in tp_choices(workload, cluster):
-        for pp in divisors(n // tp):
-            if pp > workload.n_blocks:
-                continue
-            dp = n // (tp * pp)
+        for pp, cp in _pp_cp(n // tp, workload, fixed):
+            dp = n // (tp * pp * cp)
             if global_batch % dp:
                 continue
             for mb in divisors(global_batch // dp):
@@ -151,9 +161,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                     break
                 m = global_batch // (dp * mb)
                 for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule"), fixed.get("vpp")):
-                    for zero, shard in zero_choices(dp, tp, cluster, fixed):
+                    for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
                         for sp in (False, True) if tp > 1 else (False,):
-                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard)
+                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard, cp=cp)
                             if _honours(layout, fixed):
                                 for method in compression_choices(layout, fixed):
                                     offered = replace(layout, compression=method)
@@ -161,11 +171,23 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                         yield offered
 
 
-def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict) -> Iterator[tuple[int, int | None]]:
+def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, int]]:
+    """(pp, cp) over `ranks` = n / tp: pipelines, and for long sequences context
+    parallelism (the executor runs it without pipeline stages)."""
+    for pp in divisors(ranks):
+        if pp <= workload.n_blocks:
+            yield pp, 1
+    long = workload.seq_len >= CP_MIN_SEQ or fixed.get("cp", 1) > 1
+    for cp in ((fixed["cp"],) if fixed.get("cp", 1) > 1 else CP_CHOICES) if long else ():
+        if ranks % cp == 0 and workload.seq_len % (2 * cp) == 0:
+            yield 1, cp
+
+
+def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict, cp: int = 1) -> Iterator[tuple[int, int | None]]:
     """ZeRO stages with their shard group: all of dp, and for ZeRO-2/3 hybrid sharding
     (HSDP) with the shard group filling the node, where the gathers stay on NVLink and
     only the once-per-step all-reduce crosses nodes (or a pinned dp_shard)."""
-    if dp == 1:
+    if dp == 1 and cp == 1:
         yield 0, None
         return
     for zero in (0, 1, 2, 3):
@@ -175,7 +197,7 @@ def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict) -> Iterator[tu
         pinned = fixed.get("dp_shard")
         inside = cluster.gpus_per_node // tp if cluster.gpus_per_node % tp == 0 else 0
         for shard in ((pinned,) if pinned is not None else (inside,)):
-            if shard and 1 < shard < dp and dp % shard == 0:
+            if shard and 1 < shard < dp * cp and dp * cp % shard == 0:
                 yield zero, shard
 
 
@@ -191,7 +213,7 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
 
 def _honours(layout: Layout, fixed: dict) -> bool:
     def value_of(key):  # a dp_shard of all dp is plain sharding
-        return (layout.dp_shard or layout.dp) if key == "dp_shard" else getattr(layout, key)
+        return (layout.dp_shard or layout.dp * layout.cp) if key == "dp_shard" else getattr(layout, key)
 
     return all(value_of(key) == value for key, value in fixed.items() if key not in ("recompute", "compression"))
 

@@ -30,7 +30,7 @@ PARAM_ATOL = 2e-4
 
 
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
-              recompute="none", n_layers=6, dp_shard=None) -> Plan:
+              recompute="none", n_layers=6, dp_shard=None, cp=1) -> Plan:
     """A plan with evenly cut stages over the expanded layer list (embedding, 4 blocks, head)."""
     n_stages = pp * vpp
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
@@ -38,7 +38,7 @@ def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, 
     micro = micro_batch or GLOBAL_BATCH // (dp * max(pp, 1) * (2 if pp > 1 else 1))
     return Plan(model=model, hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
                 sp=sp, zero=zero, micro_batch=max(micro, 1), schedule=schedule, vpp=vpp, stages=stages,
-                dp_shard=dp_shard)
+                dp_shard=dp_shard, cp=cp)
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]], out_dir: str) -> None:
@@ -144,6 +144,9 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         # hybrid sharding: shard over pairs, replicate across the two pairs, two micro-batches accumulated
         "hsdp": dict(dp=4, zero=3, dp_shard=2, micro_batch=GLOBAL_BATCH // 8),
         "zero3_accumulate": dict(dp=2, zero=3, micro_batch=GLOBAL_BATCH // 4),
+        # context parallel: each sequence over 2 ranks, keys and values all-gathered
+        "cp": dict(cp=2), "cp_dp_zero3_ac": dict(cp=2, dp=2, zero=3, recompute="full", micro_batch=GLOBAL_BATCH // 4),
+        "cp_tp": dict(cp=2, tp=2, sp=True),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -154,19 +157,20 @@ def _check_all(world: int, cases: dict[str, Plan]) -> dict[str, list[str]]:
 
 
 def test_reference_gpt_two_ranks_matches_single_process():
-    _check_all(2, _cases("reference-tiny", ("dp", "zero1", "zero2", "zero3", "zero3_accumulate", "tp", "tp_sp", "pp_gpipe", "pp_1f1b",
+    _check_all(2, _cases("reference-tiny", ("dp", "zero1", "zero2", "zero3", "zero3_accumulate", "cp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b",
                                             "pp_interleaved", "dp_full_ac", "zero3_full_ac", "tp_selective_ac",
                                             "pp_selective_ac")))
 
 
 def test_four_rank_layouts_match_single_process():
     _check_all(4, {**_cases("reference-tiny", ("dp_tp", "dp_tp_zero3", "pp_dp", "pp_dp_zero3", "pp_dp_interleaved_zero1",
-                                               "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac", "hsdp")),
-                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp", "pp_dp_interleaved", "pp_tp_sp"))})
+                                               "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac", "hsdp",
+                                               "cp_dp_zero3_ac", "cp_tp")),
+                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp", "pp_dp_interleaved", "pp_tp_sp", "cp_dp_zero3_ac", "cp_tp"))})
 
 
 def test_hf_llama_two_ranks_matches_single_process():
-    _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
+    _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
                                            "tp_selective_ac", "zero3_full_ac")))
 
 

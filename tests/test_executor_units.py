@@ -43,7 +43,7 @@ def test_validate_refuses_world_size_mismatch_and_accepts_a_good_plan():
     validate(make_plan("reference-tiny", dp=2), model, world_size=2)
     with pytest.raises(PlanError) as info:
         validate(make_plan("reference-tiny", dp=2), model, world_size=3)
-    assert info.value.field == "dp*tp*pp"
+    assert info.value.field == "dp*cp*tp*pp"
 
 
 def test_run_refuses_before_launching():

@@ -17,8 +17,9 @@ from planner.summary import render
 console = Console()
 
 
-def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp) -> dict:
-    values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp)
+def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None) -> dict:
+    values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp,
+                  cp=cp, dp_shard=dp_shard)
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -47,6 +48,8 @@ def plan_command(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b, gpipe or interleaved"),
     vpp: Optional[int] = typer.Option(None, "--vpp"),
     sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
+    cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree (sequence split over cp ranks)"),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
@@ -56,7 +59,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
-    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp)
+    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard)
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)
@@ -93,6 +96,8 @@ def estimate_command(
     schedule: str = typer.Option("1f1b", "--schedule"),
     vpp: int = typer.Option(1, "--vpp"),
     sp: bool = typer.Option(False, "--sp/--no-sp"),
+    cp: int = typer.Option(1, "--cp", help="context parallel degree"),
+    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Price one given layout (from flags or --plan FILE) without searching."""
@@ -107,8 +112,8 @@ def estimate_command(
         if pp * vpp > workload.n_blocks:
             raise PlanError("pp", f"pp*vpp = {pp * vpp} stages exceed the {workload.n_blocks} blocks", f"use pp <= {workload.n_blocks}")
         given = Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=seq_len, dtype=dtype, dp=dp,
-                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp,
-                     stages=uniform_stages(kinds, pp * vpp, recompute))
+                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp, cp=cp,
+                     dp_shard=dp_shard, stages=uniform_stages(kinds, pp * vpp, recompute))
     priced = given.model_copy(update={"estimate": estimate(model, given, cluster)})
     if as_json:
         print(priced.to_json())

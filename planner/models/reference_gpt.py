@@ -37,13 +37,17 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.v_proj = nn.Linear(cfg.hidden, cfg.hidden)
         self.o_proj = nn.Linear(cfg.hidden, cfg.hidden)
+        self.attend = None  # extension point: a replacement for the causal core (context parallelism sets it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 rather than self.heads: under tensor parallelism the projections
         # hold heads/tp heads each, and the local head count follows.
         q, k, v = (p(x).view(b, s, -1, self.head_dim(x)).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attend is not None:
+            out = self.attend(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
     def head_dim(self, x: torch.Tensor) -> int:
@@ -88,13 +92,15 @@ class ReferenceGPT(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        self.position_ids: torch.Tensor | None = None  # the tokens' positions when not 0..s-1 (context parallelism)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage may hold only some of the modules (the others are
         # set to None); it then takes and returns hidden states.
         x = tokens
         if self.tok_emb is not None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            positions = (self.position_ids.to(tokens.device) if self.position_ids is not None
+                         else torch.arange(tokens.shape[1], device=tokens.device))
             x = self.tok_emb(tokens) + self.pos_emb(positions)
         for layer in self.layers.values():
             x = layer(x)
