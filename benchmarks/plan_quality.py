@@ -29,7 +29,6 @@ import os
 from pathlib import Path
 
 import hardware
-from planner.summary import hsdp_tag
 import planner
 from executor.calibrate import calibrate
 from executor.launch import run
@@ -63,8 +62,7 @@ def plan_layout(model: str, cluster, pins: dict):
 
 
 def describe(plan) -> str:
-    sched = f" {plan.schedule}" + (f" v{plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else ""
-    return f"dp{plan.dp}{hsdp_tag(plan)}{f' cp{plan.cp}' if plan.cp > 1 else ''} tp{plan.tp}{'+sp' if plan.sp else ''} pp{plan.pp}{sched} z{plan.zero} mb{plan.micro_batch}"
+    return plan.layout_tag
 
 
 def measure(model: str, cluster, name: str, pins: dict | None, steps: int) -> dict | None:

@@ -18,7 +18,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hardware  # noqa: E402
-from planner.summary import hsdp_tag  # noqa: E402
 import planner  # noqa: E402
 from planner.enumerate import best_uniform  # noqa: E402
 from planner.workload_for import workload_for  # noqa: E402
@@ -34,9 +33,8 @@ CASES = [
 
 
 def layout(plan) -> str:
-    sched = f" {plan.schedule}" + (f"x{plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else ""
     policies = sorted({p for s in plan.stages for p in s.recompute})
-    return f"dp{plan.dp}{hsdp_tag(plan)}{f' cp{plan.cp}' if plan.cp > 1 else ''} tp{plan.tp}{'+sp' if plan.sp else ''} pp{plan.pp}{sched} z{plan.zero} mb{plan.micro_batch} rc={'/'.join(policies)}"
+    return f"{plan.layout_tag} rc={'/'.join(policies)}"
 
 
 def run_case(name, hw, global_batch, seq_len, time_limit):

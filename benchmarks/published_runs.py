@@ -32,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
-from planner.summary import hsdp_tag  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
 from planner.search import best_plan  # noqa: E402
 
@@ -135,7 +134,7 @@ def predict(row: dict) -> tuple[float, str, str, list[str]]:
         "mfu_pct": est.mfu * 100,
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
-    layout = f"dp{plan.dp}{hsdp_tag(plan)}{f' cp{plan.cp}' if plan.cp > 1 else ''} tp{plan.tp} pp{plan.pp} v{plan.vpp} mb{plan.micro_batch}{' sp' if plan.sp else ''} z{plan.zero}"
+    layout = plan.layout_tag
     return value, layout, mechanism(plan), plan.notes
 
 

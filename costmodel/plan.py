@@ -202,6 +202,23 @@ class Plan(BaseModel):
             raise ValueError("sp (sequence parallel) needs tp > 1")
         return self
 
+    @property
+    def layout_tag(self) -> str:
+        """The layout in one short line, e.g. "dp8 cp2 tp4+sp pp2 interleaved v2 z3 (hsdp 2x8) mb1 fp8"."""
+        parts = [f"dp{self.dp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}{'+sp' if self.sp else ''}",
+                 f"pp{self.pp}"]
+        if self.pp > 1:
+            parts.append(self.schedule + (f" v{self.vpp}" if self.vpp > 1 else ""))
+        parts.append(f"z{self.zero}")
+        if self.zero >= 2 and self.dp_replicate > 1:
+            parts.append(f"(hsdp {self.dp_replicate}x{self.shard_degree})")
+        parts.append(f"mb{self.micro_batch}")
+        if self.compression != "none":
+            parts.append(self.compression)
+        if self.dtype == "fp8":
+            parts.append("fp8")
+        return " ".join(parts)
+
     def cluster(self) -> Cluster:
         """The hardware the plan was made for: its embedded profile, else its catalog spec."""
         if self.hardware_profile is not None:

@@ -49,7 +49,7 @@ def trace_events(result: SimResult) -> list[dict]:
         out.append({"ph": "X", "name": e.name, "cat": e.kind, "pid": e.rank, "tid": threads[key],
                     "ts": e.start * 1e6, "dur": e.duration * 1e6})
     out.append({"ph": "M", "name": "process_labels", "pid": 0, "tid": 0,
-                "args": {"labels": f"{plan.model} dp{plan.dp} tp{plan.tp} pp{plan.pp} {plan.schedule}"}})
+                "args": {"labels": f"{plan.model} {plan.layout_tag}"}})
     return out
 
 
@@ -61,7 +61,7 @@ def chrome_trace(result: SimResult) -> dict:
         "otherData": {
             "model": plan.model,
             "hardware": plan.hardware,
-            "layout": f"dp={plan.dp} tp={plan.tp} pp={plan.pp} vpp={plan.vpp} mb={plan.micro_batch} {plan.schedule}",
+            "layout": plan.layout_tag,
             "step_time_s": result.step_time_s,
             "bubble_fraction": result.bubble_fraction,
         },

@@ -54,12 +54,9 @@ class WhatIfRow:
         if not self.feasible:
             return "-"
         p = self.plan
-        vpp = f" v{p.vpp}" if p.vpp > 1 else ""
-        sp = " sp" if p.sp else ""
-        zero = f" z{p.zero}" if p.zero else ""
         policies = {pol for stage in p.stages for pol in stage.recompute}
         recompute = policies.pop() if len(policies) == 1 else "mixed"
-        return f"dp{p.dp} tp{p.tp} pp{p.pp}{vpp} mb{p.micro_batch} {p.schedule}{sp}{zero} rc:{recompute}"
+        return f"{p.layout_tag} rc:{recompute}"
 
     def _est(self, name: str) -> float | None:
         return getattr(self.plan.estimate, name) if self.feasible else None
