@@ -82,9 +82,13 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     t = _split(layer, ctx)
     b = ctx.micro_batch
     gemm = 0.0
-    if layer.matmul_flops:
+    dense = layer.matmul_flops - layer.expert_flops
+    if dense:
         min_dim = max(1.0, layer.matmul_min_dim / t)
-        gemm = layer.matmul_flops * b / t / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
+        gemm = dense * b / t / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
+    if layer.expert_flops:  # every TP rank runs the experts whole, at the tokens each expert gets
+        min_dim = max(1.0, min(layer.matmul_min_dim, layer.expert_tokens * b))
+        gemm += layer.expert_flops * b / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
     memory = layer.elementwise_bytes * b * _elementwise_share(layer, ctx) / (
         gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound

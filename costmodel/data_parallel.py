@@ -26,7 +26,9 @@ OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, w
 
 
 def layer_params_on_rank(layer, tp: int) -> float:
-    return layer.params / (tp if layer.tp_shardable else 1)
+    """A TP rank's share of the layer's weights: the split ones / tp, the experts whole."""
+    split = tp if layer.tp_shardable else 1
+    return (layer.params - layer.expert_params) / split + layer.expert_params
 
 
 def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float:

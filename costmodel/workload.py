@@ -44,6 +44,11 @@ class LayerProfile(BaseModel):
     grad_dense_bytes: float = Field(0.0, ge=0, description="bytes of dense weight gradient a backward materialises "
                                     "whatever the batch (an embedding's [vocab, hidden] table: zero-filled, "
                                     "scattered into, accumulated), per micro-batch")
+    expert_params: int = Field(0, ge=0, description="mixture-of-experts weights (part of params): the executor "
+                               "keeps them whole under TP, every TP rank computing every routed token's experts")
+    expert_flops: float = Field(0.0, ge=0, description="FLOPs of the expert GEMMs (part of matmul_flops), per sequence")
+    expert_tokens: float = Field(0.0, ge=0, description="tokens each expert computes per sequence: seq * top_k / experts "
+                                 "(the M of its GEMMs)")
     tied_params: int = Field(0, ge=0, description="parameters shared with an earlier layer (a tied LM head), "
                              "counted there; a pipeline stage holding this layer keeps its own copy of them")
 

@@ -77,7 +77,10 @@ def config_meta(config: Any) -> dict[str, Any]:
     heads = getattr(config, "num_attention_heads", None)
     return {"heads": heads, "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
             "hidden": getattr(config, "hidden_size", None), "vocab": getattr(config, "vocab_size", None),
-            "max_seq_len": learned_positions(config)}
+            "max_seq_len": learned_positions(config),
+            "n_experts": next((getattr(config, k) for k in ("num_local_experts", "num_experts", "n_routed_experts")
+                               if isinstance(getattr(config, k, None), int)), None),
+            "top_k": getattr(config, "num_experts_per_tok", None)}
 
 
 def learned_positions(config: Any) -> int | None:

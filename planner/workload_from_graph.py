@@ -65,8 +65,13 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
     comm = reduces or colwise
     inputs = [nbytes(g.nodes[p]) for n in members for p in g.predecessors(n)
               if p not in members and not g.edges[p, n].get("param") and g.nodes[p]["phase"] != "backward"]
+    experts = [d for _, d in nodes if any(".experts." in p for p in d.get("params") or ())]
+    n_experts, top_k = og.meta.get("n_experts"), og.meta.get("top_k")
+    expert_flops = sum(d["flops"] for d in experts if d["kind"] in ("linear", "matmul"))
     return LayerProfile(
         name=name, kind=kind, params=int(sum(d["param_count"] for _, d in nodes)),
+        expert_params=int(sum(d["param_count"] for d in experts)), expert_flops=expert_flops / b,
+        expert_tokens=og.seq_len * top_k / n_experts if expert_flops and n_experts and top_k else 0.0,
         matmul_flops=matmul / b, matmul_min_dim=_effective_dim(matmul, flops_per_dim, og.seq_len),
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
