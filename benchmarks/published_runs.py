@@ -18,6 +18,8 @@ dropout, no biases, rotary positions); the others as GPT-era Megatron models
 is what the 2021-22 Megatron-LM runs used. Optional yes/no columns
 flash_attention, biases, dropout and learned_positions state the model where
 it is neither (MPT: flash attention, no biases, no dropout, learned positions);
+n_experts, top_k and ep describe a mixture-of-experts run (blank: dense), cp a
+context-parallel one;
 a blank nic_gbps_per_gpu takes the catalog's network. Other columns (source)
 are ignored.
 """
@@ -73,6 +75,8 @@ def row_workload(row: dict):
         biases=_flag(row, "biases", not gated),
         learned_positions=_flag(row, "learned_positions", not gated),
         flash_attention=_flag(row, "flash_attention", gated),
+        n_experts=_int(row, "n_experts", 0),
+        top_k=_int(row, "top_k", 0),
     )
     return transformer_workload(dims)
 
@@ -88,7 +92,7 @@ def row_cluster(row: dict):
 def row_pins(row: dict) -> dict:
     pins: dict = {}
     for key, field in (("tp", "tp"), ("pp", "pp"), ("dp", "dp"), ("micro_batch", "micro_batch"), ("zero_stage", "zero"),
-                       ("dp_shard", "dp_shard")):
+                       ("dp_shard", "dp_shard"), ("ep", "ep"), ("cp", "cp")):
         value = _int(row, key)
         if value is not None:
             pins[field] = value

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hardware.schema import Cluster
 
-from .collectives import Group, all_gather, all_reduce
+from .collectives import Group, all_gather, all_reduce, all_to_all
 from .workload import LayerProfile
 
 BACKWARD_FACTOR = 2.0
@@ -34,6 +34,8 @@ class Context:
     cp: int = 1
     cp_group: Group | None = None
     cp_kv_bytes: float = 0.0  # one whole sequence's keys and values of one attention layer
+    ep: int = 1
+    ep_group: Group | None = None
 
 
 @dataclass(frozen=True)
@@ -107,9 +109,18 @@ def cp_gather_time(layer: LayerProfile, ctx: Context) -> float:
     return all_gather(ctx.cp_kv_bytes * ctx.micro_batch * ctx.cp / t, ctx.cp_group, ctx.cluster)
 
 
+def expert_exchange_time(layer: LayerProfile, ctx: Context) -> float:
+    """Expert parallelism's two all-to-alls of a mixture-of-experts layer (tokens to their
+    experts' ranks, results back), each of the routed tokens' activations: top_k copies of
+    every token, on the critical path. The backward sends their gradients the same way."""
+    if ctx.ep == 1 or not layer.expert_dispatch_bytes or ctx.ep_group is None:
+        return 0.0
+    return 2 * all_to_all(layer.expert_dispatch_bytes * ctx.micro_batch, ctx.ep_group, ctx.cluster)
+
+
 def forward_collectives(layer: LayerProfile, ctx: Context) -> float:
-    """One forward's collectives on the layer's critical path: TP's and CP's."""
-    return tp_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
+    """One forward's collectives on the layer's critical path: TP's, CP's and EP's."""
+    return tp_collective_time(layer, ctx) + cp_gather_time(layer, ctx) + expert_exchange_time(layer, ctx)
 
 
 def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
@@ -153,7 +164,8 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         forward=forward,
         backward=BACKWARD_FACTOR * forward + dense_gradient_time(layer, ctx),
         recompute=extra,
-        tp_comm=comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx) + gather + extra_comm,
+        tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
+                 + expert_exchange_time(layer, ctx) + gather + extra_comm),
     )
 
 

@@ -25,10 +25,27 @@ if TYPE_CHECKING:
 OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
 
 
-def layer_params_on_rank(layer, tp: int) -> float:
-    """A TP rank's share of the layer's weights: the split ones / tp, the experts whole."""
+def layer_params_on_rank(layer, tp: int, ep: int = 1) -> float:
+    """A rank's share of the layer's weights: the TP-split ones / tp, the experts / ep
+    (whole under TP, as DTensor leaves them)."""
     split = tp if layer.tp_shardable else 1
-    return (layer.params - layer.expert_params) / split + layer.expert_params
+    return (layer.params - layer.expert_params) / split + layer.expert_params / ep
+
+
+def expert_params_on_rank(layer, ep: int) -> float:
+    return layer.expert_params / ep
+
+
+def expert_reduction_time(expert_params: float, plan: Plan, lay: Layout) -> float:
+    """The expert weights' gradient sum over the ranks holding the same experts (dp*cp/ep of
+    them), after the backward: the executor runs it beside DDP, not overlapped; under
+    ZeRO-1 each expert optimizer's weight all-gather follows the step, over the same ranks."""
+    if plan.ep == 1 or not expert_params or lay.expert_group.size == 1:
+        return 0.0
+    nbytes = expert_params * WEIGHT_BYTES[plan.dtype]
+    if plan.zero == 1:
+        return 2 * coll.all_gather(nbytes, lay.expert_group, lay.ctx.cluster)
+    return coll.all_reduce(nbytes, lay.expert_group, lay.ctx.cluster)
 
 
 def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float:
@@ -99,8 +116,8 @@ def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
     overlap = 1.0 if overlap is None else overlap
     (first, _, _), (last, _, _) = runs[0], runs[-1]
     t_first, t_last = times[0][0], times[-1][0]
-    fwd_gather, _, scatter = sharded_collectives(layer_params_on_rank(first, plan.tp), plan, lay)
-    _, bwd_gather, _ = sharded_collectives(layer_params_on_rank(last, plan.tp), plan, lay)
+    fwd_gather, _, scatter = sharded_collectives(layer_params_on_rank(first, plan.tp, plan.ep), plan, lay)
+    _, bwd_gather, _ = sharded_collectives(layer_params_on_rank(last, plan.tp, plan.ep), plan, lay)
     forward = t_first.forward + t_first.tp_comm / 2
     backward_last = t_last.backward + t_last.recompute + t_last.tp_comm / 2
     backward_first = t_first.backward + t_first.recompute + t_first.tp_comm / 2
@@ -139,7 +156,8 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
     slack = 0.0
     for rank in ranks:
         window = rank.backward + rank.recompute + slack
-        exposed = max(exposed, exposed_after_overlap(dp_time(rank.params, plan, lay), window, lay.ctx.cluster))
+        dense = rank.params - rank.expert_params  # the experts reduce after it (expert_reduction_time)
+        exposed = max(exposed, exposed_after_overlap(dp_time(dense, plan, lay), window, lay.ctx.cluster))
         slack += rank.backward + rank.recompute
     return max(0.0, exposed)
 

@@ -19,8 +19,8 @@ from itertools import groupby
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .compute import Context, layer_time, recompute_flops
-from .data_parallel import (exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
+from .compute import Context, expert_exchange_time, layer_time, recompute_flops
+from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
 from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
@@ -43,6 +43,8 @@ class RankTime:
     pp_comm: float = 0.0
     zero_comm: float = 0.0
     params: float = 0.0
+    expert_params: float = 0.0  # of `params`: expert weights, sharded and reduced over their own replicas
+    ep_comm: float = 0.0  # of `tp_comm`: expert parallelism's all-to-alls
     stage_estimates: list[StageEstimate] = field(default_factory=list)
 
     @property
@@ -60,6 +62,7 @@ class Layout:
     m: int
     shard_group: coll.Group  # ZeRO's shard group: all of dp, or HSDP's dp_shard
     replicate_group: coll.Group  # HSDP's copies of the shards (size 1 otherwise)
+    expert_group: coll.Group = coll.Group(1, 1)  # the ranks holding the same experts (dp*cp/ep of them)
 
 
 def kv_bytes_per_sequence(workload: Workload) -> float:
@@ -77,7 +80,8 @@ def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) ->
     tp_group = coll.group_of(plan.tp, 1, cluster)
     ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank,
                   tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
-                  cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0)
+                  cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
+                  ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster))
     return Layout(
         ctx=ctx,
         dp_group=coll.group_of(plan.data_parallel, plan.tp, cluster),
@@ -85,6 +89,7 @@ def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) ->
         m=plan.num_micro_batches,
         shard_group=coll.group_of(plan.shard_degree, plan.tp, cluster),
         replicate_group=coll.group_of(plan.dp_replicate if plan.zero >= 2 else 1, plan.tp * plan.shard_degree, cluster),
+        expert_group=coll.group_of(plan.data_parallel // plan.ep, plan.tp * plan.ep, cluster),
     )
 
 
@@ -116,7 +121,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     times = [(layer_time(layer, lay.ctx, policy), count) for layer, policy, count in runs]
     fwd = sum(t.forward * n for t, n in times)
     bwd = sum(t.backward * n for t, n in times)
-    params = sum(layer_params_on_rank(layer, plan.tp) * n for layer, _, n in runs)
+    params = sum(layer_params_on_rank(layer, plan.tp, plan.ep) * n for layer, _, n in runs)
     if plan.pp > 1:  # the stage's own copy of weights tied to a layer on another stage
         params += sum(layer.tied_params / (plan.tp if layer.tp_shardable else 1) * n for layer, _, n in runs)
     rank.forward += fwd
@@ -126,11 +131,14 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
     # One-layer prefetch: each layer's gathers hide behind its own compute.
     rank.zero_comm += sum(
-        sharded_exposed(layer_params_on_rank(layer, plan.tp), t, plan, lay) * n
+        sharded_exposed(layer_params_on_rank(layer, plan.tp, plan.ep), t, plan, lay) * n
         for (layer, _, n), (t, _) in zip(runs, times)
     )
     rank.zero_comm += prefetch_fill(runs, times, plan, lay)
     rank.params += params
+    rank.expert_params += sum(layer.expert_params / plan.ep * n for layer, _, n in runs)
+    rank.ep_comm += sum(expert_exchange_time(layer, lay.ctx) * (3 if policy == "full" else 2) * n
+                        for layer, policy, n in runs)
     rank.stage_estimates.append(
         StageEstimate(index=index, start=stage.start, end=stage.end, forward_s=fwd, backward_s=bwd, memory_bytes={})
     )
@@ -143,7 +151,10 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    memory = model_state_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree)
+    memory = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree)
+    if rank.expert_params:  # expert states shard over the ranks holding the same experts
+        experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep))
+        memory = {k: memory[k] + experts[k] for k in memory}
     kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
@@ -152,9 +163,9 @@ def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime)
             if policy == "full":  # one layer is rebuilt at a time in backward
                 transient = max(transient, activation_bytes(layer, "none", **kw))
             if layer.kind == "block":
-                biggest = max(biggest, layer_params_on_rank(layer, plan.tp))
+                biggest = max(biggest, layer_params_on_rank(layer, plan.tp, plan.ep))
             else:
-                root += layer_params_on_rank(layer, plan.tp) * count
+                root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
     in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     memory["activations"] = per_mb * in_flight + transient + accumulation_transient(plan, workload, rank)
     if held_zero(plan) >= 3 and plan.shard_degree > 1:
@@ -205,14 +216,16 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
     m = lay.m
     shared = shared_core_pipeline_time(ranks, plan, cluster)
     pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
-    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params, plan, lay) for r in ranks)
+    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params - r.expert_params, plan, lay)
+                                            + expert_reduction_time(r.expert_params, plan, lay) for r in ranks)
     opt = optimizer_time(ranks, plan, cluster)
     step = pipe + dp + opt
     crit = max(ranks, key=lambda r: r.per_micro_batch)
     breakdown = {
         "compute": m * (crit.forward + crit.backward),
         "recompute": m * crit.recompute,
-        "tp_comm": m * crit.tp_comm,
+        "tp_comm": m * (crit.tp_comm - crit.ep_comm),
+        "ep_comm": m * crit.ep_comm,  # expert parallelism's all-to-alls
         "pp_comm": m * crit.pp_comm,
         "zero_comm": m * crit.zero_comm,
         "bubble": pipe - m * crit.per_micro_batch,  # below 0 where idle ranks' cores sped the slowest up

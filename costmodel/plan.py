@@ -110,6 +110,8 @@ class Plan(BaseModel):
     dp: int = Field(ge=1)
     tp: int = Field(ge=1)
     pp: int = Field(ge=1)
+    ep: int = Field(1, ge=1, description="expert parallel: a mixture-of-experts layer's experts split over ep of "
+                                         "the data-parallel ranks, tokens routed to them by all-to-all")
     cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks (2 of its 2*cp "
                                          "chunks each, the causal load balance), keys and values all-gathered")
     sp: bool = False
@@ -196,6 +198,8 @@ class Plan(BaseModel):
                 raise ValueError(f"dp_shard={self.dp_shard} (hybrid sharding) needs zero 2 or 3, not {self.zero}")
             if self.data_parallel % self.dp_shard:
                 raise ValueError(f"dp_shard={self.dp_shard} must divide dp*cp={self.data_parallel}")
+        if self.data_parallel % self.ep:
+            raise ValueError(f"ep={self.ep} must divide the data-parallel ranks dp*cp = {self.data_parallel}")
         if self.cp > 1 and self.seq_len % (2 * self.cp):
             raise ValueError(f"seq_len {self.seq_len} must be a multiple of 2*cp = {2 * self.cp} (two chunks per cp rank)")
         if self.sp and self.tp == 1:
@@ -205,7 +209,7 @@ class Plan(BaseModel):
     @property
     def layout_tag(self) -> str:
         """The layout in one short line, e.g. "dp8 cp2 tp4+sp pp2 interleaved v2 z3 (hsdp 2x8) mb1 fp8"."""
-        parts = [f"dp{self.dp}", *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}{'+sp' if self.sp else ''}",
+        parts = [f"dp{self.dp}", *([f"ep{self.ep}"] if self.ep > 1 else []), *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}{'+sp' if self.sp else ''}",
                  f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f" v{self.vpp}" if self.vpp > 1 else ""))

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .data_parallel import optimizer_time
+from .data_parallel import expert_reduction_time, optimizer_time
 from .estimate import RankTime, price_ranks, rank_memory
 from .memory import WEIGHT_BYTES
 from .plan import Plan
@@ -103,11 +103,16 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     Returns (end of the rank's step, optimizer seconds).
     """
     start = max(out.compute_end[r], out.dp_end[r])
+    experts = expert_reduction_time(rank_time.expert_params, plan, lay)
+    if experts:  # the experts' own gradient sum (and ZeRO-1 gather), after the backward
+        out.events.append(Event(r, "inter" if lay.expert_group.nodes > 1 else "intra", "expert gradients", start,
+                                experts, "dp"))
+        start += experts
     opt = optimizer_time([rank_time], plan, cluster)
     out.events.append(Event(r, "compute", "optimizer", start, opt, "optimizer"))
     end = start + opt
     if plan.zero == 1 and plan.data_parallel > 1:
-        nbytes = rank_time.params * WEIGHT_BYTES[plan.dtype]
+        nbytes = (rank_time.params - rank_time.expert_params) * WEIGHT_BYTES[plan.dtype]
         gather = coll.all_gather(nbytes, lay.dp_group, cluster)
         stream = "intra" if lay.dp_group.nodes == 1 else "inter"
         out.events.append(Event(r, stream, "allgather weights", end, gather, "dp"))

@@ -80,7 +80,7 @@ class Pricer:
         if key not in self._layers:
             lt = layer_time(layer, self.lay.ctx, policy)
             fwd_comm = forward_collectives(layer, self.lay.ctx)
-            sharded = sharded_collectives(layer_params_on_rank(layer, self.plan.tp), self.plan, self.lay)
+            sharded = sharded_collectives(layer_params_on_rank(layer, self.plan.tp, self.plan.ep), self.plan, self.lay)
             self._layers[key] = (lt, fwd_comm, sharded)
         return self._layers[key]
 
@@ -169,7 +169,8 @@ def buckets(plan: Plan, pricer: Pricer, index: int, template: OpTemplate, bucket
     stage = plan.stages[index]
     out, first, grads, params = [], stage.end, 0.0, 0.0
     for i in range(stage.end - 1, stage.start - 1, -1):
-        p = layer_params_on_rank(pricer.workload.layers[i], plan.tp)
+        layer = pricer.workload.layers[i]
+        p = layer_params_on_rank(layer, plan.tp, plan.ep) - layer.expert_params / plan.ep  # dense; experts: _tail
         grads += p * grad_size
         params += p
         if grads >= bucket_bytes or i == stage.start:

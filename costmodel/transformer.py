@@ -33,6 +33,8 @@ class TransformerDims:
     flash_attention: bool = True
     dtype_bytes: int = 2
     name: str = "transformer"
+    n_experts: int = 0  # mixture of experts: every MLP is n_experts experts, top_k of them per token
+    top_k: int = 0
 
     @property
     def kv(self) -> int:
@@ -46,7 +48,11 @@ class TransformerDims:
 def _block(d: TransformerDims) -> LayerProfile:
     s, h, f, b = d.seq_len, d.hidden, d.ffn, d.dtype_bytes
     kv_dim = h * d.kv // d.heads
-    linear_params = h * (h + 2 * kv_dim) + h * h + (3 if d.gated_mlp else 2) * h * f
+    mlp_params = (3 if d.gated_mlp else 2) * h * f
+    moe = d.n_experts > 0 and d.top_k > 0
+    active = d.top_k if moe else 1  # MLPs each token runs
+    expert_params = d.n_experts * mlp_params if moe else 0
+    linear_params = h * (h + 2 * kv_dim) + h * h + mlp_params
     bias_params = (h + 2 * kv_dim + h + f + h) if d.biases else 0
     norm_params = (4 if d.biases else 2) * h
     mask = 1 if d.dropout else 0  # dropout masks are 1 byte per element
@@ -55,17 +61,22 @@ def _block(d: TransformerDims) -> LayerProfile:
     replicated = s * h * (4 * b + 2 * mask)
     # Split under TP: Q, K, V, the attention output (o_proj input), and the MLP
     # intermediates (gelu: its input and output; gated: gate, up, act, product).
-    mlp_saved = (4 if d.gated_mlp else 2) * s * f * b
+    mlp_saved = (4 if d.gated_mlp else 2) * s * f * b * active
     sharded = s * (h + 2 * kv_dim + h) * b + mlp_saved
     # softmax output, and with dropout its mask and output (5*a*s^2 bytes in 16-bit)
     scores = 0.0 if d.flash_attention else d.heads * s * s * (b + mask + (b if d.dropout else 0))
     softmax_traffic = 0 if d.flash_attention else 2 * d.heads * s * s * b
-    act_traffic = (5 if d.gated_mlp else 2) * s * f * b
+    act_traffic = (5 if d.gated_mlp else 2) * s * f * b * active
+    router = h * d.n_experts if moe else 0
     return LayerProfile(
         name="block",
         kind="block",
-        params=linear_params + bias_params + norm_params,
-        matmul_flops=2.0 * s * linear_params,
+        params=linear_params - (mlp_params if moe else 0) + expert_params + router + bias_params + norm_params,
+        matmul_flops=2.0 * s * (linear_params + (active - 1) * mlp_params + router),
+        expert_params=expert_params,
+        expert_flops=2.0 * s * active * mlp_params if moe else 0.0,
+        expert_tokens=s * d.top_k / d.n_experts if moe else 0.0,
+        expert_dispatch_bytes=float(s * d.top_k * h * b) if moe else 0.0,
         matmul_min_dim=min(h, f),
         attention_flops=4.0 * s * s * h,
         # two norms and two residual adds (read+write), the MLP activation.
@@ -127,4 +138,5 @@ def transformer_workload(d: TransformerDims) -> Workload:
         hidden=d.hidden,
         vocab=d.vocab,
         flash_attention=d.flash_attention,
+        n_experts=d.n_experts if d.top_k else 0,
     )

@@ -47,6 +47,8 @@ class LayerProfile(BaseModel):
     expert_params: int = Field(0, ge=0, description="mixture-of-experts weights (part of params): the executor "
                                "keeps them whole under TP, every TP rank computing every routed token's experts")
     expert_flops: float = Field(0.0, ge=0, description="FLOPs of the expert GEMMs (part of matmul_flops), per sequence")
+    expert_dispatch_bytes: float = Field(0.0, ge=0, description="activations an expert-parallel layer sends to its "
+                                         "experts per sequence: seq * top_k * hidden * bytes (and as many back)")
     expert_tokens: float = Field(0.0, ge=0, description="tokens each expert computes per sequence: seq * top_k / experts "
                                  "(the M of its GEMMs)")
     tied_params: int = Field(0, ge=0, description="parameters shared with an earlier layer (a tied LM head), "
@@ -73,6 +75,7 @@ class Workload(BaseModel):
     hidden: int | None = None
     vocab: int | None = None
     flash_attention: bool = True
+    n_experts: int = Field(0, ge=0, description="experts per mixture-of-experts layer (0: dense)")
     max_seq_len: int | None = Field(None, description="longest sequence the model takes (learned positions), if any")
 
     @cached_property

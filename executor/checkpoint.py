@@ -143,6 +143,9 @@ def check_checkpointable(plan) -> None:
     if plan.vpp > 1:
         raise PlanError("checkpoint", "checkpointing interleaved pipeline chunks (vpp > 1) is not supported yet",
                         "use the 1f1b or gpipe schedule with --checkpoint-dir")
+    if plan.ep > 1:
+        raise PlanError("checkpoint", "checkpointing expert-parallel layouts (split dense and expert optimizers) "
+                        "is not supported yet", "use ep=1 with --checkpoint-dir")
     if plan.zero == 1 and plan.data_parallel > 1:
         raise PlanError("checkpoint", "ZeroRedundancyOptimizer (zero 1) state cannot be saved with "
                         "torch.distributed.checkpoint yet", "use zero 0, 2 or 3 with --checkpoint-dir")

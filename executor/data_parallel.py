@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.plan import Plan
 from executor.layers import LayerMap, get_or_none
+from executor.expert_parallel import ep_meshes, expert_parameter_names
 from executor.mesh import hsdp_mesh
 from planner.executable import uses_ddp
 
@@ -56,6 +57,9 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
 
         replicate(module, mesh=dp_mesh)
         return module
+    experts = expert_parameter_names(module)
+    if experts:  # reduced over their own replicas (executor/expert_parallel.py), not over all of dp
+        DDP._set_params_and_buffers_to_ignore_for_model(module, experts)
     # Gradients live in DDP's buckets instead of beside them: one copy, as the cost model holds.
     ddp = DDP(module, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
     if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/compression.py)
@@ -72,6 +76,8 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
     kernel would match the cost model's one-pass traffic better (~4x faster on this CPU for
     gpt2) but refuses DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor")."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
+    if plan.ep > 1:
+        return _expert_split_optimizer(params, mesh, plan, lr)
     if plan.zero == 1 and plan.data_parallel > 1:
         if any(isinstance(p, DTensor) for p in params):
             from executor.zero1 import LocalShardZero
@@ -93,3 +99,38 @@ def sync_context(module: nn.Module, last_micro_batch: bool):
     elif hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
+
+
+class _Optimizers(torch.optim.Optimizer):
+    """Dense and expert weights stepped by their own optimizers (each shards over its own group)."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
+        self.parts = parts
+        self.param_groups = [g for part in parts for g in part.param_groups]
+        self.state = {}
+        self.defaults = parts[0].defaults
+
+    def step(self, closure=None):
+        for part in self.parts:
+            part.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for part in self.parts:
+            part.zero_grad(set_to_none=set_to_none)
+
+
+def _expert_split_optimizer(params, mesh: DeviceMesh, plan: Plan, lr: float) -> torch.optim.Optimizer:
+    """ZeRO-1 under expert parallelism: dense states sharded over dp, expert states over the
+    ranks holding the same experts (edp); zero 0: two plain AdamWs."""
+    experts = [p for p in params if hasattr(p, "expert_parallel")]
+    dense = [p for p in params if not hasattr(p, "expert_parallel")]
+    _, edp = ep_meshes(mesh, plan)
+
+    def one(group_params, group, size):
+        if plan.zero == 1 and size > 1:
+            return ZeroRedundancyOptimizer(group_params, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
+        return torch.optim.AdamW(group_params, lr=lr)
+
+    return _Optimizers([one(dense, mesh["dp"].get_group(), plan.data_parallel),
+                        one(experts, edp.get_group(), plan.data_parallel // plan.ep)])
+

@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from costmodel.plan import Plan
 from executor.checkpointing import apply_checkpointing
 from executor.context_parallel import apply_context_parallel
+from executor.expert_parallel import ExpertGradients, apply_expert_parallel
 from executor.data_parallel import apply_data_parallel, build_optimizer
 from executor.layers import LayerMap, layer_map
 from executor.mesh import build_mesh, local_device
@@ -49,6 +50,13 @@ class Materialized:
     tp_replicated: list[str] = field(default_factory=list)
     tied: TiedGradients | None = None
     tied_aliases: dict[str, str] = field(default_factory=dict)
+    experts: ExpertGradients | None = None
+
+    def sync_gradients(self) -> None:
+        """The gradient sums DDP/FSDP do not do: tied copies across stages, experts across replicas."""
+        for sync in (self.tied, self.experts):
+            if sync is not None:
+                sync.sync()
 
     def as_tuple(self):
         return (self.modules if len(self.modules) > 1 else self.modules[0]), self.schedule, self.optimizer
@@ -78,13 +86,15 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     if analysis is not None:
         chunks = [apply_tensor_parallel(c, mesh, plan, analysis) for c in chunks]
         replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
+    chunks = [apply_expert_parallel(c, mesh, plan) for c in chunks]
     chunks = [apply_context_parallel(c, mesh, plan) for c in chunks]
     chunks = [apply_checkpointing(c, mesh, plan, lmap) for c in chunks]
     chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
     tied = TiedGradients(groups, lmap, plan, mesh, chunks) if groups else None
-    return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups))
+    experts = ExpertGradients(chunks, mesh, plan) if plan.ep > 1 else None
+    return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups), experts)
 
 
 def materialize(plan: Plan, model: nn.Module):

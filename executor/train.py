@@ -102,8 +102,7 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
                 import signal
 
                 os.kill(os.getpid(), signal.SIGKILL)
-            if run.tied is not None:
-                run.tied.sync()
+            run.sync_gradients()
             run.optimizer.step()
             run.optimizer.zero_grad(set_to_none=True)
             if run.device.type == "cuda":

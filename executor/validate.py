@@ -35,7 +35,7 @@ def model_facts(model: nn.Module, lmap: LayerMap | None = None) -> ModelFacts:
     return ModelFacts(n_blocks=lmap.n_layers - 2, heads=lmap.heads, kv_heads=lmap.kv_heads,
                       tp_splittable=_blocks_hold_splittable(model, lmap), max_seq_len=_max_positions(model),
                       vocab=_vocab(model), name=type(getattr(model, "model", model)).__name__,
-                      cp_routable=cp_supported(model))
+                      cp_routable=cp_supported(model), n_experts=_n_experts(model))
 
 
 def _blocks_hold_splittable(model: nn.Module, lmap: LayerMap) -> bool:
@@ -59,3 +59,10 @@ def _max_positions(model: nn.Module) -> int | None:
     from planner.trace_hf import learned_positions
 
     return learned_positions(config)
+
+
+def _n_experts(model: nn.Module) -> int:
+    from executor.expert_parallel import is_experts
+
+    return max((m.num_experts for m in model.modules() if is_experts(m)), default=0)
+

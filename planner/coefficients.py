@@ -51,7 +51,7 @@ class StageModelData:
 
 def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
     ctx = lay.ctx
-    params = layer_params_on_rank(layer, plan.tp)
+    params = layer_params_on_rank(layer, plan.tp, plan.ep)
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
         t = layer_time(layer, ctx, policy)
@@ -103,7 +103,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         optimizer_seconds_per_param=(optimizer_seconds_per_param(plan, cluster)
                                      + weight_gather_time(probe, plan, lay) / probe),
         zero3_buffer_bytes=(zero3_buffer_bytes(max(_params(layers[:first], plan), _params(layers[last:], plan)),
-                                               layer_params_on_rank(layers[first], plan.tp), plan.dtype)
+                                               layer_params_on_rank(layers[first], plan.tp, plan.ep), plan.dtype)
                             if held_zero(plan) >= 3 and plan.shard_degree > 1 else 0.0),
         capacity=capacity,
     )
@@ -112,7 +112,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
 
 
 def _params(layers, plan) -> float:
-    return sum(layer_params_on_rank(layer, plan.tp) for layer in layers)
+    return sum(layer_params_on_rank(layer, plan.tp, plan.ep) for layer in layers)
 
 
 def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:

@@ -50,7 +50,8 @@ class ModelFacts:
     max_seq_len: int | None = None
     vocab: int | None = None
     name: str = "the model"
-    cp_routable: bool = True  # its attention is reachable: HF's attention registry or the reference GPT's `attend`
+    cp_routable: bool = True
+    n_experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)  # its attention is reachable: HF's attention registry or the reference GPT's `attend`
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,7 @@ class LayoutFields:
     compression: str = "none"
     dp_shard: int | None = None
     cp: int = 1
+    ep: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -75,7 +77,7 @@ def facts_of_workload(workload) -> ModelFacts:
     """The planner's view: a traced or analytic `costmodel.workload.Workload`."""
     return ModelFacts(n_blocks=workload.n_blocks, heads=workload.heads, kv_heads=workload.kv_heads,
                       tp_splittable=workload.max_tp() != 1, max_seq_len=workload.max_seq_len, vocab=workload.vocab,
-                      name=workload.name)
+                      name=workload.name, n_experts=workload.n_experts)
 
 
 def uses_ddp(fields) -> bool:
@@ -87,7 +89,7 @@ def uses_ddp(fields) -> bool:
 def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int | None = None) -> PlanError | None:
     """The first reason the executor cannot run `fields` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
-    checks = (_tp_problem, _sp_problem, _pp_problem, _cp_problem, _zero_problem, _compression_problem, _seq_problem)
+    checks = (_tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _zero_problem, _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
@@ -167,6 +169,23 @@ def _cp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
                          f"use a cp whose 2*cp divides {seq_len}")
     if getattr(f, "compression", "none") != "none":
         return PlanError("compression", "gradient compression is not offered with context parallelism", "use 'none'")
+    return None
+
+
+def _ep_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """Expert parallelism runs on the DDP / ZeRO-1 path (executor/expert_parallel.py): its expert
+    weights reduce over their own replicas, beside DDP, without TP, pipelines or CP."""
+    ep = getattr(f, "ep", 1)
+    if ep == 1:
+        return None
+    if not facts.n_experts or facts.n_experts % ep:
+        return PlanError("ep", f"ep={ep} needs a mixture-of-experts model whose experts it divides "
+                         f"({facts.name} has {facts.n_experts or 'no'} experts per layer)", "use ep=1")
+    if f.tp > 1 or f.pp > 1 or getattr(f, "cp", 1) > 1 or f.zero > 1 or getattr(f, "compression", "none") != "none":
+        return PlanError("ep", f"ep={ep} runs with tp=1, pp=1, cp=1, zero 0 or 1 and no compression",
+                         "use those with ep, or ep=1")
+    if (f.dp * getattr(f, "cp", 1)) % ep:
+        return PlanError("ep", f"ep={ep} must divide dp={f.dp}", "use a divisor of dp")
     return None
 
 

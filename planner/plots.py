@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 GIB = 2**30
 COLORS = {
-    "compute": "#4C72B0", "recompute": "#8172B2", "tp_comm": "#DD8452", "pp_comm": "#C44E52",
+    "compute": "#4C72B0", "recompute": "#8172B2", "tp_comm": "#DD8452", "ep_comm": "#DA8BC3", "pp_comm": "#C44E52",
     "zero_comm": "#937860", "bubble": "#CCCCCC", "dp_comm": "#55A868", "optimizer": "#DA8BC3",
     "weights": "#4C72B0", "gradients": "#55A868", "optimizer_state": "#DA8BC3", "buffers": "#937860",
     "activations": "#DD8452",

@@ -18,7 +18,7 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 from planner.executable import COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, uses_ddp
 
-PINNABLE = ("dp", "tp", "pp", "cp", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
+PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
 MAX_MICRO_BATCH = 16
 VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
 CP_CHOICES = (2, 4, 8, 16)
@@ -40,6 +40,7 @@ class Layout:
     compression: str = "none"
     dp_shard: int | None = None
     cp: int = 1
+    ep: int = 1
 
     @property
     def data_parallel(self) -> int:
@@ -64,6 +65,7 @@ class Layout:
             compression=self.compression,
             dp_shard=self.dp_shard,
             cp=self.cp,
+            ep=self.ep,
             stages=uniform_stages(kinds, self.pp * self.vpp, recompute),
         )
 
@@ -98,6 +100,10 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if facts.max_seq_len is not None and workload.seq_len > facts.max_seq_len:
         raise PlanError("seq_len", f"{workload.seq_len} exceeds {workload.name}'s {facts.max_seq_len} positions",
                         f"use at most {facts.max_seq_len}")
+    if fixed.get("ep", 1) != 1 and (not facts.n_experts or facts.n_experts % fixed["ep"]):
+        valid = [e for e in range(1, facts.n_experts + 1) if facts.n_experts % e == 0] or [1]
+        raise PlanError("ep", f"ep={fixed['ep']} needs a mixture-of-experts model whose experts it divides "
+                        f"({workload.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
     if fixed.get("cp", 1) != 1:
         problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
         if problem is not None:
@@ -111,7 +117,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
         raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
                         f"use a divisor of {cluster.n_gpus} up to {workload.n_blocks}")
-    for key in ("dp", "tp", "pp", "cp", "micro_batch", "vpp", "dp_shard"):
+    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "vpp", "dp_shard"):
         if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
             raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
 
@@ -163,12 +169,13 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                 for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule"), fixed.get("vpp")):
                     for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
                         for sp in (False, True) if tp > 1 else (False,):
-                            layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard, cp=cp)
-                            if _honours(layout, fixed):
-                                for method in compression_choices(layout, fixed):
-                                    offered = replace(layout, compression=method)
-                                    if layout_problem(offered, facts, workload.seq_len, m) is None:
-                                        yield offered
+                            for ep in ep_choices(workload, dp, fixed):
+                                layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard, cp=cp, ep=ep)
+                                if _honours(layout, fixed):
+                                    for method in compression_choices(layout, fixed):
+                                        offered = replace(layout, compression=method)
+                                        if layout_problem(offered, facts, workload.seq_len, m) is None:
+                                            yield offered
 
 
 def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, int]]:
@@ -181,6 +188,14 @@ def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, i
     for cp in ((fixed["cp"],) if fixed.get("cp", 1) > 1 else CP_CHOICES) if long else ():
         if ranks % cp == 0 and workload.seq_len % (2 * cp) == 0:
             yield 1, cp
+
+
+def ep_choices(workload: Workload, dp: int, fixed: dict) -> tuple[int, ...]:
+    """1, and for a mixture-of-experts model every degree that divides both dp and the experts
+    (the declaration then keeps those the executor composes with)."""
+    if "ep" in fixed:
+        return (fixed["ep"],)
+    return (1, *(e for e in divisors(dp) if e > 1 and workload.n_experts and workload.n_experts % e == 0))
 
 
 def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict, cp: int = 1) -> Iterator[tuple[int, int | None]]:

@@ -17,7 +17,7 @@ def hsdp_tag(plan: Plan) -> str:
 def _layout_line(plan: Plan) -> str:
     sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
     return (
-        f"dp={plan.dp}{hsdp_tag(plan)}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
+        f"dp={plan.dp}{hsdp_tag(plan)}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
         f"pp={plan.pp} zero={plan.zero} "
         f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")

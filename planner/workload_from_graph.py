@@ -72,6 +72,8 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         name=name, kind=kind, params=int(sum(d["param_count"] for _, d in nodes)),
         expert_params=int(sum(d["param_count"] for d in experts)), expert_flops=expert_flops / b,
         expert_tokens=og.seq_len * top_k / n_experts if expert_flops and n_experts and top_k else 0.0,
+        expert_dispatch_bytes=(og.seq_len * top_k * (og.meta.get("hidden") or 0) * og.dtype_bytes
+                               if expert_flops and top_k else 0.0),
         matmul_flops=matmul / b, matmul_min_dim=_effective_dim(matmul, flops_per_dim, og.seq_len),
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
@@ -164,4 +166,4 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     return Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
                     heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
                     vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)),
-                    max_seq_len=meta.get("max_seq_len"))
+                    max_seq_len=meta.get("max_seq_len"), n_experts=meta.get("n_experts") or 0)

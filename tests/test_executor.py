@@ -30,7 +30,7 @@ PARAM_ATOL = 2e-4
 
 
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
-              recompute="none", n_layers=6, dp_shard=None, cp=1) -> Plan:
+              recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1) -> Plan:
     """A plan with evenly cut stages over the expanded layer list (embedding, 4 blocks, head)."""
     n_stages = pp * vpp
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
@@ -38,7 +38,7 @@ def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, 
     micro = micro_batch or GLOBAL_BATCH // (dp * max(pp, 1) * (2 if pp > 1 else 1))
     return Plan(model=model, hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
                 sp=sp, zero=zero, micro_batch=max(micro, 1), schedule=schedule, vpp=vpp, stages=stages,
-                dp_shard=dp_shard, cp=cp)
+                dp_shard=dp_shard, cp=cp, ep=ep)
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]], out_dir: str) -> None:
@@ -147,6 +147,8 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         # context parallel: each sequence over 2 ranks, keys and values all-gathered
         "cp": dict(cp=2), "cp_dp_zero3_ac": dict(cp=2, dp=2, zero=3, recompute="full", micro_batch=GLOBAL_BATCH // 4),
         "cp_tp": dict(cp=2, tp=2, sp=True),
+        # expert parallel: each rank holds half the experts, tokens exchanged by all-to-all
+        "ep": dict(dp=2, ep=2), "ep_zero1": dict(dp=4, ep=2, zero=1, micro_batch=GLOBAL_BATCH // 8),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -172,6 +174,11 @@ def test_four_rank_layouts_match_single_process():
 def test_hf_llama_two_ranks_matches_single_process():
     _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
                                            "tp_selective_ac", "zero3_full_ac")))
+
+
+def test_hf_mixtral_expert_parallel_matches_single_process():
+    _check_all(2, _cases("hf-mixtral-tiny", ("dp", "ep")))
+    _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1",)))
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():

@@ -30,3 +30,52 @@ def test_tp_splits_the_attention_but_not_the_experts(mixtral_block):
     split = layer_params_on_rank(mixtral_block, 2)
     dense = mixtral_block.params - mixtral_block.expert_params
     assert whole - split == pytest.approx(dense / 2)
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    from planner.api import resolve_workload
+
+    return resolve_workload("mixtral-8x7b", seq_len=4096, dtype="bf16")
+
+
+def _plan(workload, **kw):
+    from costmodel.plan import Plan, uniform_stages
+
+    kinds = [layer.kind for layer in workload.layers]
+    return Plan(model="mixtral-8x7b", hardware="64xh100-sxm", global_batch=256, seq_len=4096, micro_batch=4,
+                tp=1, pp=1, stages=uniform_stages(kinds, 1, "full"), **kw)
+
+
+def test_expert_parallel_splits_the_experts_and_adds_all_to_alls(mixtral):
+    import hardware
+    from costmodel.estimate import estimate
+
+    cluster = hardware.load("64xh100-sxm")
+    one = estimate(mixtral, _plan(mixtral, dp=64, zero=1), cluster)
+    eight = estimate(mixtral, _plan(mixtral, dp=64, zero=1, ep=8), cluster)
+    assert one.breakdown_s["ep_comm"] == 0 < eight.breakdown_s["ep_comm"]
+    weights = lambda e: e.stages[0].memory_bytes["weights"]  # noqa: E731
+    experts = sum(l.expert_params * n for l, n in ((s.layer, s.count) for s in mixtral.segments))
+    assert weights(one) - weights(eight) == pytest.approx(2 * experts * 7 / 8, rel=0.01)
+
+
+def test_estimate_and_simulator_agree_on_expert_parallel(mixtral):
+    import hardware
+    from costmodel.estimate import estimate
+    from costmodel.simulate import simulate
+
+    cluster = hardware.load("64xh100-sxm")
+    plan = _plan(mixtral, dp=64, zero=1, ep=8)
+    assert estimate(mixtral, plan, cluster).step_time_s == pytest.approx(simulate(mixtral, plan, cluster).step_time_s,
+                                                                          rel=0.03)
+
+
+def test_the_space_offers_ep_for_moe_only():
+    import planner
+    from hardware.errors import PlanError
+
+    plan = planner.plan("mixtral-8x7b", "64xh100-sxm", global_batch=256, seq_len=4096, fixed={"ep": 8}, time_limit_s=2)
+    assert plan.ep == 8 and plan.tp == plan.pp == 1
+    with pytest.raises(PlanError, match="ep"):
+        planner.plan("llama-3-8b", "8xh100-sxm", global_batch=64, seq_len=4096, fixed={"ep": 2, "tp": 1, "pp": 1})

@@ -9,7 +9,8 @@ published_runs = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(published_runs)
 
 COLUMNS = ("id,n_layers,hidden,heads,kv_heads,ffn_hidden,gated_mlp,seq_len,vocab,global_batch,micro_batch,tp,pp,dp,"
-           "vpp,seq_parallel,recompute,zero_stage,gpu,n_gpus,gpus_per_node,nic_gbps_per_gpu,metric,value").split(",")
+           "vpp,seq_parallel,recompute,zero_stage,gpu,n_gpus,gpus_per_node,nic_gbps_per_gpu,n_experts,top_k,ep,metric,"
+           "value").split(",")
 ROWS = [
     # a 96-layer model with interleaving depth 6: outside the searched depths, still estimated
     dict(id="vpp6", n_layers=96, hidden=12288, heads=96, seq_len=2048, vocab=51200, global_batch=1536, micro_batch=1,
@@ -22,6 +23,10 @@ ROWS = [
     dict(id="hsdp", n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp="yes", seq_len=4096,
          vocab=128256, global_batch=256, micro_batch=1, tp=1, pp=1, dp=64, zero_stage=3, recompute="none",
          gpu="h100-sxm", n_gpus=64, gpus_per_node=8, nic_gbps_per_gpu=400, metric="mfu_pct", value=40),
+    # a mixture-of-experts row: Mixtral-8x7B dimensions, experts over 8 ranks
+    dict(id="moe", n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp="yes", seq_len=4096,
+         vocab=32000, global_batch=256, micro_batch=1, tp=1, pp=1, dp=64, zero_stage=1, recompute="full",
+         gpu="h100-sxm", n_gpus=64, gpus_per_node=8, n_experts=8, top_k=2, ep=8, metric="mfu_pct", value=30),
     dict(id="bad_metric", n_layers=2, hidden=64, heads=2, seq_len=128, vocab=100, global_batch=8, gpu="a100-80g",
          n_gpus=8, gpus_per_node=8, nic_gbps_per_gpu=200, metric="furlongs", value=1),
     dict(id="bad_gpu", n_layers=2, hidden=64, heads=2, seq_len=128, vocab=100, global_batch=8, gpu="tpu-v9",
@@ -44,7 +49,8 @@ def test_every_row_is_predicted_or_says_why(tmp_path, capsys):
     assert "memory model:" in table["too_big"] and "GiB usable" in table["too_big"]
     for name in ("bad_metric", "bad_gpu", "bad_number"):
         assert "not predicted:" in table[name]
-    assert out[-1].startswith("MAPE: ") and out[-1].endswith("over 3 rows (3 not predicted)")
+    assert " ep8 " in table["moe"]
+    assert out[-1].startswith("MAPE: ") and out[-1].endswith("over 4 rows (3 not predicted)")
     assert any(line.startswith("  MAPE ") for line in out)
 
 

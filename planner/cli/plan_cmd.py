@@ -17,9 +17,9 @@ from planner.summary import render
 console = Console()
 
 
-def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None) -> dict:
+def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None) -> dict:
     values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp,
-                  cp=cp, dp_shard=dp_shard)
+                  cp=cp, dp_shard=dp_shard, ep=ep)
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -49,6 +49,7 @@ def plan_command(
     vpp: Optional[int] = typer.Option(None, "--vpp"),
     sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
     cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree (sequence split over cp ranks)"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="expert parallel degree (MoE experts split over ep ranks)"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
@@ -59,7 +60,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
-    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard)
+    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep)
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)
@@ -97,6 +98,7 @@ def estimate_command(
     vpp: int = typer.Option(1, "--vpp"),
     sp: bool = typer.Option(False, "--sp/--no-sp"),
     cp: int = typer.Option(1, "--cp", help="context parallel degree"),
+    ep: int = typer.Option(1, "--ep", help="expert parallel degree"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
@@ -112,7 +114,7 @@ def estimate_command(
         if pp * vpp > workload.n_blocks:
             raise PlanError("pp", f"pp*vpp = {pp * vpp} stages exceed the {workload.n_blocks} blocks", f"use pp <= {workload.n_blocks}")
         given = Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=seq_len, dtype=dtype, dp=dp,
-                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp, cp=cp,
+                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp, cp=cp, ep=ep,
                      dp_shard=dp_shard, stages=uniform_stages(kinds, pp * vpp, recompute))
     priced = given.model_copy(update={"estimate": estimate(model, given, cluster)})
     if as_json:
