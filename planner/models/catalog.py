@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -47,9 +48,12 @@ def model_config(name: str) -> dict[str, Any]:
                      f"{hint}; or give a config.json path, a folder holding one, or a cached HF id (org/name)")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[A-Za-z0-9][\w.\-]{0,95}$")
+
+
 def _looks_like_hub_id(name: str) -> bool:
-    parts = name.split("/")
-    return len(parts) == 2 and all(parts) and " " not in name and not name.startswith((".", "~"))
+    """org/name as the Hub spells repository ids (letters, digits, '-', '_', '.')."""
+    return bool(_HUB_ID.match(name)) and ".." not in name
 
 
 def _config_file(path: Path) -> dict[str, Any]:
@@ -78,7 +82,11 @@ def _cached_hub_config(model_id: str) -> dict[str, Any]:
     except ImportError:  # pragma: no cover - transformers brings huggingface_hub
         raise ModelError("model", f"{model_id!r} looks like a HuggingFace id, but huggingface_hub is not installed",
                          "pip install 'parallax[hf]' or give a config.json path") from None
-    found = try_to_load_from_cache(model_id, "config.json")
+    try:
+        found = try_to_load_from_cache(model_id, "config.json")
+    except ValueError as error:  # huggingface_hub's id validation (HFValidationError)
+        raise ModelError("model", f"{model_id!r} is not a valid HuggingFace id: {error}",
+                         "write org/name, or give a config.json path") from None
     if not isinstance(found, str):
         raise ModelError("model", f"{model_id!r} is not in the local HF cache ({constants.HF_HUB_CACHE}); "
                                   "planning runs offline",
