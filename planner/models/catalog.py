@@ -37,8 +37,8 @@ def model_config(name: str) -> dict[str, Any]:
     names = list_models()
     if name in names:
         return json.loads(json.dumps(_load(name)))
-    path = Path(name).expanduser()
-    if path.is_dir() or path.is_file() or name.endswith(".json"):
+    path = _as_path(name)
+    if path is not None and (path.is_dir() or path.is_file() or name.endswith(".json")):
         return _config_file(path / "config.json" if path.is_dir() else path)
     if _looks_like_hub_id(name):
         return _cached_hub_config(name)
@@ -49,6 +49,16 @@ def model_config(name: str) -> dict[str, Any]:
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.\-]{0,95}/[A-Za-z0-9][\w.\-]{0,95}$")
+
+
+def _as_path(name: str) -> Path | None:
+    """`name` as a filesystem path, or None where it cannot be one ("~nobody", a NUL byte)."""
+    try:
+        path = Path(name).expanduser()
+        path.exists()
+        return path
+    except (RuntimeError, KeyError, OSError, ValueError):
+        return None
 
 
 def _looks_like_hub_id(name: str) -> bool:
