@@ -11,7 +11,10 @@ The executor composes what torch provides, applied in this order:
 pipeline (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B over any
 number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
 rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
-pipeline stages too) -> activation checkpointing (per layer) -> data parallel
+pipeline stages too) -> expert parallel (MoE experts split over ep data-parallel
+ranks, all-to-all; DDP/ZeRO-1 path, tp=1, pp=1) -> context parallel (sequence
+chunks, keys and values all-gathered; pp=1) -> activation checkpointing (per
+layer) -> data parallel
 (DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
 pipeline stage; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3,
 on the 2-D (dp_replicate, dp_shard) mesh for hybrid sharding).
