@@ -40,8 +40,8 @@ def expert_reduction_time(expert_params: float, plan: Plan, lay: Layout) -> floa
     """The expert weights' gradient sum over the ranks holding the same experts (dp*cp/ep of
     them), after the backward: the executor runs it beside DDP, not overlapped; under
     ZeRO-1 each expert optimizer's weight all-gather follows the step, over the same ranks."""
-    if plan.ep == 1 or not expert_params or lay.expert_group.size == 1:
-        return 0.0
+    if plan.ep == 1 or not expert_params or lay.expert_group.size == 1 or plan.zero >= 2:
+        return 0.0  # ZeRO-2/3: the experts' own FSDP2 units reduce-scatter them per micro-batch
     nbytes = expert_params * WEIGHT_BYTES[plan.dtype]
     if plan.zero == 1:
         return 2 * coll.all_gather(nbytes, lay.expert_group, lay.ctx.cluster)

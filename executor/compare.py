@@ -19,17 +19,18 @@ def full_parameters(modules: list[nn.Module], aliases: dict[str, str] | None = N
         for name, param in module.named_parameters():
             value = param.full_tensor() if isinstance(param, DTensor) else param
             if hasattr(param, "expert_parallel"):  # an expert-parallel slice: the experts of every ep rank
-                value = _gather_experts(param)
+                value = _gather_experts(param, value)
             name = canonical_name(name)
             out[aliases.get(name, name)] = value.detach().cpu().clone()
     return out
 
 
-def _gather_experts(param) -> torch.Tensor:
+def _gather_experts(param, local: torch.Tensor) -> torch.Tensor:
     import torch.distributed as dist
 
     group, ep = param.expert_parallel
-    parts = [torch.empty_like(param.data) for _ in range(ep)]
-    dist.all_gather(parts, param.data.contiguous(), group=group)
+    local = local.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(ep)]
+    dist.all_gather(parts, local, group=group)
     return torch.cat(parts, dim=0)
 

@@ -46,6 +46,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
         reshard = plan.zero == 3
         if plan.dp_replicate > 1:
             dp_mesh = hsdp_mesh(mesh, plan)
+        if plan.ep > 1:
+            shard_experts(module, mesh, plan, reshard)
         for name in lmap.block_names:
             block = get_or_none(module, name)
             if block is not None and any(True for _ in block.parameters()):
@@ -69,6 +71,22 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     return ddp
 
 
+def shard_experts(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool) -> None:
+    """ZeRO-2/3 under expert parallelism: each expert module its own FSDP2 unit over the ranks
+    holding the same experts (edp). Its reduce-scatter averages over edp; the mean loss wants
+    the sum over edp divided by all dp*cp ranks, so ExpertGradients scales by edp/(dp*cp) = 1/ep
+    (a custom FSDP2 divide factor would be one collective less, but gloo has no PREMUL_SUM)."""
+    _, edp = ep_meshes(mesh, plan)
+    for sub in list(module.modules()):
+        names = [n for n, p in sub.named_parameters(recurse=False) if hasattr(p, "expert_parallel")]
+        if not names:
+            continue
+        tags = {n: getattr(sub, n).expert_parallel for n in names}
+        fully_shard(sub, mesh=edp, reshard_after_forward=reshard)
+        for n, tag in tags.items():  # fully_shard made new (DTensor) parameters: keep the mark
+            getattr(sub, n).expert_parallel = tag
+
+
 def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
     """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1.
 
@@ -76,7 +94,7 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
     kernel would match the cost model's one-pass traffic better (~4x faster on this CPU for
     gpt2) but refuses DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor")."""
     params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    if plan.ep > 1:
+    if plan.ep > 1 and plan.zero <= 1:
         return _expert_split_optimizer(params, mesh, plan, lr)
     if plan.zero == 1 and plan.data_parallel > 1:
         if any(isinstance(p, DTensor) for p in params):

@@ -7,8 +7,10 @@ the same experts reduce those experts' gradients among themselves. Each expert m
 (HF's `*Experts`: 3-D `gate_up_proj` [E, 2F, H] and `down_proj` [E, H, F]) is replaced
 by one holding its local slice and routing through torch's autograd all-to-all
 (`all_to_all_single_autograd`, uneven splits; it runs on gloo). Dense weights go
-through DDP as before; the expert weights are hidden from it and synchronised here:
-summed over edp and divided by dp, the gradient of the mean loss.
+through DDP or FSDP2 as before. Under ZeRO 0/1 the expert weights are hidden from
+DDP and synchronised here: summed over edp and divided by dp, the gradient of the
+mean loss; under ZeRO-2/3 each expert module is its own FSDP2 unit over edp
+(executor/data_parallel.shard_experts) and only the remaining 1/ep is applied here.
 """
 from __future__ import annotations
 
@@ -99,15 +101,19 @@ def expert_parameter_names(module: nn.Module) -> list[str]:
 
 class ExpertGradients:
     """Before each optimizer step: expert gradients summed over the ranks holding the same
-    experts and divided by the data-parallel size (DDP averages the dense ones)."""
+    experts and divided by the data-parallel size (DDP averages the dense ones). Under
+    ZeRO-2/3 the experts' FSDP2 units have already averaged them over those ranks: only the
+    1/ep remains."""
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> None:
         _, edp = ep_meshes(mesh, plan)
-        self.group, self.scale = edp.get_group(), 1.0 / plan.data_parallel
+        self.group, self.reduce = edp.get_group(), plan.zero <= 1
+        self.scale = 1.0 / plan.data_parallel if self.reduce else 1.0 / plan.ep
         self.params = [p for m in modules for p in m.parameters() if hasattr(p, "expert_parallel")]
 
     def sync(self) -> None:
         for param in self.params:
             if param.grad is not None:
-                dist.all_reduce(param.grad, group=self.group)
+                if self.reduce:
+                    dist.all_reduce(param.grad, group=self.group)
                 param.grad.mul_(self.scale)

@@ -12,7 +12,7 @@ pipeline (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B over any
 number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
 rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
 pipeline stages too) -> expert parallel (MoE experts split over ep data-parallel
-ranks, all-to-all; DDP/ZeRO-1 path, tp=1, pp=1) -> context parallel (sequence
+ranks, all-to-all; tp=1, pp=1, cp=1) -> context parallel (sequence
 chunks, keys and values all-gathered; pp=1) -> activation checkpointing (per
 layer) -> data parallel
 (DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
@@ -176,16 +176,18 @@ def _cp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 
 def _ep_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """Expert parallelism runs on the DDP / ZeRO-1 path (executor/expert_parallel.py): its expert
-    weights reduce over their own replicas, beside DDP, without TP, pipelines or CP."""
+    """Expert parallelism (executor/expert_parallel.py): its expert weights reduce over their own
+    replicas (beside DDP for ZeRO 0/1, their own FSDP2 units for ZeRO-2/3), without TP,
+    pipelines, CP or hybrid sharding."""
     ep = getattr(f, "ep", 1)
     if ep == 1:
         return None
     if not facts.n_experts or facts.n_experts % ep:
         return PlanError("ep", f"ep={ep} needs a mixture-of-experts model whose experts it divides "
                          f"({facts.name} has {facts.n_experts or 'no'} experts per layer)", "use ep=1")
-    if f.tp > 1 or f.pp > 1 or getattr(f, "cp", 1) > 1 or f.zero > 1 or getattr(f, "compression", "none") != "none":
-        return PlanError("ep", f"ep={ep} runs with tp=1, pp=1, cp=1, zero 0 or 1 and no compression",
+    if (f.tp > 1 or f.pp > 1 or getattr(f, "cp", 1) > 1 or getattr(f, "dp_shard", None) is not None
+            or getattr(f, "compression", "none") != "none"):
+        return PlanError("ep", f"ep={ep} runs with tp=1, pp=1, cp=1, no hybrid sharding and no compression",
                          "use those with ep, or ep=1")
     if (f.dp * getattr(f, "cp", 1)) % ep:
         return PlanError("ep", f"ep={ep} must divide dp={f.dp}", "use a divisor of dp")

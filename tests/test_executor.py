@@ -149,6 +149,7 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "cp_tp": dict(cp=2, tp=2, sp=True),
         # expert parallel: each rank holds half the experts, tokens exchanged by all-to-all
         "ep": dict(dp=2, ep=2), "ep_zero1": dict(dp=4, ep=2, zero=1, micro_batch=GLOBAL_BATCH // 8),
+        "ep_zero3": dict(dp=4, ep=2, zero=3, micro_batch=GLOBAL_BATCH // 8, recompute="full"),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -178,7 +179,7 @@ def test_hf_llama_two_ranks_matches_single_process():
 
 def test_hf_mixtral_expert_parallel_matches_single_process():
     _check_all(2, _cases("hf-mixtral-tiny", ("dp", "ep")))
-    _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1",)))
+    _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1", "ep_zero3")))
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():
