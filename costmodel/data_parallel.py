@@ -32,10 +32,6 @@ def layer_params_on_rank(layer, tp: int, ep: int = 1) -> float:
     return (layer.params - layer.expert_params) / split + layer.expert_params / ep
 
 
-def expert_params_on_rank(layer, ep: int) -> float:
-    return layer.expert_params / ep
-
-
 def expert_reduction_time(expert_params: float, plan: Plan, lay: Layout) -> float:
     """The expert weights' gradient sum over the ranks holding the same experts (dp*cp/ep of
     them), after the backward: the executor runs it beside DDP, not overlapped; under
@@ -55,9 +51,12 @@ def exposed_after_overlap(comm: float, window: float, cluster: Cluster) -> float
     (1 when they run on their own engines, as NCCL beside GEMMs; near 0 when they
     need the cores the compute uses, as gloo on oversubscribed CPU ranks).
     """
+    return comm - overlap_fraction(cluster) * min(comm, max(window, 0.0))
+
+
+def overlap_fraction(cluster: Cluster) -> float:
     overlap = cluster.gpu.efficiency.comm_overlap
-    overlap = 1.0 if overlap is None else overlap
-    return comm - overlap * min(comm, max(window, 0.0))
+    return 1.0 if overlap is None else overlap
 
 
 def held_zero(plan: Plan) -> int:
@@ -112,8 +111,7 @@ def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
     `sharded_exposed` hid them behind their own layer, so the hidden part comes back."""
     if plan.zero < 2 or plan.shard_degree == 1:
         return 0.0
-    overlap = lay.ctx.cluster.gpu.efficiency.comm_overlap
-    overlap = 1.0 if overlap is None else overlap
+    overlap = overlap_fraction(lay.ctx.cluster)
     (first, _, _), (last, _, _) = runs[0], runs[-1]
     t_first, t_last = times[0][0], times[-1][0]
     fwd_gather, _, scatter = sharded_collectives(layer_params_on_rank(first, plan.tp, plan.ep), plan, lay)

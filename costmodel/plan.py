@@ -207,6 +207,11 @@ class Plan(BaseModel):
         return self
 
     @property
+    def hsdp_label(self) -> str:
+        """"hsdp 2x8" (replicas x shard group) for a hybrid-sharded plan, else ""."""
+        return f"hsdp {self.dp_replicate}x{self.shard_degree}" if self.zero >= 2 and self.dp_replicate > 1 else ""
+
+    @property
     def layout_tag(self) -> str:
         """The layout in one short line, e.g. "dp8 cp2 tp4+sp pp2 interleaved v2 z3 (hsdp 2x8) mb1 fp8"."""
         parts = [f"dp{self.dp}", *([f"ep{self.ep}"] if self.ep > 1 else []), *([f"cp{self.cp}"] if self.cp > 1 else []), f"tp{self.tp}{'+sp' if self.sp else ''}",
@@ -214,8 +219,8 @@ class Plan(BaseModel):
         if self.pp > 1:
             parts.append(self.schedule + (f" v{self.vpp}" if self.vpp > 1 else ""))
         parts.append(f"z{self.zero}")
-        if self.zero >= 2 and self.dp_replicate > 1:
-            parts.append(f"(hsdp {self.dp_replicate}x{self.shard_degree})")
+        if self.hsdp_label:
+            parts.append(f"({self.hsdp_label})")
         parts.append(f"mb{self.micro_batch}")
         if self.compression != "none":
             parts.append(self.compression)

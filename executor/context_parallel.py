@@ -22,13 +22,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.plan import Plan
+from executor.mesh import dp_view
 
 ATTENTION_NAME = "parallax_cp"
 
 
 def cp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     """The cp dimension: the inner factor of the data-parallel dimension (dp x cp)."""
-    return mesh["dp"]._unflatten(0, (plan.dp, plan.cp), ("dp_only", "cp"))["cp"]
+    return dp_view(mesh, (plan.dp, plan.cp), ("dp_only", "cp"))["cp"]
 
 
 def chunk_index(seq_len: int, cp: int, rank: int) -> torch.Tensor:
@@ -63,10 +64,10 @@ class GatheredAttention:
     def gather(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the whole sequence, in one collective: two would let autograd run
         their backward collectives in a different order on different ranks, which mismatches them."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        from torch.distributed._functional_collectives import all_gather_single_autograd
 
         both = torch.stack([k, v]).contiguous()  # [2, b, kv_heads, s_local, d]
-        gathered = all_gather_tensor_autograd(both, gather_dim=0, group=self.group)  # [cp*2, ...] in rank order
+        gathered = all_gather_single_autograd(both, gather_dim=0, group=self.group)  # [cp*2, ...] in rank order
         keys, values = gathered.view(self.cp, 2, *both.shape[1:]).unbind(1)
         return (torch.cat(t.unbind(0), dim=2) for t in (keys, values))
 
@@ -98,8 +99,8 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> n
     group_mesh = cp_mesh(mesh, plan)
     attend = GatheredAttention(group_mesh.get_group(), plan.cp, group_mesh.get_local_rank())
     module.position_ids = chunk_index(plan.seq_len, plan.cp, group_mesh.get_local_rank())
-    hf = getattr(getattr(module, "model", None), "config", None)
-    if hf is not None and hasattr(hf, "_attn_implementation"):
+    hf = _hf_config(module)
+    if hf is not None:
         _register_hf()
         hf._attn_implementation = ATTENTION_NAME
         for sub in module.modules():
@@ -112,7 +113,12 @@ def apply_context_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan) -> n
     return module
 
 
+def _hf_config(module: nn.Module):
+    """The HF config whose attention registry routes the model's attention, if it has one."""
+    hf = getattr(getattr(module, "model", None), "config", None)
+    return hf if hf is not None and hasattr(hf, "_attn_implementation") else None
+
+
 def cp_supported(module: nn.Module) -> bool:
     """Whether the model has an attention the applier can route (HF registry or `attend`)."""
-    hf = getattr(getattr(module, "model", None), "config", None)
-    return (hf is not None and hasattr(hf, "_attn_implementation")) or any(hasattr(m, "attend") for m in module.modules())
+    return _hf_config(module) is not None or any(hasattr(m, "attend") for m in module.modules())

@@ -21,13 +21,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.plan import Plan
+from executor.mesh import dp_view
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 def ep_meshes(mesh: DeviceMesh, plan: Plan) -> tuple[DeviceMesh, DeviceMesh]:
     """(ep, edp) views of the data-parallel dimension, ep inner."""
-    both = mesh["dp"]._unflatten(0, (plan.data_parallel // plan.ep, plan.ep), ("edp", "ep"))
+    both = dp_view(mesh, (plan.data_parallel // plan.ep, plan.ep), ("edp", "ep"))
     return both["ep"], both["edp"]
 
 

@@ -61,9 +61,18 @@ def build_mesh(plan: Plan) -> DeviceMesh:
     return init_device_mesh(kind, (plan.pp, plan.data_parallel, plan.tp), mesh_dim_names=MESH_DIMS)
 
 
+def dp_view(mesh: DeviceMesh, sizes: tuple[int, int], names: tuple[str, str]) -> DeviceMesh:
+    """A 2-D view of the dp dimension, built once per mesh: every `_unflatten` creates new
+    process groups (a collective), and HSDP, CP and EP each ask for theirs more than once."""
+    views = mesh.__dict__.setdefault("_parallax_dp_views", {})
+    if (sizes, names) not in views:
+        views[(sizes, names)] = mesh["dp"]._unflatten(0, sizes, names)
+    return views[(sizes, names)]
+
+
 def hsdp_mesh(mesh: DeviceMesh, plan: Plan) -> DeviceMesh:
     """The 2-D (dp_replicate, dp_shard) view of the dp dimension that FSDP2 takes for HSDP."""
-    return mesh["dp"]._unflatten(0, (plan.dp_replicate, plan.shard_degree), ("dp_replicate", "dp_shard"))
+    return dp_view(mesh, (plan.dp_replicate, plan.shard_degree), ("dp_replicate", "dp_shard"))
 
 
 def coords(mesh: DeviceMesh) -> dict[str, int]:

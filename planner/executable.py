@@ -53,8 +53,8 @@ class ModelFacts:
     max_seq_len: int | None = None
     vocab: int | None = None
     name: str = "the model"
-    cp_routable: bool = True
-    n_experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)  # its attention is reachable: HF's attention registry or the reference GPT's `attend`
+    cp_routable: bool = True  # its attention is reachable: HF's attention registry or the reference GPT's `attend`
+    n_experts: int = 0  # experts per mixture-of-experts layer (0: a dense model)
 
 
 @dataclass(frozen=True)

@@ -26,25 +26,10 @@ CP_MIN_SEQ = 16384  # pruning: below it the K/V all-gathers cost more than the a
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Everything of a plan except the stage partition."""
+class Layout(LayoutFields):
+    """Everything of a plan except the stage partition: the declaration's fields and the micro-batch."""
 
-    dp: int
-    tp: int
-    pp: int
-    sp: bool
-    zero: int
-    micro_batch: int
-    schedule: str
-    vpp: int
-    compression: str = "none"
-    dp_shard: int | None = None
-    cp: int = 1
-    ep: int = 1
-
-    @property
-    def data_parallel(self) -> int:
-        return self.dp * self.cp
+    micro_batch: int = 1
 
     def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str) -> Plan:
         kinds = [layer.kind for layer in workload.layers]
@@ -170,7 +155,8 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                     for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in ep_choices(workload, dp, fixed):
-                                layout = Layout(dp, tp, pp, sp, zero, mb, schedule, vpp, dp_shard=shard, cp=cp, ep=ep)
+                                layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
+                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep)
                                 if _honours(layout, fixed):
                                     for method in compression_choices(layout, fixed):
                                         offered = replace(layout, compression=method)

@@ -9,15 +9,10 @@ from costmodel.plan import Plan
 GIB = 2**30
 
 
-def hsdp_tag(plan: Plan) -> str:
-    """" (hsdp 8x16)": replicas x shard group, for hybrid-sharded plans."""
-    return f" (hsdp {plan.dp_replicate}x{plan.shard_degree})" if plan.zero >= 2 and plan.dp_replicate > 1 else ""
-
-
 def _layout_line(plan: Plan) -> str:
     sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
     return (
-        f"dp={plan.dp}{hsdp_tag(plan)}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
+        f"dp={plan.dp}{f' ({plan.hsdp_label})' if plan.hsdp_label else ''}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
         f"pp={plan.pp} zero={plan.zero} "
         f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
