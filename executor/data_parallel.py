@@ -47,7 +47,7 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
         if plan.dp_replicate > 1:
             dp_mesh = hsdp_mesh(mesh, plan)
         if plan.ep > 1:
-            shard_experts(module, mesh, plan, reshard)
+            expert_units(module, mesh, plan, reshard)
         for name in lmap.block_names:
             block = get_or_none(module, name)
             if block is not None and any(True for _ in block.parameters()):
@@ -57,6 +57,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     if not uses_ddp(plan):
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
+        if plan.ep > 1:
+            expert_units(module, mesh, plan, None)
         replicate(module, mesh=dp_mesh)
         return module
     experts = expert_parameter_names(module)
@@ -71,9 +73,11 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     return ddp
 
 
-def shard_experts(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool) -> None:
-    """ZeRO-2/3 under expert parallelism: each expert module its own FSDP2 unit over the ranks
-    holding the same experts (edp). Its reduce-scatter averages over edp; the mean loss wants
+def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool | None) -> None:
+    """Expert parallelism on FSDP2's paths: each expert module its own FSDP2 unit over the ranks
+    holding the same experts (edp), sharded for ZeRO-2/3 (`reshard` after forward or not),
+    replicated (`reshard` None: TP or pipeline stages under ZeRO 0/1), so that the outer unit over
+    all of dp leaves them alone. Its reduction averages over edp; the mean loss wants
     the sum over edp divided by all dp*cp ranks, so ExpertGradients scales by edp/(dp*cp) = 1/ep
     (a custom FSDP2 divide factor would be one collective less, but gloo has no PREMUL_SUM)."""
     _, edp = ep_meshes(mesh, plan)
@@ -82,7 +86,12 @@ def shard_experts(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool
         if not names:
             continue
         tags = {n: getattr(sub, n).expert_parallel for n in names}
-        fully_shard(sub, mesh=edp, reshard_after_forward=reshard)
+        if reshard is None:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(sub, mesh=edp)
+        else:
+            fully_shard(sub, mesh=edp, reshard_after_forward=reshard)
         for n, tag in tags.items():  # fully_shard made new (DTensor) parameters: keep the mark
             getattr(sub, n).expert_parallel = tag
 
@@ -97,13 +106,18 @@ def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: 
     if plan.ep > 1 and plan.zero <= 1:
         return _expert_split_optimizer(params, mesh, plan, lr)
     if plan.zero == 1 and plan.data_parallel > 1:
-        if any(isinstance(p, DTensor) for p in params):
-            from executor.zero1 import LocalShardZero
-
-            return LocalShardZero(params, mesh["dp"].get_group(), lr=lr)
-        return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW,
-                                       process_group=mesh["dp"].get_group(), lr=lr)
+        return _zero1(params, mesh["dp"].get_group(), lr)
     return torch.optim.AdamW(params, lr=lr)
+
+
+def _zero1(params, group, lr: float):
+    """AdamW with its state sharded over `group`: ZeroRedundancyOptimizer, through the local
+    shards where parameters are DTensors (TP, FSDP2's replicate)."""
+    if any(isinstance(p, DTensor) for p in params):
+        from executor.zero1 import LocalShardZero
+
+        return LocalShardZero(params, group, lr=lr)
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
 
 
 def sync_context(module: nn.Module, last_micro_batch: bool):
@@ -146,7 +160,7 @@ def _expert_split_optimizer(params, mesh: DeviceMesh, plan: Plan, lr: float) -> 
 
     def one(group_params, group, size):
         if plan.zero == 1 and size > 1:
-            return ZeroRedundancyOptimizer(group_params, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
+            return _zero1(group_params, group, lr)
         return torch.optim.AdamW(group_params, lr=lr)
 
     return _Optimizers([one(dense, mesh["dp"].get_group(), plan.data_parallel),

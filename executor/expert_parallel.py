@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.plan import Plan
 from executor.mesh import dp_view
+from planner.executable import uses_ddp
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -58,12 +59,14 @@ class ExpertParallelExperts(nn.Module):
         return all_to_all_single_autograd(rows.contiguous(), recv, send, group=self.group)
 
     def _compute(self, tokens: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        # An expert without tokens still runs (on zero rows): the result must depend on `tokens`
+        # and the weights on every rank, or a rank whose experts got nothing would skip the
+        # backward of the dispatch all-to-all that its peers wait in.
         out = torch.zeros_like(tokens)
         for e in range(self.local):
             rows = (experts == self.rank * self.local + e).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                gate, up = F.linear(tokens[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-                out = out.index_add(0, rows, F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+            gate, up = F.linear(tokens[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out.index_add(0, rows, F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         return out
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -108,7 +111,7 @@ class ExpertGradients:
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> None:
         _, edp = ep_meshes(mesh, plan)
-        self.group, self.reduce = edp.get_group(), plan.zero <= 1
+        self.group, self.reduce = edp.get_group(), uses_ddp(plan)
         self.scale = 1.0 / plan.data_parallel if self.reduce else 1.0 / plan.ep
         self.params = [p for m in modules for p in m.parameters() if hasattr(p, "expert_parallel")]
 

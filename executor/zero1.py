@@ -30,6 +30,10 @@ class LocalShardZero:
     def param_groups(self):
         return self.inner.param_groups
 
+    @property
+    def defaults(self):
+        return self.inner.defaults
+
     def step(self) -> None:
         for param, view in zip(self.params, self.views):
             if view.data.data_ptr() != _local(param).data_ptr():  # storage moved: follow it

@@ -12,7 +12,7 @@ pipeline (torch.distributed.pipelining: GPipe, 1F1B, interleaved 1F1B over any
 number of chunks that the blocks fill) -> tensor parallel (DTensor colwise /
 rowwise on nn.Linear and nn.Embedding, sequence parallel on the norms, across
 pipeline stages too) -> expert parallel (MoE experts split over ep data-parallel
-ranks, all-to-all; tp=1, pp=1, cp=1) -> context parallel (sequence
+ranks, all-to-all; whole on every TP rank, so no SP) -> context parallel (sequence
 chunks, keys and values all-gathered; pp=1) -> activation checkpointing (per
 layer) -> data parallel
 (DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
@@ -136,12 +136,21 @@ def _sp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
         return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off")
     if f.sp and seq_len % f.tp:
         return PlanError("sp", f"seq_len {seq_len} is not divisible by tp={f.tp}", "turn sp off or change tp")
+    if f.sp and facts.n_experts:
+        return moe_sp_problem(facts)
     if f.sp and facts.vocab is not None and facts.vocab % f.tp:
         # the embedding and head then stay replicated, and a replicated module cannot take
         # the sequence-sharded stream
         return PlanError("sp", f"tp={f.tp} does not divide {facts.name}'s {facts.vocab} vocabulary entries, "
                          "which sequence parallelism needs split", "turn sp off or use a tp dividing the vocabulary")
     return None
+
+
+def moe_sp_problem(facts: ModelFacts) -> PlanError:
+    """The router and the 3-D expert weights stay whole on every TP rank (no DTensor style
+    splits them), and a replicated module cannot take the sequence-sharded stream."""
+    return PlanError("sp", f"{facts.name}'s mixture-of-experts layers stay whole on every TP rank, "
+                     "so its residual stream cannot be sequence-sharded", "turn sp off")
 
 
 def _pp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
@@ -176,21 +185,22 @@ def _cp_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 
 def _ep_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """Expert parallelism (executor/expert_parallel.py): its expert weights reduce over their own
-    replicas (beside DDP for ZeRO 0/1, their own FSDP2 units for ZeRO-2/3), without TP,
-    pipelines, CP or hybrid sharding."""
+    """Expert parallelism (executor/expert_parallel.py) over the data-parallel ranks (dp*cp):
+    with TP (experts whole on every TP rank), pipeline stages and CP. Its expert weights
+    reduce over their own replicas (beside DDP, or as their own FSDP2 units), which hybrid
+    sharding's 2-D mesh and DDP's compression hooks do not cover."""
     ep = getattr(f, "ep", 1)
     if ep == 1:
         return None
     if not facts.n_experts or facts.n_experts % ep:
         return PlanError("ep", f"ep={ep} needs a mixture-of-experts model whose experts it divides "
                          f"({facts.name} has {facts.n_experts or 'no'} experts per layer)", "use ep=1")
-    if (f.tp > 1 or f.pp > 1 or getattr(f, "cp", 1) > 1 or getattr(f, "dp_shard", None) is not None
-            or getattr(f, "compression", "none") != "none"):
-        return PlanError("ep", f"ep={ep} runs with tp=1, pp=1, cp=1, no hybrid sharding and no compression",
-                         "use those with ep, or ep=1")
-    if (f.dp * getattr(f, "cp", 1)) % ep:
-        return PlanError("ep", f"ep={ep} must divide dp={f.dp}", "use a divisor of dp")
+    if getattr(f, "dp_shard", None) is not None or getattr(f, "compression", "none") != "none":
+        return PlanError("ep", f"ep={ep} runs without hybrid sharding (dp_shard) and gradient compression",
+                         "drop dp_shard and compression with ep, or use ep=1")
+    ranks = f.dp * getattr(f, "cp", 1)
+    if ranks % ep:
+        return PlanError("ep", f"ep={ep} must divide dp*cp={ranks}", "use a divisor of dp*cp")
     return None
 
 

@@ -16,7 +16,8 @@ from costmodel.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
-from planner.executable import COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, uses_ddp
+from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
+                                uses_ddp)
 
 PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
 MAX_MICRO_BATCH = 16
@@ -89,6 +90,8 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
         valid = [e for e in range(1, facts.n_experts + 1) if facts.n_experts % e == 0] or [1]
         raise PlanError("ep", f"ep={fixed['ep']} needs a mixture-of-experts model whose experts it divides "
                         f"({workload.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
+    if fixed.get("sp") and facts.n_experts:
+        raise moe_sp_problem(facts)
     if fixed.get("cp", 1) != 1:
         problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
         if problem is not None:
@@ -154,7 +157,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                 for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule"), fixed.get("vpp")):
                     for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
                         for sp in (False, True) if tp > 1 else (False,):
-                            for ep in ep_choices(workload, dp, fixed):
+                            for ep in ep_choices(workload, dp * cp, fixed):
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
                                                 vpp=vpp, dp_shard=shard, cp=cp, ep=ep)
                                 if _honours(layout, fixed):
@@ -177,7 +180,7 @@ def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, i
 
 
 def ep_choices(workload: Workload, dp: int, fixed: dict) -> tuple[int, ...]:
-    """1, and for a mixture-of-experts model every degree that divides both dp and the experts
+    """1, and for a mixture-of-experts model every degree that divides both dp*cp and the experts
     (the declaration then keeps those the executor composes with)."""
     if "ep" in fixed:
         return (fixed["ep"],)

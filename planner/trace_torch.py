@@ -74,10 +74,24 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace != "prim":
             self.tracer.current_op = str(func)
-        out = func(*args, **kwargs)
+        out = _run_on_fake(func, args, kwargs)
         if func.namespace != "prim":
             self.tracer.record(func, args, kwargs, out)
         return out
+
+
+def _run_on_fake(func, args, kwargs):
+    """The op's fake result. `aten._grouped_mm` (HF's MoE experts) has a fake kernel for
+    bf16 only, though CPUs run it in fp32 too: other dtypes take their shape from a bf16 run
+    and keep their own dtype (the graph records the op with its real inputs)."""
+    if func._overloadpacket is not torch.ops.aten._grouped_mm:
+        return func(*args, **kwargs)
+    floats = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
+    if floats <= {torch.bfloat16}:
+        return func(*args, **kwargs)
+    cast = lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+    out = func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
+    return out.to(next(iter(floats - {torch.bfloat16})))
 
 
 class Tracer:

@@ -150,6 +150,9 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         # expert parallel: each rank holds half the experts, tokens exchanged by all-to-all
         "ep": dict(dp=2, ep=2), "ep_zero1": dict(dp=4, ep=2, zero=1, micro_batch=GLOBAL_BATCH // 8),
         "ep_zero3": dict(dp=4, ep=2, zero=3, micro_batch=GLOBAL_BATCH // 8, recompute="full"),
+        # expert parallel composed: inside pipeline stages, beside TP (experts whole per TP rank), over CP ranks
+        "ep_pp": dict(dp=2, ep=2, pp=2), "ep_pp_zero1": dict(dp=2, ep=2, pp=2, zero=1),
+        "ep_tp": dict(dp=2, ep=2, tp=2), "ep_cp": dict(dp=2, cp=2, ep=4),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -179,7 +182,7 @@ def test_hf_llama_two_ranks_matches_single_process():
 
 def test_hf_mixtral_expert_parallel_matches_single_process():
     _check_all(2, _cases("hf-mixtral-tiny", ("dp", "ep")))
-    _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1", "ep_zero3")))
+    _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1", "ep_zero3", "ep_pp", "ep_pp_zero1", "ep_tp", "ep_cp")))
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():

@@ -79,3 +79,27 @@ def test_the_space_offers_ep_for_moe_only():
     assert plan.ep == 8 and plan.tp == plan.pp == 1
     with pytest.raises(PlanError, match="ep"):
         planner.plan("llama-3-8b", "8xh100-sxm", global_batch=64, seq_len=4096, fixed={"ep": 2, "tp": 1, "pp": 1})
+
+
+def test_an_fp32_moe_traces_like_bf16_with_twice_the_bytes():
+    """HF's experts run `aten._grouped_mm`, whose fake kernel takes bf16 only: fp32 (CPU
+    profiles) traces through a bf16 stand-in and keeps its own bytes."""
+    from planner.api import resolve_workload
+
+    half, full = (resolve_workload("hf-mixtral-tiny", seq_len=16, dtype=d) for d in ("bf16", "fp32"))
+    block = lambda w: next(l for l in w.layers if l.kind == "block")  # noqa: E731
+    assert block(full).expert_flops == block(half).expert_flops > 0
+    saved = lambda l: l.act_replicated + l.act_tp_sharded  # noqa: E731
+    assert saved(block(full)) == pytest.approx(2 * saved(block(half)), rel=0.1)
+    assert block(full).expert_dispatch_bytes == pytest.approx(2 * block(half).expert_dispatch_bytes)
+
+
+def test_the_declaration_composes_ep_with_tp_pp_cp_but_not_sp_or_hybrid_sharding():
+    from planner.executable import LayoutFields, ModelFacts, layout_problem
+
+    moe = ModelFacts(n_blocks=4, heads=8, kv_heads=4, vocab=1000, n_experts=8, name="moe")
+    assert layout_problem(LayoutFields(dp=4, tp=2, pp=2, ep=4), moe, 64) is None
+    assert layout_problem(LayoutFields(dp=2, cp=2, tp=1, pp=1, ep=4), moe, 64) is None
+    assert layout_problem(LayoutFields(dp=4, tp=2, pp=1, sp=True, ep=2), moe, 64).field == "sp"
+    assert layout_problem(LayoutFields(dp=4, tp=1, pp=1, zero=3, dp_shard=2, ep=2), moe, 64).field == "ep"
+    assert layout_problem(LayoutFields(dp=2, tp=1, pp=1, ep=4), moe, 64).field == "ep"

@@ -20,15 +20,17 @@ from planner.workload_for import workload_for
 from test_executor import GLOBAL_BATCH, SEQ, _check_all
 
 RANKS = 4
-MODELS = ("reference-tiny", "hf-llama-tiny")
-DRAWS_PER_MODEL = 6
+# draws per model; the mixture-of-experts model's from its expert-parallel layouts
+DRAWS = {"reference-tiny": 6, "hf-llama-tiny": 6, "hf-mixtral-tiny": 3}
+MODELS = tuple(DRAWS)
 PROFILE = Path(__file__).parent / "data" / "cpu4-profile.json"
 
 
 def _space(model: str) -> list:
     workload, _ = workload_for(model, seq_len=SEQ, dtype="fp32")
     cluster = hardware.load(f"{RANKS}xcpu")
-    return sorted(layouts(workload, cluster, GLOBAL_BATCH), key=repr), workload, cluster
+    space = [l for l in layouts(workload, cluster, GLOBAL_BATCH) if l.ep > 1 or not workload.n_experts]
+    return sorted(space, key=repr), workload, cluster
 
 
 def _draws():
@@ -36,11 +38,11 @@ def _draws():
     for model in MODELS:
         space, workload, cluster = _space(model)
         out[model] = st.lists(st.tuples(st.sampled_from(space), st.sampled_from(("none", "selective", "full"))),
-                              min_size=DRAWS_PER_MODEL, max_size=DRAWS_PER_MODEL, unique_by=lambda d: d[0])
+                              min_size=DRAWS[model], max_size=DRAWS[model], unique_by=lambda d: d[0])
     return st.fixed_dictionaries(out)
 
 
-# One example of 12 draws, all run in one launch; no shrinking (each try is a 4-process launch).
+# One example of 15 draws, all run in one launch; no shrinking (each try is a 4-process launch).
 @settings(max_examples=1, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
           phases=[Phase.generate])
 @given(_draws())
@@ -51,7 +53,7 @@ def test_layouts_drawn_from_the_planners_space_match_the_reference(draws):
         for i, (layout, policy) in enumerate(picks):
             plan = layout.to_plan(workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute=policy, model=model)
             cases[f"{model}-draw{i}"] = plan
-    assert len(cases) == DRAWS_PER_MODEL * len(MODELS)
+    assert len(cases) == sum(DRAWS.values())
     _check_all(RANKS, cases)
 
 
@@ -61,6 +63,9 @@ def test_space_holds_the_compositions_the_executor_now_runs():
     assert any(l.sp and l.pp > 1 for l in space)
     assert any(l.zero == 1 and l.tp > 1 for l in space)
     assert any(l.schedule == "interleaved" and l.dp > 1 and l.zero == z for l in space for z in (0, 3))
+    experts, _, _ = _space("hf-mixtral-tiny")
+    assert any(l.pp > 1 for l in experts) and any(l.tp > 1 for l in experts)
+    assert not any(l.sp for l in experts)  # the experts stay whole per TP rank: no sequence-sharded stream
 
 
 def test_golden_gpt2_pick_on_a_cpu_profile_runs_end_to_end(tmp_path, capsys):
