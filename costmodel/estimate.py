@@ -22,7 +22,7 @@ from . import collectives as coll
 from .compute import Context, expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
-from .memory import WEIGHT_BYTES, activation_bytes, in_flight_micro_batches, model_state_bytes
+from .memory import WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
@@ -155,7 +155,7 @@ def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime)
     if rank.expert_params:  # expert states shard over the ranks holding the same experts
         experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep))
         memory = {k: memory[k] + experts[k] for k in memory}
-    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
+    kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):

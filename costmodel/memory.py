@@ -36,8 +36,14 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int) -> dict[str
     return {"weights": weights, "gradients": grads, "optimizer": optimizer}
 
 
-def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: int) -> float:
-    """Bytes one layer keeps for backward, per micro-batch, on one TP rank."""
+def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
+                     cp: int = 1, kv_bytes: float = 0.0) -> float:
+    """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of
+    tokens: micro_batch / cp under context parallelism), on one TP rank.
+
+    Context parallelism's attention also saves the keys and values it all-gathered from the
+    other cp ranks (`kv_bytes`: one whole sequence's, per attention layer) unless the layer is
+    recomputed, which gathers them again."""
     t = tp if layer.tp_shardable else 1
     replicated_split = t if sp else 1
     if recompute == "full":
@@ -46,6 +52,8 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
         if recompute == "none":
             kept += layer.act_attention_scores / t
+            if cp > 1 and layer.attention_flops:
+                kept += kv_bytes * (cp - 1) / t
     return kept * micro_batch
 
 
@@ -63,3 +71,9 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
         chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
         return chunks / vpp
     return float(min(m, pp - rank))
+
+
+def activation_keywords(plan, kv_bytes: float) -> dict:
+    """`activation_bytes`'s layout keywords for `plan` (`kv_bytes`: one sequence's keys and
+    values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
+    return dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank, cp=plan.cp, kv_bytes=kv_bytes)

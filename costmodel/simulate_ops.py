@@ -24,7 +24,7 @@ from .compression import reduction_element_bytes
 from .compute import LayerTime, forward_collectives, layer_time
 from .data_parallel import layer_params_on_rank, sharded_collectives
 from .estimate import Layout
-from .memory import WEIGHT_BYTES, activation_bytes
+from .memory import WEIGHT_BYTES, activation_bytes, activation_keywords
 from .plan import Plan
 from .workload import LayerProfile, Workload
 
@@ -146,7 +146,7 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
 
 def stage_activation(plan: Plan, pricer: Pricer, index: int) -> tuple[float, float]:
     """(bytes one in-flight micro-batch keeps, transient bytes while a full-recompute layer is rebuilt)."""
-    kw = dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
+    kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes)
     kept, transient = 0.0, 0.0
     for _, layer, policy in pricer.stage_layers(index):
         kept += activation_bytes(layer, policy, **kw)

@@ -13,7 +13,7 @@ from costmodel.compute import layer_time
 from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
                                      weight_gather_time)
 from costmodel.estimate import layout_of, p2p_time, zero3_buffer_bytes
-from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.memory import activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -58,7 +58,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
         zero = sharded_exposed(params, t, plan, lay)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
-        activation[policy] = activation_bytes(layer, policy, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank)
+        activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes))
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params)
 
 
