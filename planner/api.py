@@ -19,7 +19,7 @@ from hardware.schema import Cluster
 
 from .infeasible import infeasibility_report
 from .pinned import is_fully_pinned, pinned_plan
-from .search import search
+from .search import TARGET_GAP, search
 from .space import check_pins
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -67,12 +67,16 @@ def plan(
     fixed: dict | None = None,
     top_k: int = 3,
     example_inputs: Any = None,
-    time_limit_s: float = 8.0,
+    time_limit_s: float = 4.0,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
     price_per_gpu_hour: float | None = None,
     allow_compression: bool = False,
+    target_gap: float = TARGET_GAP,
 ) -> Plan:
     """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
+
+    The search stops once its pick is proven within `target_gap` of the best any layout could
+    reach, or after `time_limit_s`; the plan's solver report holds the gap and the time.
 
     `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
     and bf16 for fp32 training); the solver may then pick one for DDP layouts."""
@@ -90,7 +94,8 @@ def plan(
     best_result, best_key, best_cluster = None, None, cluster
     for candidate in clusters:
         result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
-                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve)
+                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve,
+                        target_gap=target_gap)
         if result.best:
             key = _objective_value(result.best[0].estimate, objective)
             if best_key is None or key < best_key:

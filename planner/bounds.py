@@ -2,75 +2,204 @@
 
 They let the search skip layouts that cannot beat the best plan found and
 report a proven optimality gap. Both bounds use the pipeline composition
-m*Rmax + (sum R - Rmax)/v, which grows with the total per-micro-batch work
-sum R and with Rmax >= sum R / pp, so a lower bound on the total work gives
-one on the step.
+m*Rmax + (sum R - Rmax)/v = (m - 1/v)*Rmax + sum R/v, which grows with the
+slowest rank's per-micro-batch work Rmax and with the total sum R. Each bound
+takes a lower bound on both: the least total over every split of the blocks
+among the pipeline ranks, and the least slowest rank over every split (the
+bottleneck, which integer blocks and the embedding and head on the end ranks
+keep above sum R / pp). Both splits are found by adding blocks one at a time:
+to the rank with the smallest marginal cost for the total (each rank's cost is
+convex in its blocks), to the rank whose cost after it is smallest for the
+bottleneck (each rank's cost grows with its blocks). The optimizer step of the
+average rank is added: the most loaded rank holds at least the average.
 """
 from __future__ import annotations
 
 import heapq
+import math
+from typing import Callable
 
 from .coefficients import StageModelData, cheapest_mix
 
+RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
-def _pipeline(total: float, pp: int, vpp: int, m: int) -> float:
-    return (m - 1 / vpp) * total / pp + total / vpp
+
+def _pipeline(total: float, slowest: float, vpp: int, m: int) -> float:
+    return (m - 1 / vpp) * slowest + total / vpp
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
-    """Cheap bound: the work priced without recomputation, except without
+    """Cheap bound: the blocks priced without recomputation, except without
     pipelining, where the one rank's memory fixes the cheapest checkpointing
-    mix exactly (relaxed to fractions of blocks)."""
-    fixed = data.prefix + data.suffix
-    fixed_time = sum(l.time["none"] for l in fixed)
-    blocks = data.n_blocks * data.block.time["none"]
+    mix exactly (relaxed to fractions of blocks). inf where even the average
+    rank cannot hold its share."""
+    params = _params(data)
+    if _average_rank_overflows(data, params, pp):
+        return float("inf")
     if pp == 1:
-        params = data.n_blocks * data.block.params + sum(l.params for l in fixed)
+        fixed = data.prefix + data.suffix
         room = (data.capacity - params * data.state_bytes_per_param - data.zero3_buffer_bytes
                 - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
-        blocks = cheapest_mix(data, data.n_blocks, room, data.in_flight[0])
-    return _pipeline(blocks + fixed_time + data.p2p * (pp * vpp - 1), pp, vpp, m)
+        work = cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
+        return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp)
+    block = data.block.time["none"]
+    costs = [lambda n, f=fixed: n * block + f for fixed in _fixed_times(data, pp, vpp)]
+    total = data.n_blocks * block + sum(_fixed_times(data, pp, vpp))
+    return _pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m) + _optimizer(data, params, pp)
 
 
 def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
-    """Bound for pipelined layouts: the least total work over every split of
-    the blocks among the ranks, each rank checkpointing the cheapest
-    (fractional) mix its own memory allows. Each rank's least work is convex
-    in its block count (an LP value function with a right-hand side affine in
-    the count), so adding blocks one at a time to the rank with the smallest
-    marginal cost finds the optimum split. inf: no split fits."""
+    """Bound for pipelined layouts: each rank checkpointing the cheapest mix its
+    own memory allows for the blocks it is given; for the total a fractional
+    mix (an LP value function with a right-hand side affine in the count, so
+    convex in it), for the slowest rank whole blocks (exact, and growing with
+    the count). inf: no split fits."""
     S = pp * vpp
     ranks = [_RankCost(data, r, pp, S) for r in range(pp)]
-    counts = [vpp] * pp  # every virtual stage holds at least one block
-    work = [rank.blocks_time(n) for rank, n in zip(ranks, counts)]
+    costs = [lambda n, rank=rank: rank.blocks_time(n) + rank.fixed_time for rank in ranks]
+    total = _least_total(costs, vpp, data.n_blocks)
+    if total == float("inf"):
+        return total
+    whole = [lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time for rank in ranks]
+    return _pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m) + _optimizer(data, _params(data), pp)
+
+
+def _least_total(costs: list[RankCost], start: int, n_blocks: int) -> float:
+    """Least sum of the ranks' costs over splits of `n_blocks`, `start` blocks each at least
+    (marginal allocation, exact for convex costs)."""
+    counts = [start] * len(costs)
+    work = [cost(start) for cost in costs]
     if any(w == float("inf") for w in work):
         return float("inf")
-    heap = [(ranks[r].blocks_time(counts[r] + 1) - work[r], r) for r in range(pp)]
+    heap = [(costs[r](start + 1) - work[r], r) for r in range(len(costs))]
     heapq.heapify(heap)
-    for _ in range(data.n_blocks - sum(counts)):
+    for _ in range(n_blocks - sum(counts)):
         marginal, r = heapq.heappop(heap)
         if marginal == float("inf"):
             return float("inf")
         counts[r] += 1
         work[r] += marginal
-        heapq.heappush(heap, (ranks[r].blocks_time(counts[r] + 1) - work[r], r))
-    total = sum(work) + sum(rank.fixed_time for rank in ranks)
-    return _pipeline(total, pp, vpp, m)
+        heapq.heappush(heap, (costs[r](counts[r] + 1) - work[r], r))
+    return sum(work)
+
+
+def _least_slowest(costs: list[RankCost], start: int, n_blocks: int) -> float:
+    return least_slowest_split(costs, start, n_blocks)[0]
+
+
+def least_slowest_split(costs: list[RankCost], start: int, n_blocks: int) -> tuple[float, list[int]]:
+    """Least cost of the slowest rank over splits of `n_blocks`, and that split: the values
+    taken from the heap never decrease, so the last one is the n-th smallest that any split
+    must reach."""
+    counts = [start] * len(costs)
+    level = max(cost(start) for cost in costs)
+    heap = [(costs[r](start + 1), r) for r in range(len(costs))]
+    heapq.heapify(heap)
+    for _ in range(n_blocks - sum(counts)):
+        value, r = heapq.heappop(heap)
+        counts[r] += 1
+        level = max(level, value)
+        heapq.heappush(heap, (costs[r](counts[r] + 1), r))
+    return level, counts
+
+
+def balanced_split(data: StageModelData, pp: int, vpp: int) -> list[dict[str, int]] | None:
+    """A feasible partition from the bottleneck bound's split: each rank's blocks with the
+    fastest whole-block checkpointing mix its memory allows, spread over its virtual stages.
+    A primal start beside the greedy one (None when a rank's rounded mix does not fit)."""
+    S = pp * vpp
+    ranks = [_RankCost(data, r, pp, S) for r in range(pp)]
+    level, counts = least_slowest_split([lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time
+                                         for rank in ranks], vpp, data.n_blocks)
+    if level == float("inf"):
+        return None
+    stages: list[dict[str, int]] = [{} for _ in range(S)]
+    for r, (rank, n) in enumerate(zip(ranks, counts)):
+        mix = rank.whole_block_mix(n)
+        if mix is None:
+            return None
+        order = [k for k in ("full", "selective", "none") for _ in range(mix[k])]
+        for i, s in enumerate(range(r, S, pp)):
+            lo, hi = round(i * n / vpp), round((i + 1) * n / vpp)
+            stages[s] = {k: order[lo:hi].count(k) for k in ("none", "selective", "full")}
+    return stages
+
+
+def _params(data: StageModelData) -> float:
+    return data.n_blocks * data.block.params + sum(l.params for l in data.prefix + data.suffix)
+
+
+def _optimizer(data: StageModelData, params: float, pp: int) -> float:
+    return params / pp * data.optimizer_seconds_per_param
+
+
+def _fixed_times(data: StageModelData, pp: int, vpp: int) -> list[float]:
+    """Each pipeline rank's seconds per micro-batch besides its blocks: the embedding on the
+    first, the head on the last, a send at every virtual stage boundary."""
+    S = pp * vpp
+    return [_RankCost.fixed_seconds(data, r, pp, S) for r in range(pp)]
+
+
+def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> bool:
+    """Whether the ranks' average memory (their states, the leanest checkpointing of the
+    blocks at the fewest micro-batches in flight) already exceeds one rank's capacity; the
+    fullest rank holds at least the average."""
+    leanest = min(data.block.activation.values()) * data.n_blocks * min(data.in_flight)
+    average = (params * data.state_bytes_per_param + leanest) / pp + data.zero3_buffer_bytes
+    return average > data.capacity
 
 
 class _RankCost:
     """One pipeline rank's fixed layers and memory, for `memory_aware_bound`."""
 
     def __init__(self, data: StageModelData, r: int, pp: int, S: int) -> None:
-        stages = range(r, S, pp)
-        fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+        fixed = _fixed_layers(data, r, pp, S)
         self.data = data
         self.in_flight = data.in_flight[r]
-        self.fixed_time = sum(l.time["none"] for l in fixed) + data.p2p * sum(1 for s in stages if s < S - 1)
+        self.fixed_time = self.fixed_seconds(data, r, pp, S)
         self.fixed_bytes = (sum(l.params for l in fixed) * data.state_bytes_per_param + data.zero3_buffer_bytes
                             + sum(l.activation["none"] for l in fixed) * self.in_flight)
+
+    @staticmethod
+    def fixed_seconds(data: StageModelData, r: int, pp: int, S: int) -> float:
+        return (sum(l.time["none"] for l in _fixed_layers(data, r, pp, S))
+                + data.p2p * sum(1 for s in range(r, S, pp) if s < S - 1))
 
     def blocks_time(self, n: int) -> float:
         d = self.data
         room = d.capacity - self.fixed_bytes - n * d.block.params * d.state_bytes_per_param
         return cheapest_mix(d, n, room, self.in_flight)
+
+    def whole_block_mix(self, n: int) -> dict[str, int] | None:
+        """The fastest counts of fully recomputed, selective and unrecomputed blocks among `n`
+        that fit (the linear model's memory, the transient of a rebuilt block included): for
+        each count of full blocks, the fewest selective ones that make room (or all the rest,
+        should selective be the faster)."""
+        d, block = self.data, self.data.block
+        act, sec = block.activation, block.time
+        room = d.capacity - self.fixed_bytes - n * block.params * d.state_bytes_per_param
+        saved_by_selective = self.in_flight * (act["none"] - act["selective"])
+        best, best_time = None, float("inf")
+        for full in range(n + 1):
+            over = (self.in_flight * (n * act["none"] - full * (act["none"] - act["full"]))
+                    + (act["none"] if full else 0.0) - room)
+            if over <= 0:
+                fewest = 0
+            elif saved_by_selective > 0:
+                fewest = math.ceil(over / saved_by_selective - 1e-9)
+            else:
+                continue
+            for sel in {fewest, n - full}:
+                if 0 <= fewest <= sel <= n - full:
+                    seconds = (n - full - sel) * sec["none"] + sel * sec["selective"] + full * sec["full"]
+                    if seconds < best_time:
+                        best, best_time = {"none": n - full - sel, "selective": sel, "full": full}, seconds
+        return best
+
+    def whole_blocks_time(self, n: int) -> float:
+        mix = self.whole_block_mix(n)
+        return float("inf") if mix is None else sum(self.data.block.time[k] * c for k, c in mix.items())
+
+
+def _fixed_layers(data: StageModelData, r: int, pp: int, S: int) -> list:
+    return [l for s in range(r, S, pp) for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]

@@ -19,7 +19,7 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .bounds import lower_bound, memory_aware_bound
+from .bounds import balanced_split, lower_bound, memory_aware_bound
 from .coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
                            stage_model_data)
 from .enumerate import Candidate
@@ -28,7 +28,7 @@ from .solver import StageModel
 from .space import Layout, layouts, recompute_choices
 
 LAYOUT_SOLVE_LIMIT_S = 0.5
-BOUND_BUDGET_S = 1.5
+TARGET_GAP = 0.01  # the search stops once its pick is proven within 1% of any layout's best
 
 
 @dataclass
@@ -65,6 +65,8 @@ class _Entry:
     promise: float = float("inf")  # linear time of the better of uniform and greedy mixed checkpointing
     uniform_policy: str = "full"
     proven: float | None = None
+    tightened: bool = False  # the memory-aware bound has replaced the cheap one
+    split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
 
 
 def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity) -> list[_Entry]:
@@ -108,11 +110,13 @@ def search(
     top_k: int = 3,
     time_limit_s: float = 8.0,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    target_gap: float = TARGET_GAP,
 ) -> SearchResult:
     """Phase 1 prices the uniform and greedy plans of every layout with the
-    linear model and has the estimator price the best; phase 2 runs the CP-SAT
-    stage model on the most promising layouts until the time limit; phase 3
-    tightens the bounds of unsolved layouts to report the gap."""
+    linear model and has the estimator price the best, then tightens the
+    bounds of the layouts that could beat it; phase 2 runs the CP-SAT stage
+    model on the most promising layouts until the proven gap is at most
+    `target_gap` or the time limit passes."""
     fixed = fixed or {}
     started = time.perf_counter()
     capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
@@ -122,10 +126,11 @@ def search(
     for entry in _worth_pricing(priced, top_k):
         for cand in uniform_plans(workload, cluster, entry.layout, entry.template, {"recompute": entry.uniform_policy}, memory_reserve):
             tally.add(cand)
+    _tighten_bounds(entries, tally.first())
     refined = 0
     if single_block_profile(workload):
         for entry in _refine_order(priced):
-            if time.perf_counter() - started > time_limit_s:
+            if time.perf_counter() - started > time_limit_s or _gap(tally.first(), _proven_bound(entries)) <= target_gap:
                 break
             if entry.bound >= tally.first():
                 continue
@@ -134,7 +139,7 @@ def search(
             if cand is not None:
                 tally.add(cand)
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
-    _tighten_bounds(entries, tally.first(), BOUND_BUDGET_S)
+    _tighten_bounds(entries, tally.first())
     bound = _proven_bound(entries)
     report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
     return SearchResult(best=ranked[:top_k], report=report)
@@ -195,11 +200,14 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     first, last = block_span(workload)
     blocks = [min(st.end, last) - max(st.start, first) for st in template.stages]
     greedy = least_recompute_counts(entry.data, blocks, layout.pp, allowed)
+    starts = [(name, c) for name, c in (("greedy", greedy), ("split", _allowed_split(entry.split, allowed))) if c is not None]
     cands = []
-    if greedy is not None:
-        model.hint(greedy)
-        plan = template.model_copy(update={"stages": stages_from_counts(workload, greedy)})
-        cands.append(_priced(workload, cluster, layout, plan, reserve, "greedy"))
+    for name, counts in starts:
+        plan = template.model_copy(update={"stages": stages_from_counts(workload, counts)})
+        cands.append(_priced(workload, cluster, layout, plan, reserve, name))
+    if starts:
+        m = template.num_micro_batches
+        model.hint(min(starts, key=lambda s: linear_step(entry.data, s[1], layout.pp, layout.vpp, m)[0])[1])
     solution = model.solve(LAYOUT_SOLVE_LIMIT_S)
     if solution is not None:
         plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
@@ -210,15 +218,28 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     return best, max(solution.bound_s, entry.bound) if solution is not None else None
 
 
-def _tighten_bounds(entries: list[_Entry], best: float, budget_s: float) -> None:
-    """Replace the compute-only bound of unsolved layouts that could still beat
-    `best` by the memory-aware one, lowest first, within `budget_s`."""
-    started = time.perf_counter()
-    for entry in sorted((e for e in entries if e.proven is None), key=lambda e: e.bound):
-        if entry.bound >= best or time.perf_counter() - started > budget_s:
-            return
-        entry.bound = max(entry.bound, memory_aware_bound(entry.data, entry.layout.pp, entry.layout.vpp,
-                                                          entry.template.num_micro_batches))
+def _allowed_split(split: list[dict[str, int]] | None, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:
+    """The split start where it uses only the allowed (pinned) policies."""
+    if split is None or any(n and k not in allowed for stage in split for k, n in stage.items()):
+        return None
+    return split
+
+
+def _tighten_bounds(entries: list[_Entry], best: float) -> None:
+    """For unsolved pipelined layouts that could still beat `best` (once each): the
+    memory-aware bound in place of the cheap one, and the bottleneck split as a start whose
+    linear price may raise the layout's promise."""
+    for entry in entries:
+        if entry.proven is None and not entry.tightened and entry.bound < best and entry.layout.pp > 1:
+            entry.tightened = True
+            lay, m = entry.layout, entry.template.num_micro_batches
+            entry.bound = max(entry.bound, memory_aware_bound(entry.data, lay.pp, lay.vpp, m))
+            if entry.bound < best:
+                entry.split = balanced_split(entry.data, lay.pp, lay.vpp)
+            if entry.split is not None:
+                step, headroom = linear_step(entry.data, entry.split, lay.pp, lay.vpp, m)
+                if headroom >= 0:
+                    entry.promise = min(entry.promise, step)
 
 
 def _proven_bound(entries: list[_Entry]) -> float:
@@ -226,11 +247,16 @@ def _proven_bound(entries: list[_Entry]) -> float:
     return min((e.proven if e.proven is not None else e.bound for e in entries), default=float("inf"))
 
 
+def _gap(best: float, bound: float) -> float:
+    if best == float("inf"):
+        return float("inf")
+    return max(0.0, (best - min(best, bound)) / best)
+
+
 def _report(ranked, bound, considered, refined, wall) -> SolverReport:
     if not ranked:
         return SolverReport(status="infeasible", wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=float("inf"))
-    best = ranked[0].estimate.step_time_s
-    gap = max(0.0, (best - min(best, bound)) / best)
+    gap = _gap(ranked[0].estimate.step_time_s, bound)
     status = "optimal" if gap < 1e-3 else "feasible"
     return SolverReport(status=status, wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=gap)
 

@@ -54,7 +54,8 @@ def plan_command(
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
-    time_limit: float = typer.Option(8.0, "--time-limit", help="solver seconds"),
+    time_limit: float = typer.Option(4.0, "--time-limit", help="most search seconds (it stops sooner once the gap is proven)"),
+    gap: float = typer.Option(0.01, "--gap", min=0.0, max=1.0, help="stop once the pick is proven within this fraction of the best"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
@@ -68,7 +69,8 @@ def plan_command(
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
-                      fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression)
+                      fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression,
+                      target_gap=gap)
     result = result.model_copy(update={"model": model, "alternatives": [a.model_copy(update={"model": model}) for a in result.alternatives]})
     if out:
         out.write_text(result.to_json())
