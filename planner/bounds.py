@@ -25,6 +25,8 @@ RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds w
 
 
 def _pipeline(total: float, slowest: float, vpp: int, m: int) -> float:
+    if float("inf") in (total, slowest):  # not 0 * inf for a single micro-batch
+        return float("inf")
     return (m - 1 / vpp) * slowest + total / vpp
 
 

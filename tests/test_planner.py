@@ -139,3 +139,35 @@ def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
                 checked += 1
                 assert max(bounds) <= cand.estimate.step_time_s * (1 + 1e-9)
     assert checked > 10
+
+
+def test_every_bound_stays_below_every_partition_it_bounds():
+    """Dual below primal: for every layout of llama-3-8b on 8 H100s, the cheap and the
+    memory-aware bounds never exceed the linear price of a fitting uniform or balanced
+    partition, nor CP-SAT's solution."""
+    import hardware
+    import planner.search as search
+    from planner.bounds import balanced_split, lower_bound, memory_aware_bound
+    from planner.coefficients import linear_step
+    from planner.solver import StageModel
+    from planner.workload_for import workload_for
+
+    workload, _ = workload_for("llama-3-8b", seq_len=4096)
+    cluster = hardware.load("8xh100-sxm")
+    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None, capacity), {})
+    checked = 0
+    for e in entries:
+        lay, m = e.layout, e.template.num_micro_batches
+        bounds = [lower_bound(e.data, lay.pp, lay.vpp, m)] + ([memory_aware_bound(e.data, lay.pp, lay.vpp, m)] if lay.pp > 1 else [])
+        primal = [e.uniform_best]
+        split = balanced_split(e.data, lay.pp, lay.vpp) if lay.pp > 1 else None
+        if split is not None:
+            step, headroom = linear_step(e.data, split, lay.pp, lay.vpp, m)
+            primal.append(step if headroom >= 0 else float("inf"))
+        if checked < 6 and lay.pp > 1 and e.uniform_best < float("inf"):
+            solution = StageModel(e.data, lay.pp, lay.vpp, m).solve(0.5)
+            primal.append(solution.objective_s if solution is not None else float("inf"))
+            checked += 1
+        assert max(bounds) <= min(primal) * (1 + 1e-9), (lay, bounds, primal)
+    assert checked == 6
