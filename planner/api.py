@@ -36,7 +36,14 @@ def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: An
         return model
     from .workload_for import workload_for
 
-    return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
+    def trace() -> Workload:
+        return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
+
+    if isinstance(model, str) and not model.endswith(".onnx"):
+        from .workload_cache import cached_workload
+
+        return cached_workload(model, seq_len, "bf16" if dtype == "fp8" else dtype, trace)
+    return trace()
 
 
 def model_name(model: Any, workload: Workload) -> str:

@@ -176,3 +176,28 @@ def test_untraceable_module_gives_model_error():
 def test_n_blocks_override(llama):
     _, graph = llama
     assert to_workload(graph, n_blocks=4).n_blocks == 4
+
+
+def test_a_cached_workload_is_the_traced_one_and_keyed_by_its_config(tmp_path, monkeypatch):
+    """The CLI reads a named model's workload from disk on later calls: the same Workload,
+    and a different entry for another sequence length or config."""
+    import planner.workload_cache as cache
+    from planner.workload_for import workload_for
+
+    monkeypatch.setattr(cache, "CACHE_DIR", tmp_path)
+    traced = workload_for("llama-160m", seq_len=256)[0]
+    calls = []
+
+    def trace():
+        calls.append(1)
+        return traced
+
+    first = cache.cached_workload("llama-160m", 256, "bf16", trace)
+    again = cache.cached_workload("llama-160m", 256, "bf16", lambda: pytest.fail("traced again"))
+    assert first == again == traced and calls == [1]
+    cache.cached_workload("llama-160m", 512, "bf16", trace)
+    config = tmp_path / "config.json"
+    config.write_text('{"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, '
+                      '"num_attention_heads": 4, "vocab_size": 100}')
+    cache.cached_workload(str(config), 256, "bf16", trace)
+    assert calls == [1, 1, 1] and len(list(tmp_path.glob("*.json"))) == 4  # three entries and the config
