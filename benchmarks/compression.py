@@ -1,6 +1,6 @@
 """Gradient compression: measured on 4 CPU ranks, and priced where it would pay.
 
-Part 1 trains the reference GPT (planner/models/reference_gpt.py, ~0.9M
+Part 1 trains the reference GPT (planner/trace/models/reference_gpt.py, ~0.9M
 parameters) with plain data parallelism on 4 gloo ranks for `--steps` steps per
 method, through the executor's own path (materialize_rank -> DDP + the plan's
 compression hook). The data is learnable (each sequence is an arithmetic
@@ -143,7 +143,8 @@ def whatif_table() -> list[str]:
     import hardware
     from costmodel import TransformerDims, transformer_workload
     from costmodel.data_parallel import dp_time
-    from costmodel.estimate import estimate, layout_of
+    from costmodel.estimate import estimate
+    from costmodel.layout import layout_of
     from costmodel.plan import Plan, uniform_stages
 
     wl = transformer_workload(TransformerDims(name="llama-7b", n_layers=32, hidden=4096, heads=32, ffn_hidden=11008,

@@ -13,7 +13,7 @@ import time
 
 from rich.console import Console
 
-from planner.cli.hetero_cmd import balance_table
+from parallax_cli.hetero_cmd import balance_table
 from planner.hetero import plan_hetero
 
 # Llama-2-13B (HF meta-llama/Llama-2-13b-hf config): the "13B model" of the comparison.

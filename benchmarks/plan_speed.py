@@ -23,8 +23,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hardware  # noqa: E402
 import planner  # noqa: E402
-from planner.enumerate import best_uniform  # noqa: E402
-from planner.workload_for import workload_for  # noqa: E402
+from planner.search.enumerate import best_uniform  # noqa: E402
+from planner.trace.workload_for import workload_for  # noqa: E402
 
 CASES = [
     ("gpt2", "2xcpu", 16, 1024),

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
-from planner.search import best_plan  # noqa: E402
+from planner.search.branch_and_bound import best_plan  # noqa: E402
 
 DEFAULT_CSV = ROOT / "benchmarks" / "data" / "calibration_runs.csv"
 METRICS = ("tflops_per_gpu_incl_recompute", "tflops_per_gpu_model", "s_per_iter", "mfu_pct", "tokens_per_s_per_gpu")

@@ -17,7 +17,7 @@ _CHILD = """
 import json, resource, time, warnings
 warnings.simplefilter("ignore")
 t0 = time.perf_counter()
-from planner.workload_for import workload_for
+from planner.trace.workload_for import workload_for
 t1 = time.perf_counter()
 workload, graph = workload_for({name!r}, seq_len={seq})
 t2 = time.perf_counter()
@@ -34,7 +34,7 @@ def measure(name: str, seq_len: int) -> dict:
 
 
 def main() -> None:
-    from planner.models.catalog import list_models
+    from planner.trace.models.catalog import list_models
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("names", nargs="*", default=None)

@@ -1,4 +1,9 @@
-"""Cost model: prices a plan of a workload on a cluster (time, memory, dollars)."""
+"""Cost model: prices a plan of a workload on a cluster (time, memory, dollars).
+
+Holds the plan and workload schemas, collectives, compute, memory, the data-
+parallel share, the estimator, the event simulator and serving prices.
+May import: hardware (and numpy, pydantic); never planner, executor or the CLI.
+"""
 from .estimate import DEFAULT_MEMORY_RESERVE, estimate
 from .plan import Estimate, Plan, StagePlan
 from .transformer import TransformerDims, transformer_workload

@@ -20,7 +20,7 @@ from .memory import WEIGHT_BYTES
 from .plan import Plan
 
 if TYPE_CHECKING:
-    from .estimate import Layout, RankTime
+    from .layout import Layout, RankTime
 
 OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
 

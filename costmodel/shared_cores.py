@@ -16,7 +16,7 @@ from .plan import Plan
 from .simulate_schedule import rank_orders
 
 if TYPE_CHECKING:
-    from .estimate import RankTime
+    from .layout import RankTime
 
 
 def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float | None:

@@ -20,7 +20,8 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .data_parallel import expert_reduction_time, optimizer_time
-from .estimate import RankTime, price_ranks, rank_memory
+from .estimate import price_ranks, rank_memory
+from .layout import RankTime
 from .memory import WEIGHT_BYTES
 from .plan import Plan
 from .simulate_engine import Engine, EngineInput, Event

@@ -23,7 +23,7 @@ from . import collectives as coll
 from .compression import reduction_element_bytes
 from .compute import LayerTime, forward_collectives, layer_time
 from .data_parallel import layer_params_on_rank, sharded_collectives
-from .estimate import Layout
+from .layout import Layout
 from .memory import WEIGHT_BYTES, activation_bytes, activation_keywords
 from .plan import Plan
 from .workload import LayerProfile, Workload

@@ -182,7 +182,7 @@ def predicted_decode_step(model_name: str, *, tp: int, prompt_len: int, new_toke
     import hardware
     from costmodel.inference import ServingModel
     from executor.models import build_model
-    from planner.workload_for import workload_for
+    from planner.trace.workload_for import workload_for
 
     model = build_model(model_name, seed=0)
     workload, _ = workload_for(model, seq_len=prompt_len, dtype="fp32")

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from hardware.errors import ModelError
-from planner.models.build import build_module
-from planner.models.catalog import list_models
+from planner.trace.models.build import build_module
+from planner.trace.models.catalog import list_models
 
 
 class HFStage(nn.Module):

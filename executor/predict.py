@@ -11,7 +11,7 @@ import torch
 
 from costmodel.plan import Plan
 from hardware.errors import ParallaxError
-from planner.models.catalog import list_models
+from planner.trace.models.catalog import list_models
 
 
 def _traceable(model_name: str):

@@ -1,6 +1,6 @@
 """Refuse a plan that cannot run on a model before any process starts.
 
-What the executor can run is declared once, in `planner.executable`; this
+What the executor can run is declared once, in `planner.search.executable`; this
 module only reads the model's facts off the nn.Module and asks it.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 
 from costmodel.plan import Plan
 from hardware.errors import PlanError
-from planner.executable import ModelFacts, check_layout, tp_split_classes
+from planner.search.executable import ModelFacts, check_layout, tp_split_classes
 
 from executor.context_parallel import cp_supported
 from executor.layers import LayerMap, layer_map
@@ -49,14 +49,14 @@ def _vocab(model: nn.Module) -> int | None:
 
 
 def _max_positions(model: nn.Module) -> int | None:
-    """A learned position table's size (see planner.trace_hf.learned_positions)."""
+    """A learned position table's size (see planner.trace.hf.learned_positions)."""
     cfg = getattr(model, "cfg", None)
     if isinstance(getattr(cfg, "max_seq_len", None), int):
         return cfg.max_seq_len
     config = getattr(getattr(model, "model", None), "config", None)
     if config is None:
         return None
-    from planner.trace_hf import learned_positions
+    from planner.trace.hf import learned_positions
 
     return learned_positions(config)
 

@@ -2,6 +2,7 @@
 
 `load("64xh100-sxm")` is the one entry point the planner and CLI need; the
 catalog data lives in `hardware/catalog/*.json` and prices in `prices.json`.
+The bottom of the data flow: it imports none of costmodel, planner, executor or the CLI.
 """
 from hardware.catalog_io import CatalogEntry, gpu_entry, list_catalog
 from hardware.errors import HardwareError, ParallaxError

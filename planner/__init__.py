@@ -1,6 +1,15 @@
-"""Parallax planner: trace a model, search layouts with CP-SAT, return a Plan."""
+"""Parallax planner: trace a model, search layouts with CP-SAT, return a Plan.
+
+Sub-packages: `trace` (model -> Workload, the model catalog) and `search`
+(space, coefficients, CP-SAT, bounds, branch and bound). The uses on top of
+them live here: `api` (plan, estimate), `whatif`, `inference` (serve plans),
+`hetero` (mixed clusters), `report`, `plots`, `summary`.
+
+May import: hardware, costmodel and its own sub-packages; never executor or
+the CLI (`parallax_cli`), which sit above it.
+"""
 from costmodel.plan import Plan
 
-from .api import estimate, plan
+from planner.api import estimate, plan
 
 __all__ = ["Plan", "estimate", "plan"]

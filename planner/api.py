@@ -17,10 +17,10 @@ from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
 
-from .infeasible import infeasibility_report
-from .pinned import is_fully_pinned, pinned_plan
-from .search import TARGET_GAP, search
-from .space import check_pins
+from planner.search.infeasible import infeasibility_report
+from planner.search.pinned import is_fully_pinned, pinned_plan
+from planner.search.branch_and_bound import TARGET_GAP, search
+from planner.search.space import check_pins
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
@@ -34,13 +34,13 @@ def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
 def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
     if isinstance(model, Workload):
         return model
-    from .workload_for import workload_for
+    from planner.trace.workload_for import workload_for
 
     def trace() -> Workload:
         return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
 
     if isinstance(model, str) and not model.endswith(".onnx"):
-        from .workload_cache import cached_workload
+        from planner.trace.cache import cached_workload
 
         return cached_workload(model, seq_len, "bf16" if dtype == "fp8" else dtype, trace)
     return trace()

@@ -33,8 +33,8 @@ from typing import Any
 from costmodel import collectives as coll
 from costmodel.compute import Context, layer_time
 from costmodel.data_parallel import dp_time, optimizer_time
-from costmodel.estimate import (DEFAULT_MEMORY_RESERVE, GIB, Layout, RankTime, p2p_time, pipeline_time, rank_memory,
-                                stage_time)
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, p2p_time, pipeline_time, rank_memory, stage_time
+from costmodel.layout import Layout, RankTime
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan, StagePlan, uniform_stages
 from costmodel.workload import Workload
@@ -42,8 +42,8 @@ from hardware.errors import InfeasibleError, PlanError
 from hardware.mixed import MixedCluster, load_mixed
 from hardware.schema import Cluster
 
-from .api import model_name, plan as plan_uniform, resolve_workload
-from .hetero_plan import GroupBalance, HeteroPlan
+from planner.api import model_name, plan as plan_uniform, resolve_workload
+from planner.hetero_plan import GroupBalance, HeteroPlan
 
 MICRO_BATCHES = (1, 2, 4)
 POLICIES = ("none", "selective", "full")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from planner.models.build import build_module
+from planner.trace.models.build import build_module
 
 
 class _FailsOnRankOne(type(build_module("reference-tiny"))):

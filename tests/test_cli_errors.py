@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import typer
 
-from planner.cli import _register_commands, app, main
+from parallax_cli import _register_commands, app, main
 
 
 def _commands():

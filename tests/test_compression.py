@@ -15,7 +15,7 @@ from costmodel.compression import (DEFAULT_TOPK_FRACTION, TOPK_INDEX_BYTES, comp
                                    compression_compute_time, plan_reduction_time, topk_gathered_bytes,
                                    wire_bytes_per_rank)
 from costmodel.data_parallel import dp_time
-from costmodel.estimate import layout_of
+from costmodel.layout import layout_of
 from costmodel.plan import Plan, uniform_stages
 from executor.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
 from hardware.errors import PlanError
@@ -135,7 +135,7 @@ def test_cost_model_prices_the_plans_k_and_powersgd_rank():
 def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkeypatch):
     """--topk-fraction and friends run (and predict) a validated copy of the plan; nothing goes through the environment."""
     import executor.launch
-    from planner.cli import main
+    from parallax_cli import main
 
     seen = {}
 

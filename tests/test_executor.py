@@ -196,8 +196,8 @@ def test_gpt2_tp_is_neither_offered_nor_run():
 
     from executor.validate import validate
     from hardware.errors import PlanError
-    from planner.space import tp_choices
-    from planner.workload_for import workload_for
+    from planner.search.space import tp_choices
+    from planner.trace.workload_for import workload_for
     import hardware
 
     with pytest.raises(PlanError) as refused:
@@ -209,7 +209,7 @@ def test_gpt2_tp_is_neither_offered_nor_run():
 
 def test_parallax_run_end_to_end_with_torchrun(tmp_path):
     """The one torchrun launch: CLI -> validate -> torchrun -> worker -> report."""
-    from planner.cli import main
+    from parallax_cli import main
 
     plan = make_plan("reference-tiny", dp=2, zero=3)
     plan_path, out = tmp_path / "plan.json", tmp_path / "report.json"

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from costmodel import Plan
-from planner.cli import main
+from parallax_cli import main
 
 names = st.text(alphabet=st.characters(codec="ascii", exclude_categories=("Cc",)), min_size=1, max_size=20).filter(
     lambda s: not s.startswith("-") and s.strip() == s and s not in ("gpt2",)

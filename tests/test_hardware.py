@@ -325,7 +325,7 @@ def test_package_exports():
 # --- CLI ------------------------------------------------------------------------
 
 def test_cli_list(capsys):
-    from planner.cli import main
+    from parallax_cli import main
     assert main(["hardware", "list"]) == 0
     out = capsys.readouterr().out
     for name in EXPECTED:
@@ -334,14 +334,14 @@ def test_cli_list(capsys):
 
 
 def test_cli_show(capsys):
-    from planner.cli import main
+    from parallax_cli import main
     assert main(["hardware", "show", "16xh100", "--nic-gbps", "200"]) == 0
     out = capsys.readouterr().out
     assert "16xh100-sxm" in out and "989" in out and "Llama 3" in out and "user override" in out
 
 
 def test_cli_bad_spec(capsys):
-    from planner.cli import main
+    from parallax_cli import main
     assert main(["hardware", "show", "12xh100"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "16xh100-sxm" in err

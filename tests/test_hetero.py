@@ -52,7 +52,7 @@ def test_mixed_never_slower_than_best_uniform_subset(gpt_3b):
 
 
 def test_cli_hetero_bad_spec_is_one_line(capsys):
-    from planner.cli import main
+    from parallax_cli import main
 
     assert main(["hetero-plan", "gpt2", "--hw", "8xa100-80g+", "--global-batch", "8", "--seq-len", "128"]) == 2
     err = capsys.readouterr().err.strip()

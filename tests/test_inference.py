@@ -10,7 +10,7 @@ from costmodel.inference import (ServingModel, kv_bytes_per_token, kv_bytes_per_
                                  weight_bytes_per_gpu)
 from hardware.errors import InfeasibleError, PlanError
 from planner.inference import InferencePlan, plan_inference
-from planner.workload_for import workload_for
+from planner.trace.workload_for import workload_for
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_unpriced_gpu_and_nothing_fits(llama2_70b):
     ["serve-plan", "llama-2-70b", "--hw", "8xh100-sxm", "--prompt-len", "10", "--output-len", "10", "--tpot-ms", "-1"],
 ])
 def test_cli_bad_input_is_one_line(argv, capsys):
-    from planner.cli import main
+    from parallax_cli import main
 
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -110,7 +110,7 @@ def test_cli_bad_input_is_one_line(argv, capsys):
 
 
 def test_cli_serve_plan_prints_slo(capsys):
-    from planner.cli import main
+    from parallax_cli import main
 
     assert main(["serve-plan", "llama-2-70b", "--hw", "8xh100-sxm", "--prompt-len", "2048", "--output-len", "256",
                  "--tpot-ms", "50", "--ttft-ms", "500"]) == 0

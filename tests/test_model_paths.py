@@ -5,7 +5,7 @@ import pytest
 
 import planner
 from hardware.errors import ModelError
-from planner.cli import main
+from parallax_cli import main
 
 transformers = pytest.importorskip("transformers")
 

@@ -7,9 +7,9 @@ import hardware
 import planner
 from costmodel import Plan, TransformerDims, estimate, transformer_workload
 from hardware.errors import InfeasibleError, PlanError
-from planner.cli import main
-from planner.enumerate import best_uniform
-from planner.search import search
+from parallax_cli import main
+from planner.search.enumerate import best_uniform
+from planner.search.branch_and_bound import search
 
 
 def test_small_model_on_large_gpus_gets_pure_data_parallelism(small_gpt):
@@ -125,8 +125,8 @@ def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
 def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
     """Both bounds must stay below the estimated time of every plan that fits."""
     from costmodel.estimate import GIB
-    from planner.bounds import lower_bound, memory_aware_bound
-    from planner.search import _entries, uniform_plans
+    from planner.search.bounds import lower_bound, memory_aware_bound
+    from planner.search.branch_and_bound import _entries, uniform_plans
 
     cluster = hardware.load("64xh100-sxm")
     entries = _entries(llama_70b, cluster, 256, {}, "bf16", None, cluster.gpu.hbm_gb * GIB * 0.9)
@@ -146,11 +146,11 @@ def test_every_bound_stays_below_every_partition_it_bounds():
     memory-aware bounds never exceed the linear price of a fitting uniform or balanced
     partition, nor CP-SAT's solution."""
     import hardware
-    import planner.search as search
-    from planner.bounds import balanced_split, lower_bound, memory_aware_bound
-    from planner.coefficients import linear_step
-    from planner.solver import StageModel
-    from planner.workload_for import workload_for
+    import planner.search.branch_and_bound as search
+    from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
+    from planner.search.coefficients import linear_step
+    from planner.search.solver import StageModel
+    from planner.trace.workload_for import workload_for
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
@@ -171,3 +171,4 @@ def test_every_bound_stays_below_every_partition_it_bounds():
             checked += 1
         assert max(bounds) <= min(primal) * (1 + 1e-9), (lay, bounds, primal)
     assert checked == 6
+

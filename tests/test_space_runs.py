@@ -1,6 +1,6 @@
 """Every layout the planner can choose runs under the executor and trains like one process.
 
-Hypothesis draws layouts from the planner's own space (`planner.space.layouts`,
+Hypothesis draws layouts from the planner's own space (`planner.search.space.layouts`,
 the executor's declaration already applied) under a fixed seed, with a
 checkpointing policy each, for a tiny reference GPT and a tiny HF Llama on 4
 gloo ranks; all draws run in one launch, and each is compared with the
@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import hardware
-from planner.space import layouts
-from planner.workload_for import workload_for
+from planner.search.space import layouts
+from planner.trace.workload_for import workload_for
 from test_executor import GLOBAL_BATCH, SEQ, _check_all
 
 RANKS = 4
@@ -73,7 +73,7 @@ def test_golden_gpt2_pick_on_a_cpu_profile_runs_end_to_end(tmp_path, capsys):
     tests), run by `parallax run`, with the prediction beside the measurement."""
     import planner
     from executor.report import RunReport
-    from planner.cli import main
+    from parallax_cli import main
 
     cluster = hardware.load(str(PROFILE))
     plan = planner.plan("gpt2", cluster, global_batch=4, seq_len=32, dtype="fp32", top_k=1, time_limit_s=2.0)

@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 from hardware.errors import ModelError
-from planner.models.catalog import hf_config, list_models, model_config, param_count
-from planner.models.reference_gpt import GPTConfig, ReferenceGPT
-from planner.trace_torch import trace_module
-from planner.workload_for import to_workload, workload_for
+from planner.trace.models.catalog import hf_config, list_models, model_config, param_count
+from planner.trace.models.reference_gpt import GPTConfig, ReferenceGPT
+from planner.trace.module import trace_module
+from planner.trace.workload_for import to_workload, workload_for
 
 pytest.importorskip("transformers")
 
@@ -181,8 +181,8 @@ def test_n_blocks_override(llama):
 def test_a_cached_workload_is_the_traced_one_and_keyed_by_its_config(tmp_path, monkeypatch):
     """The CLI reads a named model's workload from disk on later calls: the same Workload,
     and a different entry for another sequence length or config."""
-    import planner.workload_cache as cache
-    from planner.workload_for import workload_for
+    import planner.trace.cache as cache
+    from planner.trace.workload_for import workload_for
 
     monkeypatch.setattr(cache, "CACHE_DIR", tmp_path)
     traced = workload_for("llama-160m", seq_len=256)[0]

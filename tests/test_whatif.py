@@ -11,7 +11,7 @@ from costmodel import Plan, TransformerDims, estimate, transformer_workload
 from costmodel.plan import uniform_stages
 from costmodel.simulate import simulate
 from hardware.errors import InfeasibleError
-from planner.cli import main
+from parallax_cli import main
 from planner.whatif import amdahl_serial_fraction, whatif
 
 SMALL = TransformerDims(n_layers=16, hidden=2048, heads=16, vocab=32000, seq_len=2048, gated_mlp=True,
@@ -130,7 +130,7 @@ def test_plots_and_report_are_self_contained(tmp_path):
 @pytest.fixture
 def stub_planner(monkeypatch):
     """The CLI through the real command modules, with the stand-in planner and analytic workloads."""
-    import planner.cli.simulate_cmd as simulate_cmd
+    import parallax_cli.simulate_cmd as simulate_cmd
 
     monkeypatch.setattr(planner, "plan", enumerate_plan)
     monkeypatch.setattr(simulate_cmd, "load_workload", lambda plan: WORKLOADS[plan.model])

@@ -22,7 +22,7 @@ from pathlib import Path
 import networkx as nx
 
 from hardware.errors import ModelError
-from planner.graph import OpGraph, new_node, numel
+from planner.trace.graph import OpGraph, new_node, numel
 
 _VIEWS = {"Reshape", "Squeeze", "Unsqueeze", "Flatten", "Identity", "Shape", "Constant", "Size"}
 _LINEAR_OPS = _VIEWS | {"Add", "Sub", "Neg", "Concat", "Split", "Slice", "Cast", "Transpose", "Expand", "Gather",
@@ -92,7 +92,7 @@ def _flops(node, shape_of) -> float:
 def trace_onnx(path: str | Path, *, seq_len: int | None = None, batch: int = 1, dtype: str | None = None,
                name: str | None = None) -> OpGraph:
     """An ONNX file as an `OpGraph` (forward only; saved activations estimated)."""
-    from planner.blocks import analyse
+    from planner.trace.blocks import analyse
 
     model = _load(path)
     shapes = _shapes(model, batch, seq_len)

@@ -15,8 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hardware.errors import ModelError
-from planner.graph import OpGraph
-from planner.trace_torch import _DTYPES, trace_module
+from planner.trace.graph import OpGraph
+from planner.trace.module import _DTYPES, trace_module
 
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
 ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")

@@ -11,7 +11,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from costmodel.plan import Plan, uniform_stages
 from hardware.errors import PlanError
 from planner.api import estimate, plan, resolve_hardware, resolve_workload
-from planner.cli import app
+from parallax_cli import app
 from planner.summary import render
 
 console = Console()

@@ -17,8 +17,8 @@ from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from .executable import facts_of_workload, layout_problem
-from .space import Layout, recompute_choices
+from planner.search.executable import facts_of_workload, layout_problem
+from planner.search.space import Layout, recompute_choices
 
 
 def is_fully_pinned(fixed: dict | None) -> bool:

@@ -21,7 +21,7 @@ Conventions:
 from __future__ import annotations
 
 from costmodel.workload import LayerProfile, Segment, Workload
-from planner.graph import OpGraph
+from planner.trace.graph import OpGraph
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
          "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from costmodel.compute import layer_time
 from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
                                      weight_gather_time)
-from costmodel.estimate import layout_of, p2p_time, zero3_buffer_bytes
+from costmodel.estimate import p2p_time, zero3_buffer_bytes
+from costmodel.layout import layout_of
 from costmodel.memory import activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hardware import Cluster, gpu_entry, list_catalog, load, price_per_gpu_hour
-from planner.cli import app
+from parallax_cli import app
 
 hw_app = typer.Typer(help="GPU catalog and hardware specs (e.g. 64xh100-sxm).", no_args_is_help=True)
 app.add_typer(hw_app, name="hardware")

@@ -17,15 +17,15 @@ import hardware
 from costmodel.estimate import estimate
 from costmodel.plan import Plan
 from hardware.errors import ModelError, ParallaxError
-from planner.cli import app
+from parallax_cli import app
 
 
 def load_workload(plan: Plan):
     """The plan's model as a Workload, through the planner's tracing front end."""
     try:
-        from planner.workload_for import workload_for
+        from planner.trace.workload_for import workload_for
     except ImportError as error:
-        raise ModelError("model", f"cannot build the workload of {plan.model!r}: planner.workload_for is unavailable ({error})",
+        raise ModelError("model", f"cannot build the workload of {plan.model!r}: planner.trace.workload_for is unavailable ({error})",
                          "install the full planner") from None
     return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0]
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from torch import nn
 
 from hardware.errors import ModelError
-from planner.models.catalog import hf_config, model_config
-from planner.models.reference_gpt import GPTConfig, ReferenceGPT
+from planner.trace.models.catalog import hf_config, model_config
+from planner.trace.models.reference_gpt import GPTConfig, ReferenceGPT
 
 REFERENCE = "reference-gpt"
 

@@ -1,6 +1,6 @@
 """Search over layouts: branch and bound around the per-layout CP-SAT model.
 
-Layouts (DP/TP/PP/ZeRO/SP/micro-batch/schedule) come from planner/space.py.
+Layouts (DP/TP/PP/ZeRO/SP/micro-batch/schedule) come from planner/search/space.py.
 Phase 1 prices every layout's uniform partitions with the linear stage model
 (the estimator's composition, evaluated without building plans) and has the
 estimator price the best few. Phase 2 runs the CP-SAT stage model
@@ -19,13 +19,13 @@ from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .bounds import balanced_split, lower_bound, memory_aware_bound
-from .coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
+from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
+from planner.search.coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
                            stage_model_data)
-from .enumerate import Candidate
-from .pinned import is_fully_pinned, pinned_plan
-from .solver import StageModel
-from .space import Layout, layouts, recompute_choices
+from planner.search.enumerate import Candidate
+from planner.search.pinned import is_fully_pinned, pinned_plan
+from planner.search.solver import StageModel
+from planner.search.space import Layout, layouts, recompute_choices
 
 LAYOUT_SOLVE_LIMIT_S = 0.5
 TARGET_GAP = 0.01  # the search stops once its pick is proven within 1% of any layout's best

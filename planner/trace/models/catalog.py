@@ -168,7 +168,7 @@ def param_count(cfg: dict[str, Any]) -> int:
         block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
         mlm_head = h * h + h + 2 * h + V  # transform dense + LayerNorm + decoder bias (weight tied)
         return emb + L * block + mlm_head
-    if kind == "reference-gpt":  # planner/models/reference_gpt.py: biased q/k/v/o and MLP, two LayerNorms
+    if kind == "reference-gpt":  # planner/trace/models/reference_gpt.py: biased q/k/v/o and MLP, two LayerNorms
         block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
         return (V + cfg.get("max_position_embeddings", 2048)) * h + L * block + 2 * h + (0 if tied else V * h)
     hd = h // heads  # Llama / Mistral and other gated-MLP decoders

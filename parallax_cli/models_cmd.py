@@ -4,8 +4,8 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli import app
-from planner.models.catalog import list_models, summary
+from parallax_cli import app
+from planner.trace.models.catalog import list_models, summary
 
 
 @app.command("models")

@@ -14,7 +14,7 @@ from costmodel.plan import Estimate, Plan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from .space import Layout, layouts, recompute_choices
+from planner.search.space import Layout, layouts, recompute_choices
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,8 @@
 """The `parallax` command line: one typer app, one module per command group.
 
+The top of the data flow: it may import every package (hardware, costmodel,
+planner, executor); none imports it.
+
 `main` is the console-script entry point; it turns every user-input error
 (`ParallaxError`, a pydantic validation error, a missing file) into one line on
 stderr and a non-zero exit code, never a traceback.

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from planner.cli import app
+from parallax_cli import app
 from planner.inference import InferencePlan, plan_inference
 
 console = Console()

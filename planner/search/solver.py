@@ -1,7 +1,7 @@
 """CP-SAT model of the stage partition and per-layer checkpointing for one layout.
 
 The outer layout (DP, TP, PP, SP, ZeRO, micro-batch, schedule) is fixed by
-planner/search.py; this model chooses how the B identical blocks are spread
+planner/search/branch_and_bound.py; this model chooses how the B identical blocks are spread
 over the S = pp * vpp virtual stages and which checkpointing policy each
 block uses. Identical blocks are priced once, so the model is over counts.
 
@@ -28,7 +28,7 @@ Constraints (one function each below)
 Objective (time, in nanoseconds, multiplied by v to stay integral)
     minimise (m*v - 1) * Rmax + sum_r R[r] + v * (E + opt)  (+1 ns per checkpointed block, a tie-break)
 i.e. m * Rmax + (sum_r R[r] - Rmax)/v + E + optimizer, the estimator's
-pipeline composition. All coefficients come from planner/coefficients.py.
+pipeline composition. All coefficients come from planner/search/coefficients.py.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from .coefficients import POLICIES, StageModelData
+from planner.search.coefficients import POLICIES, StageModelData
 
 NS = 1e9  # seconds -> integer nanoseconds
 KIB = 1 / 1024  # bytes -> integer KiB

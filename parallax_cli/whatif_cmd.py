@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from hardware.errors import ParallaxError
-from planner.cli import app
+from parallax_cli import app
 
 
 def parse_counts(text: str | None) -> list[int] | None:

@@ -1,6 +1,6 @@
 """One entry point from "a model" to the cost model's `Workload`.
 
-`model` may be a built-in name (see `planner.models.catalog`), a HuggingFace
+`model` may be a built-in name (see `planner.trace.models.catalog`), a HuggingFace
 config object or dict, a path to an .onnx file, or an nn.Module (with example
 inputs; the ReferenceGPT's are made from its config). Built-in names are
 cached: the planner asks for the same (name, seq_len, dtype) many times.
@@ -13,8 +13,8 @@ from typing import Any
 
 from costmodel.workload import Workload
 from hardware.errors import ModelError
-from planner.graph import OpGraph
-from planner.workload_from_graph import to_workload
+from planner.trace.graph import OpGraph
+from planner.trace.to_workload import to_workload
 
 __all__ = ["workload_for", "to_workload"]
 
@@ -29,7 +29,7 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
     if isinstance(model, str) and not model.endswith(".onnx"):
         return _named(model, seq_len, dtype)
     if isinstance(model, (str, Path)):
-        from planner.trace_onnx import trace_onnx
+        from planner.trace.onnx_file import trace_onnx
 
         graph = trace_onnx(model, seq_len=seq_len, batch=batch)
         return to_workload(graph), graph
@@ -40,13 +40,13 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
 
 @lru_cache(maxsize=64)
 def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
-    from planner.models.build import is_reference
-    from planner.models.catalog import hf_config
+    from planner.trace.models.build import is_reference
+    from planner.trace.models.catalog import hf_config
 
     if is_reference(name):  # two blocks on the meta device, priced at the entry's real depth
         return _reference(name, seq_len, dtype)
     config = hf_config(name)
-    from planner.trace_hf import trace_hf
+    from planner.trace.hf import trace_hf
 
     graph = trace_hf(config, seq_len=seq_len, dtype=dtype, name=name)
     return to_workload(graph), graph
@@ -55,9 +55,9 @@ def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
 def _reference(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
     import torch
 
-    from planner.models.build import reference_config
-    from planner.models.reference_gpt import ReferenceGPT
-    from planner.trace_torch import trace_module
+    from planner.trace.models.build import reference_config
+    from planner.trace.models.reference_gpt import ReferenceGPT
+    from planner.trace.module import trace_module
 
     real = reference_config(name)
     with torch.device("meta"):
@@ -73,8 +73,8 @@ def _is_hf_config(model: Any) -> bool:
 
 
 def _hf(config: Any, seq_len: int, dtype: str, batch: int) -> tuple[Workload, OpGraph]:
-    from planner.models.catalog import hf_config
-    from planner.trace_hf import trace_hf
+    from planner.trace.models.catalog import hf_config
+    from planner.trace.hf import trace_hf
 
     if isinstance(config, dict):
         config = hf_config(config)
@@ -100,7 +100,7 @@ def _module_meta(module: Any) -> dict[str, Any]:
 def _module(module: Any, seq_len: int, dtype: str, example_inputs: Any, batch: int) -> tuple[Workload, OpGraph]:
     import torch
 
-    from planner.trace_torch import trace_module
+    from planner.trace.module import trace_module
 
     if not isinstance(module, torch.nn.Module):
         raise ModelError("model", f"cannot trace a {type(module).__name__}",

@@ -27,8 +27,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hardware.errors import ModelError
-from planner.executable import tp_split_classes
-from planner.graph import MATMUL_LIKE, OpGraph, new_node
+from planner.search.executable import tp_split_classes
+from planner.trace.graph import MATMUL_LIKE, OpGraph, new_node
 
 aten = torch.ops.aten
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
@@ -298,7 +298,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     `loss_fn(output, tokens)` makes the scalar that backward starts from.
     Raises `ModelError` naming the module and op when tracing fails.
     """
-    from planner.blocks import analyse
+    from planner.trace.blocks import analyse
 
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     state, names = _fake_state(module, fake_mode, _DTYPES.get(dtype, torch.bfloat16))

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from planner.cli import app
+from parallax_cli import app
 
 
 @app.command("run")

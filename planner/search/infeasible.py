@@ -13,7 +13,7 @@ from costmodel.workload import Workload
 from hardware.errors import ParallaxError
 from hardware.schema import Cluster
 
-from .enumerate import uniform_candidates
+from planner.search.enumerate import uniform_candidates
 
 MAX_DOUBLINGS = 10
 

@@ -19,7 +19,7 @@ import heapq
 import math
 from typing import Callable
 
-from .coefficients import StageModelData, cheapest_mix
+from planner.search.coefficients import StageModelData, cheapest_mix
 
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
@@ -63,7 +63,8 @@ def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float
     if total == float("inf"):
         return total
     whole = [lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time for rank in ranks]
-    return _pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m) + _optimizer(data, _params(data), pp)
+    return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m)
+            + _optimizer(data, _params(data), pp))
 
 
 def _least_total(costs: list[RankCost], start: int, n_blocks: int) -> float:

@@ -21,7 +21,7 @@ from costmodel.workload import Workload
 CACHE_DIR = Path.home() / ".cache" / "parallax" / "workloads"
 _ROOT = Path(__file__).resolve().parents[1]
 # the code whose output a cached workload is: tracers, graph -> workload, the model catalog
-_SOURCES = ("planner/trace_*.py", "planner/graph.py", "planner/workload_*.py", "planner/models/*.py",
+_SOURCES = ("planner/trace_*.py", "planner/trace/graph.py", "planner/workload_*.py", "planner/trace/models/*.py",
             "costmodel/workload.py")
 
 
@@ -46,7 +46,7 @@ def _key(config: dict, seq_len: int, dtype: str, name: str) -> str:
 
 def cached_workload(name: str, seq_len: int, dtype: str, trace) -> Workload:
     """The workload of the named model: from the cache, or `trace()` and stored."""
-    from planner.models.catalog import model_config
+    from planner.trace.models.catalog import model_config
 
     path = CACHE_DIR / f"{_key(model_config(name), seq_len, dtype, name)}.json"
     try:

@@ -1,0 +1,75 @@
+"""Where a plan's groups sit on the cluster (`Layout`) and what one pipeline rank spends per
+micro-batch (`RankTime`): the shared vocabulary of the estimator, the data-parallel
+share, the shared-core pipeline model and the simulator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hardware.schema import Cluster
+
+from . import collectives as coll
+from .compute import Context
+from .plan import Plan, StageEstimate
+from .workload import Workload
+
+
+@dataclass
+class RankTime:
+    """Per-micro-batch times of one pipeline rank (all its virtual stages)."""
+
+    forward: float = 0.0
+    backward: float = 0.0
+    recompute: float = 0.0
+    tp_comm: float = 0.0
+    pp_comm: float = 0.0
+    zero_comm: float = 0.0
+    params: float = 0.0
+    expert_params: float = 0.0  # of `params`: expert weights, sharded and reduced over their own replicas
+    ep_comm: float = 0.0  # of `tp_comm`: expert parallelism's all-to-alls
+    stage_estimates: list[StageEstimate] = field(default_factory=list)
+
+    @property
+    def per_micro_batch(self) -> float:
+        return self.forward + self.backward + self.recompute + self.tp_comm + self.pp_comm + self.zero_comm
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Derived facts about where a plan's groups sit on the cluster."""
+
+    ctx: Context
+    dp_group: coll.Group
+    pp_inter_node: bool
+    m: int
+    shard_group: coll.Group  # ZeRO's shard group: all of dp, or HSDP's dp_shard
+    replicate_group: coll.Group  # HSDP's copies of the shards (size 1 otherwise)
+    expert_group: coll.Group = coll.Group(1, 1)  # the ranks holding the same experts (dp*cp/ep of them)
+
+
+def kv_bytes_per_sequence(workload: Workload) -> float:
+    """One attention layer's keys and values for a whole sequence."""
+    heads = workload.heads or 1
+    head_dim = (workload.hidden or 0) / heads
+    return 2.0 * (workload.kv_heads or heads) * head_dim * workload.seq_len * workload.dtype_bytes
+
+
+def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:
+    """Mesh order is (pp, dp, cp, tp), dp x cp being the data-parallel ranks (HSDP
+    splits them into replicate x shard, shard inner): TP innermost, inside a node first."""
+    if plan.cp > 1 and workload is None:
+        raise ValueError("a context-parallel plan is priced with its workload (the keys and values it gathers)")
+    tp_group = coll.group_of(plan.tp, 1, cluster)
+    ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank,
+                  tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
+                  cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
+                  ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster))
+    return Layout(
+        ctx=ctx,
+        dp_group=coll.group_of(plan.data_parallel, plan.tp, cluster),
+        pp_inter_node=plan.data_parallel * plan.tp >= cluster.gpus_per_node,
+        m=plan.num_micro_batches,
+        shard_group=coll.group_of(plan.shard_degree, plan.tp, cluster),
+        replicate_group=coll.group_of(plan.dp_replicate if plan.zero >= 2 else 1, plan.tp * plan.shard_degree, cluster),
+        expert_group=coll.group_of(plan.data_parallel // plan.ep, plan.tp * plan.ep, cluster),
+    )
