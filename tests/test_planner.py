@@ -172,3 +172,24 @@ def test_every_bound_stays_below_every_partition_it_bounds():
         assert max(bounds) <= min(primal) * (1 + 1e-9), (lay, bounds, primal)
     assert checked == 6
 
+
+def test_bounds_hold_where_cpu_ranks_share_cores():
+    """On an oversubscribed CPU profile the estimator replays pipelines under processor
+    sharing, faster than the closed form: the bounds must still stay below its prices."""
+    from pathlib import Path
+
+    import hardware
+    import planner.search.branch_and_bound as search
+    from planner.search.bounds import lower_bound, memory_aware_bound
+    from planner.api import resolve_workload
+
+    cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
+    workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")
+    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, capacity) if e.layout.pp > 1]
+    assert entries
+    for e in entries:
+        lay, m = e.layout, e.template.num_micro_batches
+        bound = max(lower_bound(e.data, lay.pp, lay.vpp, m), memory_aware_bound(e.data, lay.pp, lay.vpp, m))
+        priced = [c.estimate.step_time_s for c in search.uniform_plans(workload, cluster, lay, e.template, {}, 0.1) if c.fits]
+        assert all(bound <= step * (1 + 1e-9) for step in priced), (lay, bound, priced)

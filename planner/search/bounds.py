@@ -24,9 +24,14 @@ from planner.search.coefficients import StageModelData, cheapest_mix
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
 
-def _pipeline(total: float, slowest: float, vpp: int, m: int) -> float:
+def _pipeline(total: float, slowest: float, vpp: int, m: int, core_sharing: float = 1.0) -> float:
+    """The closed form; where CPU ranks share cores (`costmodel.shared_cores`) a rank runs
+    up to `core_sharing` times faster while peers wait, so only its own m micro-batches at
+    that speed bound the step."""
     if float("inf") in (total, slowest):  # not 0 * inf for a single micro-batch
         return float("inf")
+    if core_sharing > 1.0:
+        return m * slowest / core_sharing
     return (m - 1 / vpp) * slowest + total / vpp
 
 
@@ -47,7 +52,7 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
     block = data.block.time["none"]
     costs = [lambda n, f=fixed: n * block + f for fixed in _fixed_times(data, pp, vpp)]
     total = data.n_blocks * block + sum(_fixed_times(data, pp, vpp))
-    return _pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m) + _optimizer(data, params, pp)
+    return _pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m, data.core_sharing) + _optimizer(data, params, pp)
 
 
 def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -63,7 +68,7 @@ def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float
     if total == float("inf"):
         return total
     whole = [lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time for rank in ranks]
-    return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m)
+    return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m, data.core_sharing)
             + _optimizer(data, _params(data), pp))
 
 

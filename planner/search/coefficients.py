@@ -48,6 +48,7 @@ class StageModelData:
     optimizer_seconds_per_param: float
     zero3_buffer_bytes: float
     capacity: float
+    core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
 
 
 def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
@@ -107,6 +108,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
                                                layer_params_on_rank(layers[first], plan.tp, plan.ep), plan.dtype)
                             if held_zero(plan) >= 3 and plan.shard_degree > 1 else 0.0),
         capacity=capacity,
+        core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
     )
 
 
