@@ -71,5 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def emit(result, out, as_json: bool) -> bool:
+    """Write `result`'s JSON to `out` if given and print it for --json; True when printed
+    (the tables are then left out)."""
+    if out:
+        out.write_text(result.to_json())
+    if as_json:
+        print(result.to_json())
+    return as_json
+
+
 def entry() -> None:
     sys.exit(main())

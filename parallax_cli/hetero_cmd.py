@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from parallax_cli import app
+from parallax_cli import app, emit
 from planner.hetero import HeteroPlan, plan_hetero
 
 console = Console()
@@ -44,6 +44,16 @@ def comparison_table(plan: HeteroPlan) -> Table:
     return table
 
 
+def print_hetero(plan: HeteroPlan, out: Path | None, as_json: bool) -> None:
+    """A mixed-cluster plan as `parallax plan` prints it: the balance per group and the comparison."""
+    if emit(plan, out, as_json):
+        return
+    console.print(balance_table(plan))
+    console.print(comparison_table(plan))
+    for note in plan.notes:
+        console.print(f"note: {note}")
+
+
 @app.command("hetero-plan")
 def hetero_plan_command(
     model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, or a cached HF id (org/name)"),
@@ -55,12 +65,6 @@ def hetero_plan_command(
     out: Optional[Path] = typer.Option(None, "--out"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Plan training on a cluster of several GPU types; compare with the plan that ignores the difference."""
-    plan = plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit)
-    if out:
-        out.write_text(plan.to_json())
-    if as_json:
-        print(plan.to_json())
-        return
-    console.print(balance_table(plan))
-    console.print(comparison_table(plan))
+    """Alias of `parallax plan MODEL --hw A+B` for a cluster of several GPU types."""
+    print_hetero(plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit),
+                 out, as_json)

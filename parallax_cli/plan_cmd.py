@@ -10,7 +10,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from costmodel.plan import Plan, uniform_stages
 from hardware.errors import PlanError
-from planner.api import estimate, plan, resolve_hardware, resolve_workload
+from planner.api import estimate, is_mixed, plan
+from planner.resolve import resolve_hardware, resolve_workload
 from parallax_cli import app
 from planner.summary import render
 
@@ -34,7 +35,8 @@ def _progress() -> Progress:
 @app.command("plan")
 def plan_command(
     model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
-    hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, or a profile file"),
+    hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, a profile file, or a mixed cluster "
+                                            "such as 16xa100-80g+8xh100-sxm"),
     global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
     seq_len: int = typer.Option(..., "--seq-len"),
     dtype: str = typer.Option("bf16", "--dtype"),
@@ -62,6 +64,16 @@ def plan_command(
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
     fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep)
+    if is_mixed(hw):  # one door: a mixed cluster goes through the same command
+        from parallax_cli.hetero_cmd import print_hetero
+
+        with _progress() as progress:
+            progress.add_task(f"planning {model} on the mixed cluster {hw}", total=None)
+            result = plan(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
+                          fixed=fixed or None, time_limit_s=time_limit, allow_compression=allow_compression,
+                          price_per_gpu_hour=price)
+        print_hetero(result, out, as_json)
+        return
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)

@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from parallax_cli import app
+from parallax_cli import app, emit
 from planner.inference import InferencePlan, plan_inference
 
 console = Console()
@@ -67,10 +67,7 @@ def serve_plan_command(
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
                           price_per_gpu_hour=price)
-    if out:
-        out.write_text(plan.to_json())
-    if as_json:
-        print(plan.to_json())
+    if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))
     console.print(_slo_line(plan))

@@ -2,171 +2,53 @@
 
 Both accept a model in any form tracing understands (built-in name,
 HuggingFace config, ONNX path, nn.Module with example inputs, or a ready
-`Workload`) and hardware as a spec string or a `Cluster`.
+`Workload`) and hardware as a spec string or a `Cluster`. One door for every
+cluster: a mixed spec (`16xa100-80g+8xh100-sxm`) is planned by the
+mixed-cluster search (`planner.hetero`), any other by the uniform one.
 """
 from __future__ import annotations
 
 from typing import Any
 
-import hardware
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from costmodel.plan import Estimate, Plan
-from costmodel.validate import check_dtype
-from costmodel.workload import Workload
-from hardware.errors import InfeasibleError, PlanError
+from hardware.errors import PlanError
+from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from planner.search.infeasible import infeasibility_report
-from planner.search.pinned import is_fully_pinned, pinned_plan
-from planner.search.branch_and_bound import TARGET_GAP, search
-from planner.search.space import check_pins
-
-DTYPES = ("bf16", "fp16", "fp32", "fp8")
+from planner.resolve import resolve_hardware, resolve_workload
+from planner.search.branch_and_bound import TARGET_GAP
+from planner.uniform import plan_uniform
 
 
-def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
-    if isinstance(hw, Cluster) and not any(v is not None for v in overrides.values()):
-        return hw
-    return hardware.load(hw, **overrides)
+def is_mixed(hw: Any) -> bool:
+    """A cluster of several GPU types: a MixedCluster, or a spec joining parts with '+'."""
+    return isinstance(hw, MixedCluster) or (isinstance(hw, str) and "+" in hw)
 
 
-def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
-    if isinstance(model, Workload):
-        return model
-    from planner.trace.workload_for import workload_for
+def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
+         objective: str = "time", fixed: dict | None = None, top_k: int = 3, example_inputs: Any = None,
+         time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+         price_per_gpu_hour: float | None = None, allow_compression: bool = False,
+         target_gap: float = TARGET_GAP):
+    """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
+    on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
+    subset's plan, as a `planner.hetero_plan.HeteroPlan`."""
+    if not is_mixed(hw):
+        return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
+                            fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,
+                            memory_reserve=memory_reserve, price_per_gpu_hour=price_per_gpu_hour,
+                            allow_compression=allow_compression, target_gap=target_gap)
+    unsupported = {"fixed": fixed, "objective": objective != "time" and objective, "price_per_gpu_hour": price_per_gpu_hour,
+                   "allow_compression": allow_compression, "example_inputs": example_inputs is not None and example_inputs}
+    for field, value in unsupported.items():
+        if value:
+            raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
+    from planner.hetero import plan_hetero
 
-    def trace() -> Workload:
-        return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
-
-    if isinstance(model, str) and not model.endswith(".onnx"):
-        from planner.trace.cache import cached_workload
-
-        return cached_workload(model, seq_len, "bf16" if dtype == "fp8" else dtype, trace)
-    return trace()
-
-
-def model_name(model: Any, workload: Workload) -> str:
-    return model if isinstance(model, str) else workload.name
-
-
-def _check_inputs(global_batch: int, seq_len: int, dtype: str, objective: str, top_k: int) -> None:
-    if not isinstance(global_batch, int) or global_batch <= 0:
-        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 512")
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise PlanError("seq_len", f"must be a positive integer, got {seq_len!r}", "e.g. 4096")
-    if dtype not in DTYPES:
-        raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    if objective not in ("time", "cost"):
-        raise PlanError("objective", f"unknown objective {objective!r}", "use 'time' or 'cost'")
-    if top_k < 1:
-        raise PlanError("top_k", f"must be at least 1, got {top_k}")
-
-
-def plan(
-    model: Any,
-    hw: str | Cluster,
-    *,
-    global_batch: int,
-    seq_len: int,
-    dtype: str = "bf16",
-    objective: str = "time",
-    fixed: dict | None = None,
-    top_k: int = 3,
-    example_inputs: Any = None,
-    time_limit_s: float = 4.0,
-    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-    price_per_gpu_hour: float | None = None,
-    allow_compression: bool = False,
-    target_gap: float = TARGET_GAP,
-) -> Plan:
-    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
-
-    The search stops once its pick is proven within `target_gap` of the best any layout could
-    reach, or after `time_limit_s`; the plan's solver report holds the gap and the time.
-
-    `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
-    and bf16 for fp32 training); the solver may then pick one for DDP layouts."""
-    _check_inputs(global_batch, seq_len, dtype, objective, top_k)
-    fixed = dict(fixed or {})
-    check_pins(fixed)
-    if allow_compression and "compression" not in fixed:
-        fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
-    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
-    check_dtype(dtype, cluster)
-    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
-    check_pins(fixed, workload, cluster)
-    name = model_name(model, workload)
-    clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]
-    best_result, best_key, best_cluster = None, None, cluster
-    for candidate in clusters:
-        result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
-                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve,
-                        target_gap=target_gap)
-        if result.best:
-            key = _objective_value(result.best[0].estimate, objective)
-            if best_key is None or key < best_key:
-                best_result, best_key, best_cluster = result, key, candidate
-    if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
-        return with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
-                                        model=name, memory_reserve=memory_reserve), cluster)
-    if best_result is None:
-        report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
-        raise InfeasibleError("hw", report["message"], report["hint"], report=report)
-    best = _to_plan(best_result, objective, best_cluster)
-    if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
-        best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
-    return best
-
-
-def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
-    """Why the solver compressed: the same plan uncompressed, priced by the estimator."""
-    if best.hardware != cluster.spec():
-        cluster = best.cluster()
-    plain = price_plan(workload, best.model_copy(update={"compression": "none", "estimate": None}), cluster,
+    return plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit_s,
                        memory_reserve=memory_reserve)
-    what = f"topk (k={best.topk_fraction:g}, error feedback)" if best.compression == "topk" else \
-        f"{best.compression}" + (" (error feedback)" if best.compression == "int8" else "")
-    return (f"lossy gradient compression {what} chosen (--allow-compression): exposed DP reduction "
-            f"{plain.breakdown_s['dp_comm'] * 1e3:.1f} -> {best.estimate.breakdown_s['dp_comm'] * 1e3:.1f} ms, "
-            f"step {plain.step_time_s:.3f} -> {best.estimate.step_time_s:.3f} s")
-
-
-def _cost_clusters(cluster: Cluster) -> list[Cluster]:
-    """For the cost objective, also try whole-node subsets (halvings) of the cluster."""
-    if cluster.price_per_gpu_hour is None:
-        raise PlanError("price_per_gpu_hour", f"no price is known for {cluster.gpu.name}", "pass --price-per-gpu-hour")
-    out, nodes = [], cluster.n_nodes
-    while nodes >= 1:
-        out.append(cluster.model_copy(update={"n_nodes": nodes}))
-        if nodes % 2:
-            break
-        nodes //= 2
-    return out
-
-
-def _objective_value(est: Estimate, objective: str) -> float:
-    return est.usd_per_million_tokens if objective == "cost" else est.step_time_s
-
-
-def with_profile(plan_: Plan, cluster: Cluster) -> Plan:
-    """Embed `cluster` when its spec alone would not load it back (a profile file)."""
-    try:
-        same = hardware.load(cluster.spec()) == cluster
-    except hardware.HardwareError:
-        same = False
-    return plan_ if same else plan_.model_copy(update={"hardware_profile": cluster})
-
-
-def _to_plan(result, objective: str, cluster: Cluster) -> Plan:
-    plans = [with_profile(c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}), cluster)
-             for c in result.best]
-    best = plans[0]
-    notes = []
-    origin = {"cp-sat": "CP-SAT", "greedy": "the greedy least-recompute start of the CP-SAT search (CP-SAT found nothing better)"}
-    if result.best[0].recompute in origin:
-        notes.append(f"stage partition and per-layer checkpointing chosen by {origin[result.best[0].recompute]}")
-    return best.model_copy(update={"alternatives": plans[1:], "solver": result.report, "notes": notes})
 
 
 def estimate(model: Any, plan_: Plan, hw: str | Cluster | None = None, *, example_inputs: Any = None,

@@ -42,7 +42,8 @@ from hardware.errors import InfeasibleError, PlanError
 from hardware.mixed import MixedCluster, load_mixed
 from hardware.schema import Cluster
 
-from planner.api import model_name, plan as plan_uniform, resolve_workload
+from planner.resolve import model_name, resolve_workload
+from planner.uniform import plan_uniform
 from planner.hetero_plan import GroupBalance, HeteroPlan
 
 MICRO_BATCHES = (1, 2, 4)

@@ -31,7 +31,7 @@ from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
 
-from planner.api import DTYPES, model_name, resolve_hardware, resolve_workload
+from planner.resolve import DTYPES, model_name, resolve_hardware, resolve_workload
 
 GIB = 2**30
 SCHEMA_VERSION = 1

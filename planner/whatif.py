@@ -200,7 +200,7 @@ def _goodput(model, cluster: Cluster, storage_gbps, restart_s, seq_len: int):
         return None
     if not isinstance(model, Workload):
         try:  # named models are traced once (workload_for caches them)
-            from planner.api import resolve_workload
+            from planner.resolve import resolve_workload
 
             model = resolve_workload(model, seq_len=seq_len, dtype="bf16")
         except ParallaxError:

@@ -7,7 +7,7 @@ from costmodel.estimate import estimate
 from costmodel.plan import Plan, uniform_stages
 from costmodel.simulate import simulate
 from executor.context_parallel import chunk_index
-from planner.api import resolve_workload
+from planner.resolve import resolve_workload
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from hardware.errors import PlanError
 
 @pytest.fixture(scope="module")
 def llama_8b():
-    from planner.api import resolve_workload
+    from planner.resolve import resolve_workload
 
     return resolve_workload("llama-3-8b", seq_len=4096, dtype="bf16")
 

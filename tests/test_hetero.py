@@ -57,3 +57,22 @@ def test_cli_hetero_bad_spec_is_one_line(capsys):
     assert main(["hetero-plan", "gpt2", "--hw", "8xa100-80g+", "--global-batch", "8", "--seq-len", "128"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def test_plan_is_the_one_door_for_mixed_clusters(gpt_3b, capsys):
+    """`planner.plan` and `parallax plan` take a mixed spec; the pick is never slower than any
+    single group's plan; what the mixed search does not offer is refused by name."""
+    import planner
+    from hardware.errors import PlanError
+    from parallax_cli import main
+
+    plan = planner.plan(gpt_3b, SPEC, global_batch=64, seq_len=2048, time_limit_s=1.0)
+    assert plan.hardware == SPEC and plan.step_time_s <= min(plan.subset_step_time_s.values()) * (1 + 1e-9)
+    with pytest.raises(PlanError) as refused:
+        planner.plan(gpt_3b, SPEC, global_batch=64, seq_len=2048, fixed={"tp": 2})
+    assert refused.value.field == "fixed"
+    assert main(["plan", "llama-160m", "--hw", SPEC, "--global-batch", "64", "--seq-len", "1024", "--time-limit", "1"]) == 0
+    assert "heterogeneity-aware" in capsys.readouterr().out
+    assert main(["plan", "llama-160m", "--hw", SPEC, "--global-batch", "64", "--seq-len", "1024", "--tp", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: fixed:") and "\n" not in err

@@ -8,7 +8,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.fixture(scope="module")
 def mixtral_block():
-    from planner.api import resolve_workload
+    from planner.resolve import resolve_workload
 
     cfg = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
            "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
@@ -34,7 +34,7 @@ def test_tp_splits_the_attention_but_not_the_experts(mixtral_block):
 
 @pytest.fixture(scope="module")
 def mixtral():
-    from planner.api import resolve_workload
+    from planner.resolve import resolve_workload
 
     return resolve_workload("mixtral-8x7b", seq_len=4096, dtype="bf16")
 
@@ -84,7 +84,7 @@ def test_the_space_offers_ep_for_moe_only():
 def test_an_fp32_moe_traces_like_bf16_with_twice_the_bytes():
     """HF's experts run `aten._grouped_mm`, whose fake kernel takes bf16 only: fp32 (CPU
     profiles) traces through a bf16 stand-in and keeps its own bytes."""
-    from planner.api import resolve_workload
+    from planner.resolve import resolve_workload
 
     half, full = (resolve_workload("hf-mixtral-tiny", seq_len=16, dtype=d) for d in ("bf16", "fp32"))
     block = lambda w: next(l for l in w.layers if l.kind == "block")  # noqa: E731

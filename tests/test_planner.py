@@ -181,7 +181,7 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
     import hardware
     import planner.search.branch_and_bound as search
     from planner.search.bounds import lower_bound, memory_aware_bound
-    from planner.api import resolve_workload
+    from planner.resolve import resolve_workload
 
     cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
     workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")

@@ -1,0 +1,53 @@
+"""Turning what a user hands over into what the planner prices: hardware as a spec string
+or a `Cluster`, a model in any form tracing understands (built-in name, config path,
+cached HF id, HuggingFace config, ONNX path, nn.Module, or a ready `Workload`), and the
+checks on the request's numbers.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import hardware
+from costmodel.workload import Workload
+from hardware.errors import PlanError
+from hardware.schema import Cluster
+
+DTYPES = ("bf16", "fp16", "fp32", "fp8")
+
+
+def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
+    if isinstance(hw, Cluster) and not any(v is not None for v in overrides.values()):
+        return hw
+    return hardware.load(hw, **overrides)
+
+
+def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
+    if isinstance(model, Workload):
+        return model
+    from planner.trace.workload_for import workload_for
+
+    def trace() -> Workload:
+        return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
+
+    if isinstance(model, str) and not model.endswith(".onnx"):
+        from planner.trace.cache import cached_workload
+
+        return cached_workload(model, seq_len, "bf16" if dtype == "fp8" else dtype, trace)
+    return trace()
+
+
+def model_name(model: Any, workload: Workload) -> str:
+    return model if isinstance(model, str) else workload.name
+
+
+def check_inputs(global_batch: int, seq_len: int, dtype: str, objective: str, top_k: int) -> None:
+    if not isinstance(global_batch, int) or global_batch <= 0:
+        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 512")
+    if not isinstance(seq_len, int) or seq_len <= 0:
+        raise PlanError("seq_len", f"must be a positive integer, got {seq_len!r}", "e.g. 4096")
+    if dtype not in DTYPES:
+        raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
+    if objective not in ("time", "cost"):
+        raise PlanError("objective", f"unknown objective {objective!r}", "use 'time' or 'cost'")
+    if top_k < 1:
+        raise PlanError("top_k", f"must be at least 1, got {top_k}")

@@ -1,0 +1,125 @@
+"""The search on a cluster of one GPU type: the fastest (or cheapest per token) plan that fits."""
+from __future__ import annotations
+
+from typing import Any
+
+import hardware
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.estimate import estimate as price_plan
+from costmodel.plan import Estimate, Plan
+from costmodel.validate import check_dtype
+from costmodel.workload import Workload
+from hardware.errors import InfeasibleError, PlanError
+from hardware.schema import Cluster
+
+from planner.resolve import check_inputs, model_name, resolve_hardware, resolve_workload
+from planner.search.branch_and_bound import TARGET_GAP, search
+from planner.search.infeasible import infeasibility_report
+from planner.search.pinned import is_fully_pinned, pinned_plan
+from planner.search.space import check_pins
+
+
+def plan_uniform(
+    model: Any,
+    hw: str | Cluster,
+    *,
+    global_batch: int,
+    seq_len: int,
+    dtype: str = "bf16",
+    objective: str = "time",
+    fixed: dict | None = None,
+    top_k: int = 3,
+    example_inputs: Any = None,
+    time_limit_s: float = 4.0,
+    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    price_per_gpu_hour: float | None = None,
+    allow_compression: bool = False,
+    target_gap: float = TARGET_GAP,
+) -> Plan:
+    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
+
+    The search stops once its pick is proven within `target_gap` of the best any layout could
+    reach, or after `time_limit_s`; the plan's solver report holds the gap and the time.
+
+    `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
+    and bf16 for fp32 training); the solver may then pick one for DDP layouts."""
+    check_inputs(global_batch, seq_len, dtype, objective, top_k)
+    fixed = dict(fixed or {})
+    check_pins(fixed)
+    if allow_compression and "compression" not in fixed:
+        fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
+    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    check_dtype(dtype, cluster)
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
+    check_pins(fixed, workload, cluster)
+    name = model_name(model, workload)
+    clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]
+    best_result, best_key, best_cluster = None, None, cluster
+    for candidate in clusters:
+        result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
+                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve,
+                        target_gap=target_gap)
+        if result.best:
+            key = _objective_value(result.best[0].estimate, objective)
+            if best_key is None or key < best_key:
+                best_result, best_key, best_cluster = result, key, candidate
+    if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
+        return with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
+                                        model=name, memory_reserve=memory_reserve), cluster)
+    if best_result is None:
+        report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
+        raise InfeasibleError("hw", report["message"], report["hint"], report=report)
+    best = _to_plan(best_result, objective, best_cluster)
+    if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
+        best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
+    return best
+
+
+def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
+    """Why the solver compressed: the same plan uncompressed, priced by the estimator."""
+    if best.hardware != cluster.spec():
+        cluster = best.cluster()
+    plain = price_plan(workload, best.model_copy(update={"compression": "none", "estimate": None}), cluster,
+                       memory_reserve=memory_reserve)
+    what = f"topk (k={best.topk_fraction:g}, error feedback)" if best.compression == "topk" else \
+        f"{best.compression}" + (" (error feedback)" if best.compression == "int8" else "")
+    return (f"lossy gradient compression {what} chosen (--allow-compression): exposed DP reduction "
+            f"{plain.breakdown_s['dp_comm'] * 1e3:.1f} -> {best.estimate.breakdown_s['dp_comm'] * 1e3:.1f} ms, "
+            f"step {plain.step_time_s:.3f} -> {best.estimate.step_time_s:.3f} s")
+
+
+def _cost_clusters(cluster: Cluster) -> list[Cluster]:
+    """For the cost objective, also try whole-node subsets (halvings) of the cluster."""
+    if cluster.price_per_gpu_hour is None:
+        raise PlanError("price_per_gpu_hour", f"no price is known for {cluster.gpu.name}", "pass --price-per-gpu-hour")
+    out, nodes = [], cluster.n_nodes
+    while nodes >= 1:
+        out.append(cluster.model_copy(update={"n_nodes": nodes}))
+        if nodes % 2:
+            break
+        nodes //= 2
+    return out
+
+
+def _objective_value(est: Estimate, objective: str) -> float:
+    return est.usd_per_million_tokens if objective == "cost" else est.step_time_s
+
+
+def with_profile(plan_: Plan, cluster: Cluster) -> Plan:
+    """Embed `cluster` when its spec alone would not load it back (a profile file)."""
+    try:
+        same = hardware.load(cluster.spec()) == cluster
+    except hardware.HardwareError:
+        same = False
+    return plan_ if same else plan_.model_copy(update={"hardware_profile": cluster})
+
+
+def _to_plan(result, objective: str, cluster: Cluster) -> Plan:
+    plans = [with_profile(c.plan.model_copy(update={"estimate": c.estimate, "objective": objective}), cluster)
+             for c in result.best]
+    best = plans[0]
+    notes = []
+    origin = {"cp-sat": "CP-SAT", "greedy": "the greedy least-recompute start of the CP-SAT search (CP-SAT found nothing better)"}
+    if result.best[0].recompute in origin:
+        notes.append(f"stage partition and per-layer checkpointing chosen by {origin[result.best[0].recompute]}")
+    return best.model_copy(update={"alternatives": plans[1:], "solver": result.report, "notes": notes})
