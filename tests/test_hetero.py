@@ -6,7 +6,8 @@ import pytest
 from costmodel import TransformerDims, transformer_workload
 from hardware.errors import HardwareError
 from hardware.mixed import load_mixed
-from planner.hetero import hetero_candidates, plan_hetero
+from planner.hetero import plan_hetero
+from planner.hetero_layouts import hetero_candidates
 
 SPEC = "8xa100-80g+8xh100-sxm"
 

@@ -45,9 +45,10 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
         return float("inf")
     if pp == 1:
         fixed = data.prefix + data.suffix
-        room = (data.capacity - params * data.state_bytes_per_param - data.zero3_buffer_bytes
+        room = (data.capacity - params * data.state_bytes_per_param - data.extra_bytes(0)
                 - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
-        work = cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
+        work = (cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
+                + sum(data.stage_fill(s, vpp) for s in range(vpp)))
         return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp)
     block = data.block.time["none"]
     costs = [lambda n, f=fixed: n * block + f for fixed in _fixed_times(data, pp, vpp)]
@@ -153,7 +154,7 @@ def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> boo
     blocks at the fewest micro-batches in flight) already exceeds one rank's capacity; the
     fullest rank holds at least the average."""
     leanest = min(data.block.activation.values()) * data.n_blocks * min(data.in_flight)
-    average = (params * data.state_bytes_per_param + leanest) / pp + data.zero3_buffer_bytes
+    average = (params * data.state_bytes_per_param + leanest + sum(data.extra_bytes(r) for r in range(pp))) / pp
     return average > data.capacity
 
 
@@ -165,13 +166,13 @@ class _RankCost:
         self.data = data
         self.in_flight = data.in_flight[r]
         self.fixed_time = self.fixed_seconds(data, r, pp, S)
-        self.fixed_bytes = (sum(l.params for l in fixed) * data.state_bytes_per_param + data.zero3_buffer_bytes
+        self.fixed_bytes = (sum(l.params for l in fixed) * data.state_bytes_per_param + data.extra_bytes(r)
                             + sum(l.activation["none"] for l in fixed) * self.in_flight)
 
     @staticmethod
     def fixed_seconds(data: StageModelData, r: int, pp: int, S: int) -> float:
         return (sum(l.time["none"] for l in _fixed_layers(data, r, pp, S))
-                + data.p2p * sum(1 for s in range(r, S, pp) if s < S - 1))
+                + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in range(r, S, pp)))
 
     def blocks_time(self, n: int) -> float:
         d = self.data

@@ -20,7 +20,7 @@ from costmodel.workload import Workload
 from hardware.schema import Cluster
 
 from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
-from planner.search.coefficients import (StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
+from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
                            stage_model_data)
 from planner.search.enumerate import Candidate
 from planner.search.pinned import is_fully_pinned, pinned_plan
@@ -70,10 +70,10 @@ class _Entry:
 
 
 def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity) -> list[_Entry]:
-    entries = []
+    entries, times = [], LayerTimes()
     for layout in layouts(workload, cluster, global_batch, fixed):
         template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none", model=model or workload.name)
-        data = stage_model_data(workload, template, cluster, capacity)
+        data = stage_model_data(workload, template, cluster, capacity, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
     entries.sort(key=lambda e: e.bound)
     return entries

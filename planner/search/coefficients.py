@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.compute import layer_time
-from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, sharded_exposed,
-                                     weight_gather_time)
+from costmodel.compute import Context, LayerTime, layer_time
+from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
+                                     sharded_exposed, weight_gather_time)
 from costmodel.estimate import p2p_time, zero3_buffer_bytes
 from costmodel.layout import layout_of
-from costmodel.memory import activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
+from costmodel.memory import WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -46,17 +46,46 @@ class StageModelData:
     dp_seconds_per_param: float
     dp_latency: float
     optimizer_seconds_per_param: float
-    zero3_buffer_bytes: float
     capacity: float
     core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
+    fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
+    extra: tuple[float, ...] = ()  # per pipeline rank: ZeRO-3's gather buffers and the accumulation transient
+
+    def extra_bytes(self, r: int) -> float:
+        """Rank r's memory besides states and activations (`_rank_extra_bytes`)."""
+        return self.extra[r] if self.extra else 0.0
+
+    def stage_fill(self, s: int, S: int) -> float:
+        """The sharded collectives of virtual stage s (of S) that one-layer prefetch cannot hide
+        (`costmodel.data_parallel.prefetch_fill`), per micro-batch: its first layer is the
+        embedding on stage 0 and a block elsewhere, its last the head on the last stage. Priced
+        with unrecomputed blocks, the least a recomputed block can expose."""
+        single, first, middle, last = self.fills
+        return single if S == 1 else first if s == 0 else last if s == S - 1 else middle
 
 
-def _layer(layer: LayerProfile, plan: Plan, lay) -> LayerCoefficients:
+class LayerTimes:
+    """`costmodel.compute.layer_time` memoised over one search: layouts that differ only in
+    ZeRO, dp, hybrid sharding or the schedule share their layers' times (price repeated
+    layers, and layouts, once)."""
+
+    def __init__(self) -> None:
+        self._memo: dict[tuple, LayerTime] = {}
+
+    def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
+        key = (id(layer), policy, id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
+               ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group)
+        if key not in self._memo:
+            self._memo[key] = layer_time(layer, ctx, policy)
+        return self._memo[key]
+
+
+def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes) -> LayerCoefficients:
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
-        t = layer_time(layer, ctx, policy)
+        t = times(layer, ctx, policy)
         zero = sharded_exposed(params, t, plan, lay)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
@@ -76,15 +105,18 @@ def single_block_profile(workload: Workload) -> bool:
     return sum(1 for seg in workload.segments if seg.layer.kind == "block") == 1
 
 
-def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity: float) -> StageModelData:
-    """`plan` carries the layout (its stages are ignored)."""
+def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity: float,
+                     times: LayerTimes | None = None) -> StageModelData:
+    """`plan` carries the layout (its stages are ignored); `times` shares layer prices across
+    the layouts of one search."""
+    times = times if times is not None else LayerTimes()
     lay = layout_of(plan, cluster, workload)
     first, last = block_span(workload)
     layers = workload.layers
     coeff = {}
     for layer in layers:
         if id(layer) not in coeff:
-            coeff[id(layer)] = _layer(layer, plan, lay)
+            coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
     per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
@@ -104,12 +136,46 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         # ZeRO-1's weight all-gather follows the step as the optimizer does: linear in the rank's parameters
         optimizer_seconds_per_param=(optimizer_seconds_per_param(plan, cluster)
                                      + weight_gather_time(probe, plan, lay) / probe),
-        zero3_buffer_bytes=(zero3_buffer_bytes(max(_params(layers[:first], plan), _params(layers[last:], plan)),
-                                               layer_params_on_rank(layers[first], plan.tp, plan.ep), plan.dtype)
-                            if held_zero(plan) >= 3 and plan.shard_degree > 1 else 0.0),
         capacity=capacity,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
+        fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
+        extra=_rank_extra_bytes(layers[:first], layers[first], layers[last:], plan),
     )
+
+
+def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan) -> tuple:
+    """Each pipeline rank's memory besides states and activations, as the estimator holds it:
+    ZeRO-3's gather buffers (the rank's embedding and head as the root unit, its biggest
+    block) and the gradient-accumulation transient (`costmodel.estimate.accumulation_transient`:
+    the largest weight gradient it materialises, the embedding's on the first rank, the tied
+    head copy's on the last, a block's on every rank)."""
+    S = plan.n_virtual_stages
+    ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
+
+    def largest(layers: list[LayerProfile]) -> float:
+        tied = lambda l: l.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0  # noqa: E731
+        return max((max(l.grad_dense_bytes, tied(l)) / (plan.tp if l.tp_shardable else 1) for l in layers), default=0.0)
+
+    def buffers(layers: list[LayerProfile]) -> float:
+        if held_zero(plan) < 3 or plan.shard_degree == 1:
+            return 0.0
+        return zero3_buffer_bytes(_params(layers, plan), layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype)
+
+    accumulating = plan.num_micro_batches >= 2
+    return tuple(buffers(own) + (max(largest([block]), largest(own)) if accumulating else 0.0) for own in ends)
+
+
+def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,
+                 times: LayerTimes) -> tuple:
+    """`StageModelData.fills`: (single stage, first, middle, last)."""
+    if plan.zero < 2 or plan.shard_degree == 1:
+        return (0.0, 0.0, 0.0, 0.0)
+
+    def fill(a: LayerProfile, b: LayerProfile) -> float:
+        runs = [(a, "none", 1), (b, "none", 1)]
+        return prefetch_fill(runs, [(times(l, lay.ctx, "none"), 1) for l in (a, b)], plan, lay)
+
+    return fill(embedding, head), fill(embedding, block), fill(block, block), fill(block, head)
 
 
 
@@ -134,7 +200,7 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
         r = s % pp
         fixed = (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])
         rank_time[r] += sum(n * block.time[k] for k, n in stage.items()) + sum(l.time["none"] for l in fixed)
-        rank_time[r] += data.p2p if s < S - 1 else 0.0
+        rank_time[r] += (data.p2p if s < S - 1 else 0.0) + data.stage_fill(s, S)
         rank_blocks[r] += sum(stage.values())
         rank_window[r] += sum(n * block.backward[k] for k, n in stage.items())
         rank_act[r] += sum(n * block.activation[k] for k, n in stage.items()) + sum(l.activation["none"] for l in fixed)
@@ -149,7 +215,7 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
         slack += rank_window[r]
         optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
         transient = block.activation["none"] if rank_full[r] else 0.0
-        used = params * data.state_bytes_per_param + rank_act[r] * data.in_flight[r] + transient + data.zero3_buffer_bytes
+        used = params * data.state_bytes_per_param + rank_act[r] * data.in_flight[r] + transient + data.extra_bytes(r)
         headroom = min(headroom, data.capacity - used)
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
@@ -192,7 +258,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
         b = sum(blocks[s] for s in stages)
         infl = data.in_flight[r]
         base = ((b * block.params + sum(l.params for l in fixed)) * data.state_bytes_per_param
-                + sum(l.activation["none"] for l in fixed) * infl + data.zero3_buffer_bytes)
+                + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
 
         def used(f: int) -> float:
             transient = block.activation["none"] if lean == "full" and f else 0.0

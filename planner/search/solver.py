@@ -75,16 +75,17 @@ class StageModel:
         fixed = d.prefix + d.suffix
         params = d.n_blocks * d.block.params + sum(l.params for l in fixed)
         seconds = (d.n_blocks * max(d.block.time.values()) + sum(max(l.time.values()) for l in fixed) + d.p2p * self.S
-                   + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
+                   + sum(d.stage_fill(s, self.S) for s in range(self.S)) + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
         return _i(seconds, NS) + 1
 
     def _stages_of(self, r: int) -> list[int]:
         return list(range(r, self.S, self.pp))
 
     def _fixed(self, s: int, attr: str, policy: str = "none") -> float:
-        """Contribution of the embedding/head layers that sit on stage s."""
+        """Contribution of the embedding/head layers that sit on stage s (and, for time, the
+        stage's unhidden sharded collectives)."""
         layers = (self.d.prefix if s == 0 else []) + (self.d.suffix if s == self.S - 1 else [])
-        value = 0.0
+        value = self.d.stage_fill(s, self.S) if attr == "time" else 0.0
         for layer in layers:
             field = getattr(layer, attr)
             value += field[policy] if isinstance(field, dict) else field
@@ -126,7 +127,7 @@ class StageModel:
                 sum(act)
                 + states
                 + full_here * _i(d.block.activation["none"], KIB)
-                + _i(fixed_act + fixed_states + d.zero3_buffer_bytes, KIB)
+                + _i(fixed_act + fixed_states + d.extra_bytes(r), KIB)
                 <= _i(d.capacity, KIB)
             )
 
