@@ -11,7 +11,7 @@ groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients (the
 cost model prices it so): accumulating them unsharded would hold a full copy.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
-module per rank, `planner.search.executable.uses_ddp`) and through FSDP2's
+module per rank, `planner.executable.uses_ddp`) and through FSDP2's
 `replicate` otherwise: DTensor parameters under TP, and pipeline stages,
 whose per-micro-batch backward passes DDP's reducer cannot follow.
 """
@@ -29,7 +29,7 @@ from costmodel.plan import Plan
 from executor.layers import LayerMap, get_or_none
 from executor.expert_parallel import ep_meshes, expert_parameter_names
 from executor.mesh import hsdp_mesh
-from planner.search.executable import uses_ddp
+from planner.executable import uses_ddp
 
 
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:

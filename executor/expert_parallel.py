@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from costmodel.plan import Plan
 from executor.mesh import dp_view
-from planner.search.executable import uses_ddp
+from planner.executable import uses_ddp
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 

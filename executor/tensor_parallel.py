@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from costmodel.plan import Plan
 from executor.layers import get_or_none
 from executor.tp_styles import TPAnalysis
-from planner.search.executable import tp_split_classes
+from planner.executable import tp_split_classes
 
 log = logging.getLogger(__name__)
 

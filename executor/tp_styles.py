@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from planner.search.executable import tp_split_classes
+from planner.executable import tp_split_classes
 
 _MIXING_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "mean", "var_mean", "softmax", "_softmax", "_log_softmax"}
 

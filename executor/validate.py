@@ -1,6 +1,6 @@
 """Refuse a plan that cannot run on a model before any process starts.
 
-What the executor can run is declared once, in `planner.search.executable`; this
+What the executor can run is declared once, in `planner.executable`; this
 module only reads the model's facts off the nn.Module and asks it.
 """
 from __future__ import annotations
@@ -9,7 +9,7 @@ from torch import nn
 
 from costmodel.plan import Plan
 from hardware.errors import PlanError
-from planner.search.executable import ModelFacts, check_layout, tp_split_classes
+from planner.executable import ModelFacts, check_layout, tp_split_classes
 
 from executor.context_parallel import cp_supported
 from executor.layers import LayerMap, layer_map

@@ -1,5 +1,7 @@
 """Parallax planner: trace a model, search layouts with CP-SAT, return a Plan.
 
+`executable` is the one declaration of what the executor runs, read by the
+tracer's TP split, the layout space and the executor's validation.
 Sub-packages: `trace` (model -> Workload, the model catalog) and `search`
 (space, coefficients, CP-SAT, bounds, branch and bound). The uses on top of
 them live here: `api` (plan, estimate), `whatif`, `inference` (serve plans),

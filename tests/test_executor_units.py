@@ -28,7 +28,7 @@ def test_validate_refuses_plans_that_do_not_fit(change, field):
 
 
 def test_validate_refuses_what_the_declaration_excludes():
-    """The executor's refusals come from planner.search.executable, which the planner's space reads too."""
+    """The executor's refusals come from planner.executable, which the planner's space reads too."""
     with pytest.raises(PlanError) as info:
         validate(make_plan("hf-gpt2-tiny", tp=2), build_model("hf-gpt2-tiny"))
     assert info.value.field == "tp"

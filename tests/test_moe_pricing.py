@@ -95,7 +95,7 @@ def test_an_fp32_moe_traces_like_bf16_with_twice_the_bytes():
 
 
 def test_the_declaration_composes_ep_with_tp_pp_cp_but_not_sp_or_hybrid_sharding():
-    from planner.search.executable import LayoutFields, ModelFacts, layout_problem
+    from planner.executable import LayoutFields, ModelFacts, layout_problem
 
     moe = ModelFacts(n_blocks=4, heads=8, kv_heads=4, vocab=1000, n_experts=8, name="moe")
     assert layout_problem(LayoutFields(dp=4, tp=2, pp=2, ep=4), moe, 64) is None

@@ -17,7 +17,7 @@ from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from planner.search.executable import facts_of_workload, layout_problem
+from planner.executable import facts_of_workload, layout_problem
 from planner.search.space import Layout, recompute_choices
 
 

@@ -4,7 +4,7 @@ ZeRO x SP combinations are legal for a workload on a cluster.
 Both the CP-SAT planner (which adds the per-stage partition and per-layer
 checkpointing on top) and the exhaustive uniform baseline draw from here, so
 the two search the same layouts. Pinned fields (`fixed`) filter the space, and
-so does the executor's declaration (`planner.search.executable`): a layout the
+so does the executor's declaration (`planner.executable`): a layout the
 executor cannot run is never offered.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ from costmodel.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
-from planner.search.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
+from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
                                 uses_ddp)
 
 PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")

@@ -3,6 +3,7 @@
 op graph, repeated-block recognition with the executor's TP split, the graph's
 reduction to a `Workload`, and the on-disk cache of traced workloads.
 
-May import: hardware, costmodel, torch, transformers, onnx, networkx. Never
-planner.search or the uses above it, nor executor.
+May import: hardware, costmodel, planner.executable (which modules TP splits),
+torch, transformers, onnx, networkx. Never planner.search or the uses above
+it, nor executor.
 """

@@ -17,7 +17,7 @@ is S. An activation×activation matmul with an [s, s] output makes attention
 scores; elementwise ops and views of scores stay scores.
 
 The split is the executor's, so that what is priced is what runs: only GEMMs
-of modules that DTensor splits (`planner.search.executable.TP_SPLIT_MODULES`) are
+of modules that DTensor splits (`planner.executable.TP_SPLIT_MODULES`) are
 split, anything else (GPT-2's fused Conv1D) stays replicated; a column-split
 linear from which no further split linear is reached (the LM head) has its
 output gathered (replicated, one all-gather), as ColwiseParallel with a

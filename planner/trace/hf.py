@@ -16,7 +16,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from hardware.errors import ModelError
 from planner.trace.graph import OpGraph
-from planner.trace.module import _DTYPES, trace_module
+from planner.trace.module import trace_module
+from planner.trace.ops import DTYPES
 
 DEPTH_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "num_decoder_layers")
 ATTENTION_DROPOUT_KEYS = ("attn_pdrop", "attention_probs_dropout_prob", "attention_dropout")
@@ -62,9 +63,9 @@ def build_hf_model(config: Any, fake_mode: FakeTensorMode, dtype: str = "bf16") 
     try:
         with fake_mode:
             if hasattr(cls, "from_config"):
-                model = cls.from_config(config, dtype=_DTYPES.get(dtype, torch.bfloat16))
+                model = cls.from_config(config, dtype=DTYPES.get(dtype, torch.bfloat16))
             else:
-                model = cls._from_config(config, dtype=_DTYPES.get(dtype, torch.bfloat16))
+                model = cls._from_config(config, dtype=DTYPES.get(dtype, torch.bfloat16))
     except Exception as error:  # noqa: BLE001
         first = (str(error).strip().splitlines() or [""])[0][:300]
         raise ModelError("model", f"cannot build {getattr(cls, '__name__', cls)} from its config: "

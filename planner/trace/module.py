@@ -22,78 +22,15 @@ import networkx as nx
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import flop_counter
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from hardware.errors import ModelError
-from planner.search.executable import tp_split_classes
+from planner.executable import tp_split_classes
 from planner.trace.graph import MATMUL_LIKE, OpGraph, new_node
+from planner.trace.ops import (ALIASING, CUSTOM_FLOPS, DTYPES, FUSED_ATTENTION, PARAM_PRESERVING, Recorder, storage_key,
+                               tensors)
 
 aten = torch.ops.aten
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "fp64": torch.float64}
-_ALIASING = {aten._unsafe_view, aten.detach, aten.alias, aten.lift_fresh}
-_PARAM_PRESERVING = {aten._to_copy, aten.clone, aten.contiguous}
-
-
-def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
-    """FlopCounterMode has no formula for the CPU flash kernel: reuse the sdpa one.
-
-    Convention (as torch's): 4·b·h·s_q·s_k·d, the full s² square, causal or not.
-    """
-    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
-
-
-def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
-
-
-CUSTOM_FLOPS: dict[Any, Callable[..., int]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
-}
-FUSED_ATTENTION = {packet for packet in (*flop_counter.flop_registry, *CUSTOM_FLOPS) if "attention" in str(packet)}
-
-
-def storage_key(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)]
-
-
-class _Recorder(TorchDispatchMode):
-    """Records each aten op into the tracer's graph (sits above FakeTensorMode)."""
-
-    def __init__(self, tracer: "Tracer") -> None:
-        super().__init__()
-        self.tracer = tracer
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func.namespace != "prim":
-            self.tracer.current_op = str(func)
-        out = _run_on_fake(func, args, kwargs)
-        if func.namespace != "prim":
-            self.tracer.record(func, args, kwargs, out)
-        return out
-
-
-def _run_on_fake(func, args, kwargs):
-    """The op's fake result. `aten._grouped_mm` (HF's MoE experts) has a fake kernel for
-    bf16 only, though CPUs run it in fp32 too: other dtypes take their shape from a bf16 run
-    and keep their own dtype (the graph records the op with its real inputs)."""
-    if func._overloadpacket is not torch.ops.aten._grouped_mm:
-        return func(*args, **kwargs)
-    floats = {t.dtype for t in _tensors((args, kwargs)) if t.is_floating_point()}
-    if floats <= {torch.bfloat16}:
-        return func(*args, **kwargs)
-    cast = lambda t: t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
-    out = func(*[cast(a) for a in args], **{k: cast(v) for k, v in kwargs.items()})
-    return out.to(next(iter(floats - {torch.bfloat16})))
-
-
 class Tracer:
     """State of one trace: the graph and the tensor → node maps."""
 
@@ -158,9 +95,9 @@ class Tracer:
     # -- op recording --------------------------------------------------------
     def record(self, func, args, kwargs, out) -> None:
         self._resolve_pending()
-        ins, outs = _tensors((args, kwargs)), _tensors(out)
+        ins, outs = tensors((args, kwargs)), tensors(out)
         packet = func._overloadpacket
-        aliasing = func.is_view or packet in _ALIASING or func._schema.is_mutable
+        aliasing = func.is_view or packet in ALIASING or func._schema.is_mutable
         node = new_node(self.g, op=str(func), phase=self.phase, module=self.module())
         data = self.g.nodes[node]
         if outs:
@@ -202,7 +139,7 @@ class Tracer:
         in_storages = {storage_key(t) for t in ins}
         param = next((self.param_of.get(t) or self.param_names.get(id(t)) for t in ins
                       if (self.param_of.get(t) or self.param_names.get(id(t)))), None)
-        keep_param = param is not None and (aliasing or packet in _PARAM_PRESERVING) and len(ins) == 1
+        keep_param = param is not None and (aliasing or packet in PARAM_PRESERVING) and len(ins) == 1
         for tensor in outs:
             self.producer[tensor] = node
             key = storage_key(tensor)
@@ -258,7 +195,7 @@ def _default_loss(output: Any, tokens: torch.Tensor | None) -> torch.Tensor:
     """A training-like scalar: cross-entropy over [b, s, V] logits, else a sum."""
     logits = getattr(output, "logits", None)
     if logits is None:
-        logits = next(t for t in _tensors(output) if t.is_floating_point())
+        logits = next(t for t in tensors(output) if t.is_floating_point())
     if logits.dim() == 3 and tokens is not None and tokens.shape == logits.shape[:2]:
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens.flatten())
     return logits.float().sum()
@@ -301,7 +238,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     from planner.trace.blocks import analyse
 
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
-    state, names = _fake_state(module, fake_mode, _DTYPES.get(dtype, torch.bfloat16))
+    state, names = _fake_state(module, fake_mode, DTYPES.get(dtype, torch.bfloat16))
     with fake_mode:
         inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
                   for t in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)]
@@ -332,7 +269,7 @@ def _run(module, state, inputs, keys, tracer, fake_mode, loss_fn, extra) -> None
     args, kwargs = (inputs, {}) if keys is None else ((), dict(zip(keys, inputs)))
     kwargs = {**kwargs, **extra}
     tokens = next((t for t in inputs if isinstance(t, torch.Tensor) and not t.is_floating_point()), None)
-    with fake_mode, _Recorder(tracer):
+    with fake_mode, Recorder(tracer):
         with torch.autograd.graph.saved_tensors_hooks(tracer.pack, lambda t: t):
             output = torch.func.functional_call(module, state, tuple(args), kwargs, tie_weights=True, strict=False)
             loss = loss_fn(output, tokens)
