@@ -19,18 +19,21 @@ from pathlib import Path
 from costmodel.workload import Workload
 
 CACHE_DIR = Path.home() / ".cache" / "parallax" / "workloads"
-_ROOT = Path(__file__).resolve().parents[1]
-# the code whose output a cached workload is: tracers, graph -> workload, the model catalog
-_SOURCES = ("planner/trace_*.py", "planner/trace/graph.py", "planner/workload_*.py", "planner/trace/models/*.py",
-            "costmodel/workload.py")
+_ROOT = Path(__file__).resolve().parents[2]
+# the code whose output a cached workload is: this package (tracers, graph -> workload, the model
+# catalog), the declaration of what TP splits, the Workload schema
+_SOURCES = ("planner/trace/*.py", "planner/trace/models/*.py", "planner/executable.py", "costmodel/workload.py")
+
+
+def fingerprinted_files() -> list[Path]:
+    return [path for pattern in _SOURCES for path in sorted(_ROOT.glob(pattern))]
 
 
 @lru_cache(maxsize=1)
 def _code_fingerprint() -> str:
     digest = hashlib.sha256()
-    for pattern in _SOURCES:
-        for path in sorted(_ROOT.glob(pattern)):
-            digest.update(path.name.encode() + path.read_bytes())
+    for path in fingerprinted_files():
+        digest.update(path.name.encode() + path.read_bytes())
     for package in ("torch", "transformers"):
         try:
             digest.update(metadata.version(package).encode())
