@@ -203,4 +203,4 @@ def test_a_cached_workload_is_the_traced_one_and_keyed_by_its_config(tmp_path, m
     assert calls == [1, 1, 1] and len(list(tmp_path.glob("*.json"))) == 4  # three entries and the config
     # the key covers the tracing code itself: a changed tracer never reads an old entry
     names = {path.name for path in cache.fingerprinted_files()}
-    assert {"module.py", "hf.py", "to_workload.py", "blocks.py", "executable.py", "workload.py", "llama-160m.json"} <= names
+    assert {"module.py", "hf.py", "to_workload.py", "blocks.py", "build.py", "executable.py", "workload.py"} <= names
