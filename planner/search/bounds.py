@@ -19,7 +19,7 @@ import heapq
 import math
 from typing import Callable
 
-from planner.search.coefficients import StageModelData, cheapest_mix
+from planner.search.coefficients import StageModelData, cheapest_mix, rank_fixed
 
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
@@ -171,8 +171,7 @@ class _RankCost:
 
     @staticmethod
     def fixed_seconds(data: StageModelData, r: int, pp: int, S: int) -> float:
-        return (sum(l.time["none"] for l in _fixed_layers(data, r, pp, S))
-                + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in range(r, S, pp)))
+        return data.fixed[r].time if len(data.fixed) == pp else rank_fixed(data, r, pp, S).time
 
     def blocks_time(self, n: int) -> float:
         d = self.data

@@ -7,7 +7,7 @@ estimator agree on uniform plans.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel.compute import Context, LayerTime, layer_time
 from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
@@ -33,6 +33,17 @@ class LayerCoefficients:
 
 
 @dataclass(frozen=True)
+class RankFixed:
+    """One pipeline rank's per-micro-batch work and memory besides its blocks: the embedding on
+    the first, the head on the last, a send at every virtual stage boundary and each stage's
+    unhidden sharded collectives."""
+
+    time: float
+    activation: float  # bytes kept per micro-batch in flight
+    params: float
+
+
+@dataclass(frozen=True)
 class StageModelData:
     """Everything the CP-SAT model needs for one layout."""
 
@@ -50,6 +61,7 @@ class StageModelData:
     core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
     fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
     extra: tuple[float, ...] = ()  # per pipeline rank: ZeRO-3's gather buffers and the accumulation transient
+    fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
 
     def extra_bytes(self, r: int) -> float:
         """Rank r's memory besides states and activations (`_rank_extra_bytes`)."""
@@ -121,7 +133,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
-    return StageModelData(
+    data = StageModelData(
         block=block,
         prefix=[coeff[id(layer)] for layer in layers[:first]],
         suffix=[coeff[id(layer)] for layer in layers[last:]],
@@ -141,6 +153,14 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
         extra=_rank_extra_bytes(layers[:first], layers[first], layers[last:], plan),
     )
+    return replace(data, fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
+
+
+def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
+    stages = range(r, S, pp)
+    layers = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+    return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in stages),
+                     activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers))
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan) -> tuple:
@@ -188,34 +208,26 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
     """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
     blocks per virtual stage: the CP-SAT model's objective and memory
     constraint evaluated directly, to rank layouts without building plans."""
-    S = pp * vpp
     block = data.block
-    rank_time = [0.0] * pp
-    rank_blocks = [0] * pp
-    rank_window = [0.0] * pp
-    rank_act = [0.0] * pp
-    rank_full = [False] * pp
-    rank_params = [0.0] * pp
+    fixed = data.fixed if len(data.fixed) == pp else [rank_fixed(data, r, pp, pp * vpp) for r in range(pp)]
+    per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
     for s, stage in enumerate(counts):
-        r = s % pp
-        fixed = (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])
-        rank_time[r] += sum(n * block.time[k] for k, n in stage.items()) + sum(l.time["none"] for l in fixed)
-        rank_time[r] += (data.p2p if s < S - 1 else 0.0) + data.stage_fill(s, S)
-        rank_blocks[r] += sum(stage.values())
-        rank_window[r] += sum(n * block.backward[k] for k, n in stage.items())
-        rank_act[r] += sum(n * block.activation[k] for k, n in stage.items()) + sum(l.activation["none"] for l in fixed)
-        rank_full[r] = rank_full[r] or stage.get("full", 0) > 0
-        rank_params[r] += sum(l.params for l in fixed)
+        mine = per_rank[s % pp]
+        for k, n in stage.items():
+            mine[k] += n
+    rank_time = [f.time + sum(n * block.time[k] for k, n in mine.items()) for f, mine in zip(fixed, per_rank)]
     slowest = max(rank_time)
     pipeline = m * slowest + (sum(rank_time) - slowest) / vpp
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
-    for r in range(pp):
-        params = rank_blocks[r] * block.params + rank_params[r]
-        exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - rank_window[r] - slack)
-        slack += rank_window[r]
+    for r, (f, mine) in enumerate(zip(fixed, per_rank)):
+        window = sum(n * block.backward[k] for k, n in mine.items())
+        params = sum(mine.values()) * block.params + f.params
+        exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - window - slack)
+        slack += window
         optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
-        transient = block.activation["none"] if rank_full[r] else 0.0
-        used = params * data.state_bytes_per_param + rank_act[r] * data.in_flight[r] + transient + data.extra_bytes(r)
+        transient = block.activation["none"] if mine["full"] else 0.0
+        act = f.activation + sum(n * block.activation[k] for k, n in mine.items())
+        used = params * data.state_bytes_per_param + act * data.in_flight[r] + transient + data.extra_bytes(r)
         headroom = min(headroom, data.capacity - used)
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
