@@ -71,6 +71,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def load_plan(path):
+    """A plan file, or one line naming the file and what is wrong with it."""
+    from costmodel.plan import Plan
+    from hardware.errors import PlanError
+
+    try:
+        return Plan.from_json(path.read_text())
+    except ValidationError as error:
+        raise PlanError("plan", f"{path} is not a valid plan: {_one_line(error)}",
+                        "write one with `parallax plan ... --out FILE`") from None
+
+
 def emit(result, out, as_json: bool) -> bool:
     """Write `result`'s JSON to `out` if given and print it for --json; True when printed
     (the tables are then left out)."""

@@ -12,7 +12,7 @@ from costmodel.plan import Plan, uniform_stages
 from hardware.errors import PlanError
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
-from parallax_cli import app
+from parallax_cli import app, load_plan
 from planner.summary import render
 
 console = Console()
@@ -119,7 +119,7 @@ def estimate_command(
     """Price one given layout (from flags or --plan FILE) without searching."""
     cluster = resolve_hardware(hw)
     if plan_file is not None:
-        given = Plan.from_json(plan_file.read_text())
+        given = load_plan(plan_file)
     else:
         if global_batch is None or seq_len is None:
             raise PlanError("--global-batch/--seq-len", "both are needed without --plan", "pass them, or --plan FILE")

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from parallax_cli import app
+from parallax_cli import app, load_plan
 
 
 @app.command("run")
@@ -38,10 +38,9 @@ def run_command(
     and reported. With --checkpoint-dir the job resumes from the newest valid checkpoint there;
     --nproc other than the plan's rank count re-plans the job and reshards the checkpoint
     (elastic resume)."""
-    from costmodel.plan import Plan
     from executor.launch import run
 
-    plan = Plan.from_json(plan_path.read_text())
+    plan = load_plan(plan_path)
     overrides = {k: v for k, v in dict(topk_fraction=topk_fraction, powersgd_rank=powersgd_rank,
                                        stochastic_rounding=stochastic_rounding).items() if v is not None}
     if overrides:  # validated like the plan file: a bad value is one line naming the field

@@ -17,7 +17,7 @@ import hardware
 from costmodel.estimate import estimate
 from costmodel.plan import Plan
 from hardware.errors import ModelError, ParallaxError
-from parallax_cli import app
+from parallax_cli import app, load_plan
 
 
 def load_workload(plan: Plan):
@@ -81,7 +81,7 @@ def simulate_command(
     """Simulate one training step of PLAN and compare it with the analytic estimate."""
     from costmodel.simulate import simulate
 
-    plan = Plan.from_json(plan_path.read_text())
+    plan = load_plan(plan_path)
     cluster = hardware.load(hw) if hw else plan.cluster()
     workload = load_workload(plan)
     plan, notes = fit_plan(plan, workload, cluster)

@@ -90,3 +90,14 @@ def test_failed_run_names_the_first_failing_rank_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "rank 1" in err and "boom on purpose" in err and "logs are in" in err, err
+
+
+def test_a_broken_plan_file_names_itself(tmp_path, capsys):
+    from parallax_cli import main
+
+    bad = tmp_path / "plan.json"
+    bad.write_text('{"model": ')
+    for argv in (["run", str(bad)], ["simulate", str(bad)], ["estimate", "gpt2", "--hw", "8xh100-sxm", "--plan", str(bad)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: plan:") and str(bad) in err and "\n" not in err
