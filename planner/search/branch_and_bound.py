@@ -20,8 +20,8 @@ from costmodel.workload import Workload
 from hardware.schema import Cluster
 
 from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
-from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step, single_block_profile,
-                           stage_model_data)
+from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step,
+                                         rank_step, single_block_profile, stage_model_data)
 from planner.search.enumerate import Candidate
 from planner.search.pinned import is_fully_pinned, pinned_plan
 from planner.search.solver import StageModel
@@ -154,8 +154,9 @@ def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> lis
     for entry in entries:
         blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
         lay, m = entry.layout, entry.template.num_micro_batches
+        per_rank = [sum(blocks[r::lay.pp]) for r in range(lay.pp)]
         for policy in allowed:
-            step, headroom = linear_step(entry.data, [{policy: b} for b in blocks], lay.pp, lay.vpp, m)
+            step, headroom = rank_step(entry.data, [{policy: b} for b in per_rank], lay.pp, lay.vpp, m)
             if headroom >= 0 and step < entry.uniform_best:
                 entry.uniform_best, entry.uniform_policy = step, policy
         greedy = least_recompute_counts(entry.data, blocks, lay.pp, allowed)

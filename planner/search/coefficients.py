@@ -208,27 +208,37 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
     """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
     blocks per virtual stage: the CP-SAT model's objective and memory
     constraint evaluated directly, to rank layouts without building plans."""
-    block = data.block
-    fixed = data.fixed if len(data.fixed) == pp else [rank_fixed(data, r, pp, pp * vpp) for r in range(pp)]
     per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
     for s, stage in enumerate(counts):
         mine = per_rank[s % pp]
         for k, n in stage.items():
             mine[k] += n
-    rank_time = [f.time + sum(n * block.time[k] for k, n in mine.items()) for f, mine in zip(fixed, per_rank)]
-    slowest = max(rank_time)
-    pipeline = m * slowest + (sum(rank_time) - slowest) / vpp
+    return rank_step(data, per_rank, pp, vpp, m)
+
+
+def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
+    """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
+    block = data.block
+    fixed = data.fixed if len(data.fixed) == pp else [rank_fixed(data, r, pp, pp * vpp) for r in range(pp)]
+    t_none, t_sel, t_full = (block.time[k] for k in POLICIES)
+    b_none, b_sel, b_full = (block.backward[k] for k in POLICIES)
+    a_none, a_sel, a_full = (block.activation[k] for k in POLICIES)
+    rank_time = []
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
     for r, (f, mine) in enumerate(zip(fixed, per_rank)):
-        window = sum(n * block.backward[k] for k, n in mine.items())
-        params = sum(mine.values()) * block.params + f.params
+        none, sel, full = mine.get("none", 0), mine.get("selective", 0), mine.get("full", 0)
+        rank_time.append(f.time + none * t_none + sel * t_sel + full * t_full)
+        window = none * b_none + sel * b_sel + full * b_full
+        params = (none + sel + full) * block.params + f.params
         exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - window - slack)
         slack += window
         optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
-        transient = block.activation["none"] if mine["full"] else 0.0
-        act = f.activation + sum(n * block.activation[k] for k, n in mine.items())
-        used = params * data.state_bytes_per_param + act * data.in_flight[r] + transient + data.extra_bytes(r)
+        act = f.activation + none * a_none + sel * a_sel + full * a_full
+        used = (params * data.state_bytes_per_param + act * data.in_flight[r] + (a_none if full else 0.0)
+                + data.extra_bytes(r))
         headroom = min(headroom, data.capacity - used)
+    slowest = max(rank_time)
+    pipeline = m * slowest + (sum(rank_time) - slowest) / vpp
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
 

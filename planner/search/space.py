@@ -10,6 +10,7 @@ executor cannot run is never offered.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import lru_cache
 from typing import Iterator
 
 from costmodel.plan import Plan, uniform_stages
@@ -52,8 +53,15 @@ class Layout(LayoutFields):
             dp_shard=self.dp_shard,
             cp=self.cp,
             ep=self.ep,
-            stages=uniform_stages(kinds, self.pp * self.vpp, recompute),
+            stages=list(_uniform(tuple(kinds), self.pp * self.vpp, recompute)),
         )
+
+
+@lru_cache(maxsize=256)
+def _uniform(kinds: tuple[str, ...], n_stages: int, recompute: str) -> tuple:
+    """`uniform_stages`, validated once per partition: thousands of layouts share a few (their
+    templates share the StagePlans, which the search replaces and never edits)."""
+    return tuple(uniform_stages(list(kinds), n_stages, recompute))
 
 
 def divisors(n: int) -> list[int]:
