@@ -193,3 +193,21 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
         bound = max(lower_bound(e.data, lay.pp, lay.vpp, m), memory_aware_bound(e.data, lay.pp, lay.vpp, m))
         priced = [c.estimate.step_time_s for c in search.uniform_plans(workload, cluster, lay, e.template, {}, 0.1) if c.fits]
         assert all(bound <= step * (1 + 1e-9) for step in priced), (lay, bound, priced)
+
+
+def test_layouts_dropped_for_their_states_fit_no_plan():
+    """The search drops layouts whose average rank's states alone overflow before pricing
+    them: the estimator must agree that none of their plans fits."""
+    import hardware
+    import planner.search.branch_and_bound as search
+    from planner.trace.workload_for import workload_for
+
+    workload, _ = workload_for("llama-3-8b", seq_len=4096)
+    cluster = hardware.load("8xh100-sxm")
+    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    dropped: list = []
+    kept = search._entries(workload, cluster, 64, {}, "bf16", None, capacity, dropped)
+    assert dropped and kept
+    for layout in dropped[:12]:
+        template = layout.to_plan(workload, cluster, global_batch=64, dtype="bf16", recompute="none", model="llama-3-8b")
+        assert not any(c.fits for c in search.uniform_plans(workload, cluster, layout, template, {}, 0.1)), layout

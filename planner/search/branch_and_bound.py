@@ -14,7 +14,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from costmodel.data_parallel import held_zero, layer_params_on_rank
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
+from costmodel.memory import model_state_bytes
 from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
@@ -69,14 +71,33 @@ class _Entry:
     split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
 
 
-def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity) -> list[_Entry]:
-    entries, times = [], LayerTimes()
+def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped: list | None = None) -> list[_Entry]:
+    """Every layout with its coefficients and cheap bound, lowest bound first; the layouts
+    whose states alone overflow are counted in `dropped` instead."""
+    entries, times, per_rank = [], LayerTimes(), {}
     for layout in layouts(workload, cluster, global_batch, fixed):
+        if _states_overflow(workload, layout, dtype, capacity, per_rank):
+            if dropped is not None:
+                dropped.append(layout)
+            continue
         template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none", model=model or workload.name)
         data = stage_model_data(workload, template, cluster, capacity, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
     entries.sort(key=lambda e: e.bound)
     return entries
+
+
+def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict) -> bool:
+    """Whether the average pipeline rank's weights, gradients and optimizer states alone exceed
+    one GPU (the fullest rank holds at least the average; experts priced at the dense
+    per-parameter figure, which shards over more ranks): such a layout's bound is inf, so it
+    is dropped before its coefficients are built."""
+    key = (layout.tp, layout.ep)
+    if key not in per_rank:
+        per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
+    shard = Plan.shard_degree.fget(layout)
+    state = sum(model_state_bytes(1.0, dtype, held_zero(layout), shard).values())
+    return per_rank[key] / layout.pp * state > capacity
 
 
 class _Tally:
@@ -120,7 +141,8 @@ def search(
     fixed = fixed or {}
     started = time.perf_counter()
     capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
-    entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity)
+    dropped: list = []
+    entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped)
     tally = _Tally(top_k)
     priced = _rank_uniform(workload, entries, fixed)
     for entry in _worth_pricing(priced, top_k):
@@ -141,7 +163,7 @@ def search(
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
     _tighten_bounds(entries, tally.first())
     bound = _proven_bound(entries)
-    report = _report(ranked, bound, len(entries), refined, time.perf_counter() - started)
+    report = _report(ranked, bound, len(entries) + len(dropped), refined, time.perf_counter() - started)
     return SearchResult(best=ranked[:top_k], report=report)
 
 
