@@ -80,7 +80,8 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
             if dropped is not None:
                 dropped.append(layout)
             continue
-        template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none", model=model or workload.name)
+        template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none",
+                                  model=model or workload.name, shared_stages=True)
         data = stage_model_data(workload, template, cluster, capacity, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
     entries.sort(key=lambda e: e.bound)

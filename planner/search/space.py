@@ -33,8 +33,13 @@ class Layout(LayoutFields):
 
     micro_batch: int = 1
 
-    def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str) -> Plan:
+    def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str,
+                shared_stages: bool = False) -> Plan:
+        """The layout with a uniform partition; `shared_stages`: StagePlans validated once and
+        shared with every plan of the same partition (the search's templates, never edited)."""
         kinds = [layer.kind for layer in workload.layers]
+        n_stages = self.pp * self.vpp
+        stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
         return Plan(
             model=model,
             hardware=cluster.spec(),
@@ -53,7 +58,7 @@ class Layout(LayoutFields):
             dp_shard=self.dp_shard,
             cp=self.cp,
             ep=self.ep,
-            stages=list(_uniform(tuple(kinds), self.pp * self.vpp, recompute)),
+            stages=stages,
         )
 
 
