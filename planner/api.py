@@ -41,7 +41,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
                             memory_reserve=memory_reserve, price_per_gpu_hour=price_per_gpu_hour,
                             allow_compression=allow_compression, target_gap=target_gap)
     unsupported = {"fixed": fixed, "objective": objective != "time" and objective, "price_per_gpu_hour": price_per_gpu_hour,
-                   "allow_compression": allow_compression, "example_inputs": example_inputs is not None and example_inputs}
+                   "allow_compression": allow_compression, "example_inputs": example_inputs is not None}
     for field, value in unsupported.items():
         if value:
             raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
