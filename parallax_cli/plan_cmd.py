@@ -12,7 +12,7 @@ from costmodel.plan import Plan, uniform_stages
 from hardware.errors import PlanError
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
-from parallax_cli import app, load_plan
+from parallax_cli import app, emit, load_plan
 from planner.summary import render
 
 console = Console()
@@ -84,11 +84,7 @@ def plan_command(
                       fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression,
                       target_gap=gap)
     result = result.model_copy(update={"model": model, "alternatives": [a.model_copy(update={"model": model}) for a in result.alternatives]})
-    if out:
-        out.write_text(result.to_json())
-    if as_json:
-        print(result.to_json())
-    else:
+    if not emit(result, out, as_json):
         console.print(render(result))
         if out:
             console.print(f"plan written to {out}")

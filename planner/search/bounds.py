@@ -19,7 +19,7 @@ import heapq
 import math
 from typing import Callable
 
-from planner.search.coefficients import StageModelData, cheapest_mix, rank_fixed
+from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
 
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
@@ -143,10 +143,8 @@ def _optimizer(data: StageModelData, params: float, pp: int) -> float:
 
 
 def _fixed_times(data: StageModelData, pp: int, vpp: int) -> list[float]:
-    """Each pipeline rank's seconds per micro-batch besides its blocks: the embedding on the
-    first, the head on the last, a send at every virtual stage boundary."""
-    S = pp * vpp
-    return [_RankCost.fixed_seconds(data, r, pp, S) for r in range(pp)]
+    """Each pipeline rank's seconds per micro-batch besides its blocks (`RankFixed.time`)."""
+    return [fixed.time for fixed in fixed_per_rank(data, pp, vpp)]
 
 
 def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> bool:
@@ -162,16 +160,11 @@ class _RankCost:
     """One pipeline rank's fixed layers and memory, for `memory_aware_bound`."""
 
     def __init__(self, data: StageModelData, r: int, pp: int, S: int) -> None:
-        fixed = _fixed_layers(data, r, pp, S)
+        fixed = fixed_per_rank(data, pp, S // pp)[r]
         self.data = data
         self.in_flight = data.in_flight[r]
-        self.fixed_time = self.fixed_seconds(data, r, pp, S)
-        self.fixed_bytes = (sum(l.params for l in fixed) * data.state_bytes_per_param + data.extra_bytes(r)
-                            + sum(l.activation["none"] for l in fixed) * self.in_flight)
-
-    @staticmethod
-    def fixed_seconds(data: StageModelData, r: int, pp: int, S: int) -> float:
-        return data.fixed[r].time if len(data.fixed) == pp else rank_fixed(data, r, pp, S).time
+        self.fixed_time = fixed.time
+        self.fixed_bytes = fixed.params * data.state_bytes_per_param + data.extra_bytes(r) + fixed.activation * self.in_flight
 
     def blocks_time(self, n: int) -> float:
         d = self.data
@@ -207,7 +200,3 @@ class _RankCost:
     def whole_blocks_time(self, n: int) -> float:
         mix = self.whole_block_mix(n)
         return float("inf") if mix is None else sum(self.data.block.time[k] * c for k, c in mix.items())
-
-
-def _fixed_layers(data: StageModelData, r: int, pp: int, S: int) -> list:
-    return [l for s in range(r, S, pp) for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]

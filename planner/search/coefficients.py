@@ -156,6 +156,13 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     return replace(data, fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
 
 
+def fixed_per_rank(data: StageModelData, pp: int, vpp: int) -> tuple[RankFixed, ...]:
+    """Each pipeline rank's `RankFixed`: the layout's own, computed once, or for another split."""
+    if len(data.fixed) == pp:
+        return data.fixed
+    return tuple(rank_fixed(data, r, pp, pp * vpp) for r in range(pp))
+
+
 def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     stages = range(r, S, pp)
     layers = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
@@ -219,7 +226,7 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
 def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
     """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
     block = data.block
-    fixed = data.fixed if len(data.fixed) == pp else [rank_fixed(data, r, pp, pp * vpp) for r in range(pp)]
+    fixed = fixed_per_rank(data, pp, vpp)
     t_none, t_sel, t_full = (block.time[k] for k in POLICIES)
     b_none, b_sel, b_full = (block.backward[k] for k in POLICIES)
     a_none, a_sel, a_full = (block.activation[k] for k in POLICIES)

@@ -9,7 +9,7 @@ executor cannot run is never offered.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Iterator
 
@@ -40,26 +40,8 @@ class Layout(LayoutFields):
         kinds = [layer.kind for layer in workload.layers]
         n_stages = self.pp * self.vpp
         stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
-        return Plan(
-            model=model,
-            hardware=cluster.spec(),
-            global_batch=global_batch,
-            seq_len=workload.seq_len,
-            dtype=dtype,
-            dp=self.dp,
-            tp=self.tp,
-            pp=self.pp,
-            sp=self.sp,
-            zero=self.zero,
-            micro_batch=self.micro_batch,
-            schedule=self.schedule,
-            vpp=self.vpp,
-            compression=self.compression,
-            dp_shard=self.dp_shard,
-            cp=self.cp,
-            ep=self.ep,
-            stages=stages,
-        )
+        return Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=workload.seq_len,
+                    dtype=dtype, stages=stages, **asdict(self))
 
 
 @lru_cache(maxsize=256)
