@@ -20,7 +20,7 @@ def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     check_dtype(plan.dtype, cluster)
     if plan.n_gpus != cluster.n_gpus:
         raise PlanError(
-            "dp*tp*pp",
+            "dp*cp*tp*pp",
             f"dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} GPUs but the hardware has {cluster.n_gpus}",
             "make the degrees multiply to the GPU count",
         )

@@ -77,7 +77,8 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     validate(plan, model)
     mesh = mesh if mesh is not None else build_mesh(plan)
     device = local_device()
-    model = model.to(device)
+    if any(p.device != device for p in model.parameters()):  # a no-op .to() fails on fake tensors
+        model = model.to(device)
     lmap: LayerMap = layer_map(model)
     analysis = tp_analysis(model, plan)
     groups = tied_groups(model) if plan.pp > 1 else []

@@ -24,15 +24,20 @@ def _traceable(model_name: str):
     return module.model if isinstance(module, HFStage) else module
 
 
-def predict(plan: Plan, model_name: str, cluster=None) -> tuple[float | None, float | None, str]:
-    """(step time s, peak bytes, note); Nones with the reason when no prediction is possible."""
+def estimate_of(plan: Plan, model_name: str, cluster=None):
+    """The planner's Estimate of `plan` for the model the workers build (raises ParallaxError)."""
     from planner.api import estimate
 
+    cluster = cluster if cluster is not None else plan.cluster()
+    model = _traceable(model_name)
+    inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
+    return estimate(model, plan, cluster, example_inputs=inputs)
+
+
+def predict(plan: Plan, model_name: str, cluster=None) -> tuple[float | None, float | None, str]:
+    """(step time s, peak bytes, note); Nones with the reason when no prediction is possible."""
     try:
-        cluster = cluster if cluster is not None else plan.cluster()
-        model = _traceable(model_name)
-        inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
-        result = estimate(model, plan, cluster, example_inputs=inputs)
+        result = estimate_of(plan, model_name, cluster)
     except ParallaxError as error:
         return None, None, f"no prediction: {error}"
     return result.step_time_s, result.peak_memory_bytes, ""

@@ -49,12 +49,14 @@ def precision(plan: Plan, device: torch.device):
                                               "fp8": torch.bfloat16}[plan.dtype])
 
 
-def _plain_step(run: Materialized, plan: Plan, x, y) -> torch.Tensor:
+def _plain_step(run: Materialized, plan: Plan, x, y, call=None) -> torch.Tensor:
+    """Forward and backward of every micro-batch; `call(module, xs)` runs the forward (the dry run
+    gives each micro-batch its own parent module for torch's memory trackers)."""
     module, n = run.modules[0], plan.num_micro_batches
     total = torch.zeros((), device=run.device)
     for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
         with sync_context(module, i == n - 1):
-            loss = lm_loss(module(xs), ys)
+            loss = lm_loss(call(module, xs) if call else module(xs), ys)
             (loss / n).backward()
         total += loss.detach() / n
     return total

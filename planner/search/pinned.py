@@ -27,19 +27,21 @@ def is_fully_pinned(fixed: dict | None) -> bool:
 
 def pinned_layout(fixed: dict, cluster: Cluster) -> Layout:
     """The one layout `fixed` names; unpinned fields take the plain defaults."""
-    tp, pp, n = fixed["tp"], fixed["pp"], cluster.n_gpus
-    if n % (tp * pp):
-        raise PlanError("pp", f"tp*pp = {tp}*{pp} does not divide the {n} GPUs", f"pick tp and pp whose product divides {n}")
-    dp = fixed.get("dp", n // (tp * pp))
-    if dp * tp * pp != n:
-        raise PlanError("dp", f"dp*tp*pp = {dp}*{tp}*{pp} is not the cluster's {n} GPUs", f"use dp={n // (tp * pp)}")
+    tp, pp, cp, n = fixed["tp"], fixed["pp"], fixed.get("cp", 1), cluster.n_gpus
+    if n % (cp * tp * pp):
+        raise PlanError("pp", f"cp*tp*pp = {cp}*{tp}*{pp} does not divide the {n} GPUs",
+                        f"pick cp, tp and pp whose product divides {n}")
+    dp = fixed.get("dp", n // (cp * tp * pp))
+    if dp * cp * tp * pp != n:
+        raise PlanError("dp", f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp} is not the cluster's {n} GPUs",
+                        f"use dp={n // (cp * tp * pp)}")
     vpp = fixed.get("vpp", 1)
     schedule = fixed.get("schedule", "interleaved" if vpp > 1 else "1f1b")
     compression = fixed.get("compression", "none")
     return Layout(dp=dp, tp=tp, pp=pp, sp=fixed.get("sp", False), zero=fixed.get("zero", 0),
                   micro_batch=fixed.get("micro_batch", 1), schedule=schedule, vpp=vpp,
                   compression=compression if isinstance(compression, str) else "none",
-                  dp_shard=fixed.get("dp_shard"), cp=fixed.get("cp", 1), ep=fixed.get("ep", 1))
+                  dp_shard=fixed.get("dp_shard"), cp=cp, ep=fixed.get("ep", 1))
 
 
 def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, **kw) -> Plan:

@@ -1,0 +1,250 @@
+"""Dry run: the executor's own appliers on fake tensors, at the plan's full world size.
+
+Why: the cost model's memory is a formula; what a rank holds is what the
+executor allocates. A dry run measures the second without a GPU. For one rank
+of each distinct role (one per pipeline rank: dp, cp, tp and ep ranks of a
+pipeline rank hold the same shapes), it
+
+- starts torch's fake process group (`fake_pg`) at the plan's world size, as
+  that rank, so every collective returns at once with outputs of the right shape;
+- builds the model under `FakeTensorMode` (no storage is allocated: a 70B
+  model builds in seconds) and runs `materialize_rank`, the same appliers in
+  the same order as `parallax run`;
+- replays one optimizer step under torch's memory trackers
+  (`FSDPMemTracker` where FSDP2 holds the parameters, `MemTracker` otherwise),
+  after one untimed step that creates the optimizer state.
+
+A pipeline rank runs its own chunks in the order torch's schedule gives it
+(`pipeline_order`), with stand-in tensors where the schedule would receive
+activations or gradients. The step replays at most `replay_micro_batches`
+micro-batches: past the pipeline's warm-up (and past the second micro-batch
+without stages) every further micro-batch repeats a state already measured.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from costmodel.plan import Plan
+from executor.dry_run_trackers import CategoryPeaks, tracker_for
+
+GIB = 2 ** 30
+
+
+@dataclass
+class RankMemory:
+    """One measured rank: its peak and each category's own peak, beside the prediction."""
+
+    rank: int
+    pp_rank: int
+    measured: dict[str, float]
+    measured_peak: float
+    predicted: dict[str, float]
+    predicted_peak: float
+    capacity: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_peak / self.measured_peak - 1 if self.measured_peak else math.nan
+
+    @property
+    def fits(self) -> bool:
+        return self.measured_peak <= self.capacity
+
+
+@dataclass
+class DryRun:
+    plan: Plan
+    ranks: list[RankMemory]
+    replayed_micro_batches: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.ranks, key=lambda r: r.measured_peak)
+
+
+def replay_micro_batches(plan: Plan) -> int:
+    """Micro-batches replayed: every state of the step appears by then (the accumulation
+    transient from the second; a pipeline's deepest warm-up within 3*pp, a multiple of pp
+    as the interleaved schedule wants)."""
+    m = plan.num_micro_batches
+    return min(m, 2) if plan.pp == 1 else min(m, 3 * plan.pp)
+
+
+def roles(plan: Plan) -> list[int]:
+    """Pipeline ranks to measure: all of them up to 4, else the first, the last and the one
+    the estimate says peaks highest."""
+    if plan.pp <= 4:
+        return list(range(plan.pp))
+    predicted = [_predicted_stage(plan, r) for r in range(plan.pp)]
+    worst = max(range(plan.pp), key=lambda r: sum(predicted[r].values()))
+    return sorted({0, plan.pp - 1, worst})
+
+
+def _predicted_stage(plan: Plan, pp_rank: int) -> dict[str, float]:
+    stage = next(s for s in plan.estimate.stages if s.index % plan.pp == pp_rank)
+    return dict(stage.memory_bytes)
+
+
+def with_estimate(plan: Plan, model_name: str, cluster=None) -> Plan:
+    """`plan` with a fresh estimate, priced through the run report's door (`executor.predict`)."""
+    from executor.predict import estimate_of
+
+    return plan.model_copy(update={"estimate": estimate_of(plan, model_name, cluster)})
+
+
+def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks: list[int] | None = None) -> DryRun:
+    """Measure `plan` on fake tensors, one rank per pipeline role, beside its estimate
+    (on `cluster`, default the plan's own hardware)."""
+    name = model_name or plan.model
+    build_model_check(name)
+    plan = with_estimate(plan, name, cluster)
+    replay = replay_micro_batches(plan)
+    short = _shortened(plan, replay)
+    capacity = plan.estimate.memory_capacity_bytes
+    out = []
+    for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
+        rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
+        measured = _measure_rank(short, name, rank)
+        out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
+                              predicted=_predicted_stage(plan, pp_rank),
+                              predicted_peak=sum(_predicted_stage(plan, pp_rank).values()), capacity=capacity))
+    notes = [] if replay == plan.num_micro_batches else [
+        f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
+    return DryRun(plan, out, replay, notes)
+
+
+def build_model_check(name: str) -> None:
+    """Fail on an unknown model before any process group starts (one line, not a traceback)."""
+    from executor.models import _builder
+
+    _builder(name)
+
+
+def _shortened(plan: Plan, micro_batches: int) -> Plan:
+    """The plan with its step cut to `micro_batches` micro-batches (same micro-batch size)."""
+    if micro_batches == plan.num_micro_batches:
+        return plan
+    per_micro_batch = plan.global_batch // plan.num_micro_batches
+    return plan.model_copy(update={"global_batch": per_micro_batch * micro_batches})
+
+
+def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from executor.materialize import materialize_rank
+    from executor.mesh import build_mesh
+    from executor.models import build_model
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.n_gpus)
+    try:
+        mesh = build_mesh(plan)  # outside the fake mode: the mesh's own tensors are real
+        fake = FakeTensorMode(allow_non_fake_inputs=True)
+        with fake:
+            model = build_model(name)
+        hidden = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).embedding_dim
+        # Outside the mode the fake parameters still compute fake, while the meshes FSDP2 builds
+        # over TP (DeviceMesh._concatenate) stay real tensors, as they must.
+        run = materialize_rank(plan, model, mesh)
+        peaks = CategoryPeaks()
+        with fake:
+            _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
+            with tracker_for(run, peaks):
+                _replay_step(run, plan, hidden)
+        return peaks
+    finally:
+        dist.destroy_process_group()
+
+
+def _create_optimizer_state(run) -> None:
+    """One step on zero gradients: AdamW allocates its state lazily, at the first step."""
+    for module in run.modules:
+        for p in module.parameters():
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _replay_step(run, plan: Plan, hidden: int) -> None:
+    from executor.train import _plain_step, precision
+
+    rows = plan.global_batch // plan.dp
+    tokens = torch.zeros(rows, plan.seq_len // plan.cp, dtype=torch.long)
+    with precision(plan, run.device):
+        if run.schedule is None:
+            _plain_step(run, plan, tokens, tokens, call=lambda module, x: _MicroBatch(module)(x))
+        else:
+            _replay_pipeline(run, plan, tokens, hidden)
+    run.sync_gradients()
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+
+
+def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None:
+    """This rank's actions in torch's own schedule order, its stages fed stand-ins for what
+    the schedule would receive; FSDP2 defers resharding and the reduction to the last backward,
+    as the schedule sets it."""
+    from executor.materialize import lm_loss
+
+    pp_rank = run.mesh.get_local_rank("pp")
+    stages = {s.stage_index: s for s in _stages(run.schedule)}
+    order = [a for a in run.schedule.pipeline_order[pp_rank] if a is not None]
+    n = plan.num_micro_batches
+    micro = tokens.chunk(n)
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    for stage in stages.values():
+        _defer_fsdp(stage.submod, True)
+    backwards_left = {i: n for i in stages}
+    for action in order:
+        kind, index, mb = action.computation_type.name, action.stage_index, action.microbatch_index
+        stage = stages[index]
+        if kind in ("FORWARD", "F"):
+            x = micro[mb] if stage.is_first else _hidden_stand_in(micro[mb], hidden)
+            outputs[(index, mb)] = _MicroBatch(stage.submod)(x)
+        elif kind in ("FULL_BACKWARD", "B", "BACKWARD"):
+            out = outputs.pop((index, mb))
+            backwards_left[index] -= 1
+            if backwards_left[index] == 0:
+                _defer_fsdp(stage.submod, False)
+            if stage.is_last:
+                (lm_loss(out, micro[mb]) / n).backward()
+            else:
+                out.backward(torch.zeros_like(out))
+
+
+class _MicroBatch(torch.nn.Module):
+    """A fresh parent per micro-batch's forward: torch's trackers refuse a top-level module
+    called again before its backward, which is what a pipeline schedule does."""
+
+    def __init__(self, chunk: torch.nn.Module) -> None:
+        super().__init__()
+        self.chunk = chunk
+
+    def forward(self, x):
+        return self.chunk(x)
+
+
+def _stages(schedule) -> list:
+    return list(getattr(schedule, "_stages", None) or [schedule._stage])
+
+
+def _hidden_stand_in(tokens: torch.Tensor, hidden: int) -> torch.Tensor:
+    """What a later stage receives: fp32 hidden states (the executor keeps fp32 weights, so the
+    residual stream is fp32 under autocast), as a leaf that wants its gradient."""
+    return torch.zeros(*tokens.shape, hidden, requires_grad=True)
+
+
+def _defer_fsdp(module, defer: bool) -> None:
+    if hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(not defer)
+    if hasattr(module, "set_reshard_after_backward"):
+        module.set_reshard_after_backward(not defer)
+    return None

@@ -1,0 +1,57 @@
+"""`parallax dry-run PLAN.json`: the plan's memory as the executor allocates it, on fake tensors."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from parallax_cli import app, load_plan
+
+GIB = 2 ** 30
+ORDER = ("weights", "gradients", "optimizer", "activations", "buffers")
+
+
+@app.command("dry-run")
+def dry_run_command(
+    plan_path: Path = typer.Argument(..., help="plan JSON (hand-written or from `parallax plan`)"),
+    model: str = typer.Option(None, "--model", help="model name; default: the plan's"),
+    hardware: str = typer.Option(None, "--hardware", help="profile or spec to predict on; default: the plan's"),
+) -> None:
+    """Run the executor's appliers for one rank of each pipeline role on fake tensors, under torch's
+    fake process group at the plan's full world size, and print each memory category measured
+    beside predicted. Nothing is allocated and no GPU is touched."""
+    from executor.dry_run import dry_run
+
+    plan = load_plan(plan_path)
+    cluster = None
+    if hardware:
+        from hardware import load
+
+        cluster = load(hardware)
+    result = dry_run(plan, model, cluster=cluster)
+    console = Console()
+    for rank in result.ranks:
+        console.print(_table(rank))
+        if not rank.fits:
+            console.print(f"rank {rank.rank} would not fit: {rank.measured_peak / GIB:.1f} GiB measured > "
+                          f"{rank.capacity / GIB:.1f} GiB usable")
+    for note in result.notes:
+        typer.echo(f"note: {note}")
+    worst = result.worst
+    typer.echo(f"peak memory: {worst.measured_peak / GIB:.2f} GiB measured on fake tensors, predicted "
+               f"{worst.predicted_peak / GIB:.2f} GiB (error {worst.error:+.1%})")
+
+
+def _table(rank) -> Table:
+    table = Table(title=f"rank {rank.rank} (pipeline rank {rank.pp_rank})")
+    for column in ("category", "measured GiB", "predicted GiB", "error"):
+        table.add_column(column, justify="left" if column == "category" else "right")
+    names = [n for n in ORDER if n in rank.measured or n in rank.predicted]
+    for name in names + ["peak"]:
+        measured = rank.measured_peak if name == "peak" else rank.measured.get(name, 0.0)
+        predicted = rank.predicted_peak if name == "peak" else rank.predicted.get(name, 0.0)
+        error = f"{predicted / measured - 1:+.1%}" if measured else "-"
+        table.add_row(name, f"{measured / GIB:.2f}", f"{predicted / GIB:.2f}", error)
+    return table

@@ -1,0 +1,91 @@
+"""The dry run: the executor's appliers on fake tensors at full world size, measured by torch's trackers."""
+from __future__ import annotations
+
+import pytest
+from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
+from torch.distributed._tools.mem_tracker import _MemRefType
+
+import planner
+from executor.dry_run import dry_run, replay_micro_batches, roles
+from executor.dry_run_trackers import CATEGORY
+from parallax_cli import main
+
+GIB = 2 ** 30
+
+
+def test_every_tracker_category_is_mapped():
+    """torch's private trackers are pinned: a category torch adds or renames fails here, not silently."""
+    names = {t.value for t in _FSDPRefType} | {t.value for t in _MemRefType}
+    assert names <= set(CATEGORY), names - set(CATEGORY)
+    assert set(CATEGORY.values()) == {"weights", "gradients", "optimizer", "activations", "buffers"}
+
+
+def test_full_size_fsdp_rank_holds_its_shard():
+    """llama-3-8b under ZeRO-3 on 8 fake ranks: the rank holds 1/8 of the fp32 weights and
+    of AdamW's two fp32 moments, and FSDP2's gathers show up as buffers."""
+    plan = planner.plan("llama-3-8b", "8xh100-sxm", global_batch=8, seq_len=1024,
+                        fixed={"tp": 1, "pp": 1, "zero": 3, "recompute": "full"})
+    result = dry_run(plan)
+    (rank,) = result.ranks
+    params = 8_030_261_248  # llama-3-8b (the workload reports the same)
+    assert rank.measured["weights"] == pytest.approx(params * 4 / 8, rel=1e-3)
+    assert params * 8 / 8 <= rank.measured["optimizer"] <= params * 8 / 8 * 1.1
+    assert rank.measured["buffers"] > 0
+    assert rank.measured_peak >= sum(rank.measured[k] for k in ("weights", "optimizer"))
+    assert rank.predicted_peak == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-6)
+
+
+def test_pipeline_ranks_each_measured():
+    """An interleaved pipeline: every pipeline rank replays its own chunks in torch's schedule
+    order; the first and last ranks hold the embedding and head on top of their blocks."""
+    plan = planner.plan("hf-llama-tiny", "8xh100-sxm", global_batch=16, seq_len=32,
+                        fixed={"tp": 1, "pp": 2, "vpp": 2, "zero": 0}, dtype="fp32")
+    assert plan.schedule == "interleaved" and replay_micro_batches(plan) <= plan.num_micro_batches
+    result = dry_run(plan)
+    assert [r.pp_rank for r in result.ranks] == roles(plan) == [0, 1]
+    own = {0: 0, 1: 0}  # fp32 bytes of the parameters each pipeline rank's chunks keep
+    for index, stage in enumerate(plan.stages):
+        own[index % plan.pp] += 4 * sum(layer.params for layer in _layers(plan)[stage.start:stage.end])
+    for rank in result.ranks:
+        assert rank.measured["weights"] >= own[rank.pp_rank] * 0.99 and rank.measured["activations"] > 0
+        assert rank.measured["gradients"] >= own[rank.pp_rank] * 0.99
+    assert own[0] != own[1]
+
+
+def _layers(plan):
+    from planner.trace.workload_for import workload_for
+
+    return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0].layers
+
+
+def test_cli_prints_categories_and_peak(tmp_path, capsys):
+    plan = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
+                        fixed={"tp": 2, "pp": 1, "zero": 2, "sp": True})
+    path = tmp_path / "p.json"
+    path.write_text(plan.to_json())
+    assert main(["dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    for name in ("weights", "gradients", "optimizer", "activations", "buffers"):
+        assert name in out
+    assert "measured on fake tensors, predicted" in out
+
+
+def test_cli_unknown_model_is_one_line(tmp_path, capsys):
+    plan = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32, fixed={"tp": 1, "pp": 1})
+    path = tmp_path / "p.json"
+    path.write_text(plan.to_json())
+    assert main(["dry-run", str(path), "--model", "no-such-model"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: model:") and len(err.strip().splitlines()) == 1
+
+
+def test_pinned_context_parallel_counts_cp_in_the_product():
+    """dp*cp*tp*pp is the GPU count: dp=1 cp=8 fills 8 GPUs, and a wrong dp names cp in the fix."""
+    from hardware.errors import PlanError
+
+    plan = planner.plan("llama-3-8b", "8xh100-sxm", global_batch=1, seq_len=32768,
+                        fixed={"dp": 1, "cp": 8, "tp": 1, "pp": 1, "zero": 3, "recompute": "full"})
+    assert (plan.dp, plan.cp, plan.n_gpus) == (1, 8, 8)
+    with pytest.raises(PlanError, match=r"dp\*cp\*tp\*pp = 2\*8\*1\*1 .*use dp=1"):
+        planner.plan("llama-3-8b", "8xh100-sxm", global_batch=2, seq_len=32768,
+                     fixed={"dp": 2, "cp": 8, "tp": 1, "pp": 1})
