@@ -20,8 +20,17 @@ flash_attention, biases, dropout and learned_positions state the model where
 it is neither (MPT: flash attention, no biases, no dropout, learned positions);
 n_experts, top_k and ep describe a mixture-of-experts run (blank: dense), cp a
 context-parallel one;
-a blank nic_gbps_per_gpu takes the catalog's network. Other columns (source)
-are ignored.
+a blank nic_gbps_per_gpu takes the catalog's network. `dtype` (bf16, fp16, fp8,
+fp32; blank bf16) is the precision the run trained in and is priced so (FP8 at
+the GPU's FP8 peak). `stack` names the software that ran it: eager (PyTorch
+ops, FSDP2/DTensor, what `parallax run` executes), compile (torch.compile) or
+fused (Megatron-LM / Transformer Engine kernels); blank is fused, which every
+Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; the
+cost model does not yet price the stacks differently, so those lines show what
+one efficiency set per GPU misses on each stack. An optional peak_memory_gib
+(published peak per GPU) is compared with the predicted peak: its error prints
+beside the time error and a memory MAPE line follows the time MAPE. Other
+columns (source) are ignored.
 """
 from __future__ import annotations
 
@@ -38,6 +47,7 @@ from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E
 from planner.search.branch_and_bound import best_plan  # noqa: E402
 
 DEFAULT_CSV = ROOT / "benchmarks" / "data" / "calibration_runs.csv"
+STACKS = ("eager", "compile", "fused")
 METRICS = ("tflops_per_gpu_incl_recompute", "tflops_per_gpu_model", "s_per_iter", "mfu_pct", "tokens_per_s_per_gpu")
 
 
@@ -108,11 +118,19 @@ def row_pins(row: dict) -> dict:
     recompute = (row.get("recompute") or "").strip().lower()
     if recompute:
         pins["recompute"] = recompute
+    pins["stack"] = row_stack(row)
     return pins
 
 
-def mechanism(plan) -> str:
-    """The class a row's error is reported under: what dominates its communication."""
+def row_stack(row: dict) -> str:
+    stack = (row.get("stack") or "").strip().lower() or "fused"
+    if stack not in STACKS:
+        raise ValueError(f"unknown stack {stack!r} (use one of {', '.join(STACKS)})")
+    return stack
+
+
+def mechanism(plan, stack: str = "fused") -> str:
+    """The class a row's error is reported under: its stack, what dominates its communication, its GPU."""
     if plan.zero >= 2 and plan.dp_replicate > 1:
         kind = "hsdp"
     elif plan.zero >= 2 and plan.dp > 1:
@@ -121,12 +139,15 @@ def mechanism(plan) -> str:
         kind = "megatron tp x pp"
     else:
         kind = "dp"
-    return f"{kind} {plan.hardware.split('x', 1)[-1]}"
+    return f"{stack} {kind} {plan.hardware.split('x', 1)[-1]}"
 
 
-def predict(row: dict) -> tuple[float, str, str, list[str]]:
+def predict(row: dict) -> tuple[float, float, str, str, list[str]]:
+    """(predicted metric, predicted peak GiB per GPU, layout, class, notes)."""
     workload, cluster = row_workload(row), row_cluster(row)
-    plan = best_plan(workload, cluster, global_batch=_int(row, "global_batch"), fixed=row_pins(row), model=row["id"])
+    dtype = (row.get("dtype") or "").strip().lower() or "bf16"
+    plan = best_plan(workload, cluster, global_batch=_int(row, "global_batch"), fixed=row_pins(row), model=row["id"],
+                     dtype=dtype)
     if plan is None:
         raise ValueError("no layout fits under the unpinned fields; pin tp and pp to estimate the layout as given")
     est = plan.estimate or estimate(workload, plan, cluster)
@@ -138,8 +159,8 @@ def predict(row: dict) -> tuple[float, str, str, list[str]]:
         "mfu_pct": est.mfu * 100,
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
-    layout = plan.layout_tag
-    return value, layout, mechanism(plan), plan.notes
+    layout = f"{plan.layout_tag} {dtype}" if dtype != "bf16" else plan.layout_tag
+    return value, est.peak_memory_bytes / 2 ** 30, layout, mechanism(plan, row_stack(row)), plan.notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,15 +174,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cannot read {args.csv}: {error}")
         return 1
     errors: dict[str, list[float]] = {}
+    memory_errors: dict[str, list[float]] = {}
     missed = 0
-    print(f"{'id':32} {'metric':32} {'published':>10} {'predicted':>10} {'error':>8}  layout")
+    print(f"{'id':32} {'metric':32} {'published':>10} {'predicted':>10} {'error':>8} {'memory':>8}  layout")
     for row in rows:
         name = (row.get("id") or "?").strip()
         try:
             if (row.get("metric") or "").strip() not in METRICS:
                 raise ValueError(f"unknown metric {row.get('metric')!r} (use one of {', '.join(METRICS)})")
             published = float(row["value"])
-            predicted, layout, kind, notes = predict(row)
+            predicted, peak_gib, layout, kind, notes = predict(row)
         except Exception as error:  # noqa: BLE001 - one bad row must not stop the table
             missed += 1
             print(f"{name:32} not predicted: {type(error).__name__}: {' '.join(str(error).split())}")
@@ -169,11 +191,21 @@ def main(argv: list[str] | None = None) -> int:
         error = (predicted - published) / published
         errors.setdefault(kind, []).append(abs(error))
         flags = f"  [{'; '.join(notes)}]" if notes else ""
-        print(f"{name:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%}  {layout}{flags}")
+        memory = "-"
+        if (row.get("peak_memory_gib") or "").strip():
+            published_gib = float(row["peak_memory_gib"])
+            memory_errors.setdefault(kind, []).append(abs(peak_gib / published_gib - 1))
+            memory = f"{peak_gib / published_gib - 1:+.1%}"
+        print(f"{name:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%} {memory:>8}  {layout}{flags}")
     every = [e for values in errors.values() for e in values]
     if len(errors) > 1:
         for kind, values in sorted(errors.items()):
             print(f"  MAPE {kind}: {100 * sum(values) / len(values):.1f}% over {len(values)} rows")
+    memory = [e for values in memory_errors.values() for e in values]
+    if memory:
+        for kind, values in sorted(memory_errors.items()):
+            print(f"  memory MAPE {kind}: {100 * sum(values) / len(values):.1f}% over {len(values)} rows")
+        print(f"memory MAPE: {100 * sum(memory) / len(memory):.1f}% over {len(memory)} rows with a published peak")
     mape = f"{100 * sum(every) / len(every):.1f}%" if every else "n/a"
     print(f"MAPE: {mape} over {len(every)} rows ({missed} not predicted)")
     return 0

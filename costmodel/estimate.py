@@ -90,9 +90,10 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    memory = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree)
+    memory = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     if rank.expert_params:  # expert states shard over the ranks holding the same experts
-        experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep))
+        experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
+                                    plan.stack)
         memory = {k: memory[k] + experts[k] for k in memory}
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
     per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0

@@ -1,12 +1,19 @@
 """Peak memory of one rank: model states under ZeRO, and saved activations.
 
-Model states follow the ZeRO paper (Rajbhandari et al. 2020) for mixed
-precision Adam: 2 bytes of 16-bit weights, 2 of gradients and 12 of fp32
-optimizer state (master weights, momentum, variance) per parameter; ZeRO
-stage 1 shards the 12, stage 2 also the gradients, stage 3 everything over
-the data-parallel group. In fp32 training the weights and gradients take 4
-bytes each and the optimizer 8. FP8 training (Transformer Engine style) keeps
-the bf16 weights and fp32 states and adds the 1-byte FP8 copy its GEMMs read.
+Model states depend on the kernel stack (`Plan.stack`), each 16 bytes per
+parameter in mixed precision but split differently, which matters once ZeRO
+shards some categories and not others:
+- fused (Megatron-LM, the ZeRO paper's mixed precision Adam, Rajbhandari et
+  al. 2020): 2 bytes of 16-bit weights, 2 of gradients and 12 of fp32 optimizer
+  state (master weights, momentum, variance). FP8 (Transformer Engine style)
+  adds the 1-byte FP8 copy its GEMMs read.
+- eager and compile (PyTorch autocast, what the executor runs): the fp32
+  weights are the master copy, so 4 bytes of weights, 4 of fp32 gradients and
+  8 of AdamW moments; FSDP2 gathers the 16-bit copy only while a unit runs
+  (`executor.data_parallel.mixed_precision`), priced as ZeRO-3 buffers.
+ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3
+everything over the data-parallel group. In fp32 training every stack holds
+4 + 4 + 8.
 
 Activations follow Korthikanti et al. 2022 per policy: "none" keeps
 everything, "selective" drops the attention scores, "full" keeps only the
@@ -21,12 +28,21 @@ from .workload import LayerProfile
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 weights, gradients and collectives
 FP8_WEIGHT_COPY_BYTES = 1  # per held weight: the FP8 cast the GEMMs read, kept beside the bf16 weight
+AUTOCAST_STATE_BYTES = (4, 4, 8)  # eager/compile: fp32 weights (the master), fp32 gradients, AdamW's two moments
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, dp: int) -> dict[str, float]:
-    """Weights, gradients and optimizer state of `params` parameters on one rank."""
+def state_bytes_per_param(dtype: str, stack: str = "eager") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter, unsharded."""
+    if stack != "fused":
+        return AUTOCAST_STATE_BYTES
     w = WEIGHT_BYTES[dtype] + (FP8_WEIGHT_COPY_BYTES if dtype == "fp8" else 0)
-    weights, grads, optimizer = w * params, WEIGHT_BYTES[dtype] * params, OPTIMIZER_BYTES[dtype] * params
+    return w, WEIGHT_BYTES[dtype], OPTIMIZER_BYTES[dtype]
+
+
+def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str = "eager") -> dict[str, float]:
+    """Weights, gradients and optimizer state of `params` parameters on one rank."""
+    w, g, o = state_bytes_per_param(dtype, stack)
+    weights, grads, optimizer = w * params, g * params, o * params
     if zero >= 1:
         optimizer /= dp
     if zero >= 2:

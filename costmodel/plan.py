@@ -18,9 +18,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hardware.schema import Cluster
 
-SCHEMA_VERSION = 3  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp
+SCHEMA_VERSION = 4  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack
 
 Recompute = Literal["none", "selective", "full"]
+Stack = Literal["eager", "compile", "fused"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Compression = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
 
@@ -98,7 +99,7 @@ class SolverReport(BaseModel):
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
     model: str
     hardware: str
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
@@ -115,6 +116,9 @@ class Plan(BaseModel):
     cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks (2 of its 2*cp "
                                          "chunks each, the causal load balance), keys and values all-gathered")
     sp: bool = False
+    stack: Stack = Field("eager", description="the kernel stack priced: eager (PyTorch ops under autocast over fp32 "
+                         "weights, what `parallax run` executes), compile (torch.compile), fused (Megatron-LM / "
+                         "Transformer Engine: bf16 weights, fp32 masters in the optimizer)")
     zero: int = Field(0, ge=0, le=3)
     dp_shard: int | None = Field(None, ge=1, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
                                  "this many dp ranks, replicate across the dp/dp_shard groups (None: shard over all dp)")

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -48,11 +48,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
             dp_mesh = hsdp_mesh(mesh, plan)
         if plan.ep > 1:
             expert_units(module, mesh, plan, reshard)
+        policy = mixed_precision(plan)
         for name in lmap.block_names:
             block = get_or_none(module, name)
             if block is not None and any(True for _ in block.parameters()):
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
         return module
     if not uses_ddp(plan):
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -71,6 +72,16 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
 
         register_compression(ddp, plan, dp_mesh.get_group(), seed=seed)
     return ddp
+
+
+def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
+    """FSDP2 gathers half-precision plans' weights in the compute dtype and reduce-scatters their
+    gradients in it (the 2-byte collectives and unsharded buffers the cost model prices); the
+    sharded weights, gradients and AdamW state stay fp32. fp8 plans compute in bf16 here."""
+    if plan.dtype == "fp32":
+        return MixedPrecisionPolicy()
+    half = torch.float16 if plan.dtype == "fp16" else torch.bfloat16
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half)
 
 
 def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool | None) -> None:

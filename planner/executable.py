@@ -70,6 +70,7 @@ class LayoutFields:
     dp_shard: int | None = None
     cp: int = 1
     ep: int = 1
+    stack: str = "eager"
 
     @property
     def data_parallel(self) -> int:
@@ -92,7 +93,8 @@ def uses_ddp(fields) -> bool:
 def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int | None = None) -> PlanError | None:
     """The first reason the executor cannot run `fields` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
-    checks = (_tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _zero_problem, _compression_problem, _seq_problem)
+    checks = (_stack_problem, _tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _zero_problem,
+              _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
@@ -104,6 +106,18 @@ def check_layout(fields, facts: ModelFacts, seq_len: int, micro_batches: int | N
     problem = layout_problem(fields, facts, seq_len, micro_batches)
     if problem is not None:
         raise problem
+
+
+EXECUTED_STACKS = ("eager",)  # the executor runs PyTorch ops as they are: no torch.compile, no fused kernels
+
+
+def _stack_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """Other stacks are priced (a pinned what-if, a published run), not run."""
+    stack = getattr(f, "stack", "eager")
+    if stack not in EXECUTED_STACKS:
+        return PlanError("stack", f"the executor runs the eager stack; {stack!r} is priced, not run",
+                         "use stack 'eager' to run the plan")
+    return None
 
 
 def _micro_batch_problem(f, m: int) -> PlanError | None:

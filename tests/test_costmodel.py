@@ -13,9 +13,18 @@ from hardware.errors import PlanError
 
 @pytest.mark.parametrize("zero, expected_gb", [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
 def test_zero_paper_model_states(zero, expected_gb):
-    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, mixed-precision Adam.
-    total = sum(model_state_bytes(7.5e9, "bf16", zero, 64).values()) / 1e9
+    # Rajbhandari et al. 2020, Fig. 1: 7.5B parameters, 64 GPUs, mixed-precision Adam (Megatron's split).
+    total = sum(model_state_bytes(7.5e9, "bf16", zero, 64, "fused").values()) / 1e9
     assert total == pytest.approx(expected_gb, abs=0.05)
+
+
+@pytest.mark.parametrize("zero, expected_gb", [(0, 120), (1, 60.94), (2, 31.41), (3, 1.875)])
+def test_autocast_model_states(zero, expected_gb):
+    """The executor's split of the same 16 bytes: fp32 weights (the master) and gradients, 8 bytes
+    of AdamW moments; ZeRO-1/2 keep the unsharded fp32 weights, so they hold more than Megatron's."""
+    states = model_state_bytes(7.5e9, "bf16", zero, 64)
+    assert sum(states.values()) / 1e9 == pytest.approx(expected_gb, abs=0.01)
+    assert states["weights"] == (7.5e9 * 4 if zero < 3 else 7.5e9 * 4 / 64)
 
 
 def _block(workload):

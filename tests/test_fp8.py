@@ -29,8 +29,11 @@ def test_fp8_runs_only_the_gemms_at_the_fp8_peak(llama_8b):
 
 
 def test_fp8_keeps_bf16_weights_and_fp32_states_plus_its_cast():
-    bf16 = model_state_bytes(1.0, "bf16", 0, 1)
-    fp8 = model_state_bytes(1.0, "fp8", 0, 1)
+    """Transformer Engine (the fused stack) keeps its FP8 weight copy beside the bf16 weights; under
+    autocast (eager) the fp32 weights are cast per GEMM, and the states are the autocast ones."""
+    assert model_state_bytes(1.0, "fp8", 0, 1) == model_state_bytes(1.0, "bf16", 0, 1)
+    bf16 = model_state_bytes(1.0, "bf16", 0, 1, "fused")
+    fp8 = model_state_bytes(1.0, "fp8", 0, 1, "fused")
     assert fp8["weights"] == bf16["weights"] + 1
     assert (fp8["gradients"], fp8["optimizer"]) == (bf16["gradients"], bf16["optimizer"])
 

@@ -57,7 +57,7 @@ def test_expert_parallel_splits_the_experts_and_adds_all_to_alls(mixtral):
     assert one.breakdown_s["ep_comm"] == 0 < eight.breakdown_s["ep_comm"]
     weights = lambda e: e.stages[0].memory_bytes["weights"]  # noqa: E731
     experts = sum(l.expert_params * n for l, n in ((s.layer, s.count) for s in mixtral.segments))
-    assert weights(one) - weights(eight) == pytest.approx(2 * experts * 7 / 8, rel=0.01)
+    assert weights(one) - weights(eight) == pytest.approx(4 * experts * 7 / 8, rel=0.01)  # fp32 weights (autocast)
 
 
 def test_estimate_and_simulator_agree_on_expert_parallel(mixtral):

@@ -57,3 +57,28 @@ def test_every_row_is_predicted_or_says_why(tmp_path, capsys):
 def test_missing_file_is_one_line(tmp_path, capsys):
     assert published_runs.main(["--csv", str(tmp_path / "none.csv")]) == 1
     assert "cannot read" in capsys.readouterr().out
+
+
+def test_dtype_stack_and_memory_columns(tmp_path, capsys):
+    """An FP8 row is priced as FP8 (faster than the same row in bf16), the stack names the MAPE
+    class, and a published peak gets its own error and a memory MAPE line."""
+    base = dict(id="fsdp8b", n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp="yes",
+                seq_len=8192, vocab=128256, global_batch=16, micro_batch=2, tp=1, pp=1, dp=8, zero_stage=3,
+                recompute="selective", gpu="h100-sxm", n_gpus=8, gpus_per_node=8, metric="s_per_iter", value=3.0)
+    rows = [dict(base, stack="eager", peak_memory_gib=80.0), dict(base, id="fsdp8b_fp8", dtype="fp8", stack="compile"),
+            dict(base, id="bad_stack", stack="jit")]
+    path = tmp_path / "runs.csv"
+    with open(path, "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=[*COLUMNS, "dtype", "stack", "peak_memory_gib"], extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    assert published_runs.main(["--csv", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    table = {line.split()[0]: line for line in out[1:] if line and not line.startswith(("  ", "MAPE", "memory"))}
+    bf16, fp8 = (float(table[name].split()[3]) for name in ("fsdp8b", "fsdp8b_fp8"))
+    assert fp8 < bf16 and " fp8" in table["fsdp8b_fp8"]
+    assert "%" in table["fsdp8b"].split()[5] and table["fsdp8b_fp8"].split()[5] == "-"
+    assert "unknown stack 'jit'" in table["bad_stack"]
+    assert any(line.startswith("  MAPE eager zero3/fsdp h100-sxm") for line in out)
+    assert any(line.startswith("  MAPE compile zero3/fsdp h100-sxm") for line in out)
+    assert any(line.startswith("memory MAPE: ") and line.endswith("over 1 rows with a published peak") for line in out)

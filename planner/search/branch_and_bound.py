@@ -97,7 +97,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     if key not in per_rank:
         per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
     shard = Plan.shard_degree.fget(layout)
-    state = sum(model_state_bytes(1.0, dtype, held_zero(layout), shard).values())
+    state = sum(model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack).values())
     return per_rank[key] / layout.pp * state > capacity
 
 

@@ -130,7 +130,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         if id(layer) not in coeff:
             coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
-    per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree).values())
+    per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack).values())
     probe = 1e9  # linearise the gradient reduction around a billion parameters
     dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
     data = StageModelData(

@@ -41,7 +41,7 @@ def pinned_layout(fixed: dict, cluster: Cluster) -> Layout:
     return Layout(dp=dp, tp=tp, pp=pp, sp=fixed.get("sp", False), zero=fixed.get("zero", 0),
                   micro_batch=fixed.get("micro_batch", 1), schedule=schedule, vpp=vpp,
                   compression=compression if isinstance(compression, str) else "none",
-                  dp_shard=fixed.get("dp_shard"), cp=cp, ep=fixed.get("ep", 1))
+                  dp_shard=fixed.get("dp_shard"), cp=cp, ep=fixed.get("ep", 1), stack=fixed.get("stack", "eager"))
 
 
 def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, **kw) -> Plan:

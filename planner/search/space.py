@@ -20,7 +20,8 @@ from hardware.schema import Cluster
 from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
                                 uses_ddp)
 
-PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression")
+PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression",
+            "stack")
 MAX_MICRO_BATCH = 16
 VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
 CP_CHOICES = (2, 4, 8, 16)
@@ -154,11 +155,13 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in ep_choices(workload, dp * cp, fixed):
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
-                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep)
+                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep, stack=fixed.get("stack", "eager"))
                                 if _honours(layout, fixed):
                                     for method in compression_choices(layout, fixed):
                                         offered = replace(layout, compression=method)
-                                        if layout_problem(offered, facts, workload.seq_len, m) is None:
+                                        # a pinned stack the executor does not run is still priced (a what-if)
+                                        runnable = replace(offered, stack="eager")
+                                        if layout_problem(runnable, facts, workload.seq_len, m) is None:
                                             yield offered
 
 
