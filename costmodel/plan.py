@@ -230,6 +230,8 @@ class Plan(BaseModel):
             parts.append(self.compression)
         if self.dtype == "fp8":
             parts.append("fp8")
+        if self.stack != "eager":
+            parts.append(self.stack)
         return " ".join(parts)
 
     def cluster(self) -> Cluster:

@@ -18,9 +18,9 @@ from planner.summary import render
 console = Console()
 
 
-def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None) -> dict:
+def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None, stack=None) -> dict:
     values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp,
-                  cp=cp, dp_shard=dp_shard, ep=ep)
+                  cp=cp, dp_shard=dp_shard, ep=ep, stack=stack)
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -53,6 +53,8 @@ def plan_command(
     cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree (sequence split over cp ranks)"),
     ep: Optional[int] = typer.Option(None, "--ep", help="expert parallel degree (MoE experts split over ep ranks)"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
+    stack: Optional[str] = typer.Option(None, "--stack", help="kernel stack priced: eager (default, what `parallax run` "
+                                        "executes), compile or fused (Megatron-LM/TE; priced, not run)"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
@@ -63,7 +65,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
-    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep)
+    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command
         from parallax_cli.hetero_cmd import print_hetero
 

@@ -16,6 +16,7 @@ def _layout_line(plan: Plan) -> str:
         f"pp={plan.pp} zero={plan.zero} "
         f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
+        + (f" stack={plan.stack} (priced, not run)" if plan.stack != "eager" else "")
     )
 
 

@@ -89,3 +89,22 @@ def test_pinned_context_parallel_counts_cp_in_the_product():
     with pytest.raises(PlanError, match=r"dp\*cp\*tp\*pp = 2\*8\*1\*1 .*use dp=1"):
         planner.plan("llama-3-8b", "8xh100-sxm", global_batch=2, seq_len=32768,
                      fixed={"dp": 2, "cp": 8, "tp": 1, "pp": 1})
+
+
+def test_a_stack_the_executor_does_not_run_is_priced_not_run():
+    """--stack fused prices Megatron's state split (bf16 weights, fp32 masters in the optimizer),
+    which under ZeRO-1 holds less than autocast's fp32 weights; the executor refuses to run it."""
+    from executor.validate import validate
+    from executor.models import build_model
+    from hardware.errors import PlanError
+
+    kw = dict(global_batch=64, seq_len=2048, fixed={"tp": 1, "pp": 1, "zero": 1})
+    eager = planner.plan("llama-3-8b", "8xh100-sxm", **kw)
+    fused = planner.plan("llama-3-8b", "8xh100-sxm", **{**kw, "fixed": {**kw["fixed"], "stack": "fused"}})
+    assert (eager.stack, fused.stack) == ("eager", "fused")
+    states = lambda p: sum(p.estimate.stages[0].memory_bytes[k] for k in ("weights", "gradients", "optimizer"))  # noqa: E731
+    assert states(fused) < states(eager)
+    tiny = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
+                        fixed={"tp": 1, "pp": 1, "stack": "compile"})
+    with pytest.raises(PlanError, match="stack"):
+        validate(tiny, build_model("hf-llama-tiny"))

@@ -20,6 +20,7 @@ from hardware.schema import Cluster
 from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
                                 uses_ddp)
 
+STACKS = ("eager", "compile", "fused")  # costmodel.plan.Stack; only planner.executable.EXECUTED_STACKS run
 PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression",
             "stack")
 MAX_MICRO_BATCH = 16
@@ -66,6 +67,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
         "schedule": SCHEDULES,
         "zero": (0, 1, 2, 3),
         "compression": COMPRESSION,
+        "stack": STACKS,
     }
     allowed = fixed.get("compression")
     if isinstance(allowed, (tuple, list, set, frozenset)):  # a set of allowed methods (--allow-compression)
