@@ -31,7 +31,6 @@ import torch.distributed as dist
 from costmodel.plan import Plan
 from executor.dry_run_trackers import CategoryPeaks, tracker_for
 
-GIB = 2 ** 30
 
 
 @dataclass
@@ -109,10 +108,9 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
-        measured = _measure_rank(short, name, rank)
+        measured, predicted = _measure_rank(short, name, rank), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
-                              predicted=_predicted_stage(plan, pp_rank),
-                              predicted_peak=sum(_predicted_stage(plan, pp_rank).values()), capacity=capacity))
+                              predicted=predicted, predicted_peak=sum(predicted.values()), capacity=capacity))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
     return DryRun(plan, out, replay, notes)
@@ -247,4 +245,3 @@ def _defer_fsdp(module, defer: bool) -> None:
         module.set_requires_gradient_sync(not defer)
     if hasattr(module, "set_reshard_after_backward"):
         module.set_reshard_after_backward(not defer)
-    return None
