@@ -1,14 +1,18 @@
 """Fit one GPU type's achievable-efficiency constants to published runs.
 
-    python benchmarks/fit_efficiency.py --gpu a100-80g [--csv FILE]
+    python benchmarks/fit_efficiency.py --gpu a100-80g [--stack fused] [--csv FILE]
 
 Coordinate descent on the `efficiency` fields of the hardware profile
-(GEMM peak fraction and half-efficiency dimension, attention, memory-bound,
-intra- and inter-node link efficiency), each kept inside a physically
-plausible range, minimising the MAPE of `published_runs.py` over every row
-of that GPU at once: one set of constants per GPU type, no per-row factors.
-It prints the constants; copying them into hardware/catalog/<gpu>.json (with
-the fit as their source) is a deliberate, reviewed step.
+(GEMM peak fraction and half-efficiency dimension, FP8 GEMM peak fraction,
+attention, memory-bound, intra- and inter-node link efficiency), each kept
+inside a physically plausible range, minimising the MAPE of
+`published_runs.py` over every row of that GPU and kernel stack at once: one
+set of constants per GPU type and stack, no per-row factors. The fused stack
+(Megatron-LM / Transformer Engine) fits the profile's base values, links
+included; another stack fits only its own compute efficiencies
+(`Efficiency.stacks`), the links being the hardware's. It prints the
+constants; copying them into hardware/catalog/<gpu>.json (with the fit as
+their source) is a deliberate, reviewed step.
 """
 from __future__ import annotations
 
@@ -23,26 +27,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import published_runs  # noqa: E402
 
 RANGES = {
-    "matmul_max": [0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90],
+    "matmul_max": [0.40, 0.45, 0.50, 0.55, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90],
+    "fp8_matmul_max": [0.30, 0.35, 0.40, 0.45, 0.50, 0.55, 0.60, 0.65, 0.70],
     "matmul_half_dim": [0, 64, 128, 192, 256, 384, 512],
-    "attention": [0.3, 0.4, 0.5, 0.6, 0.7],
-    "memory_bound": [0.5, 0.6, 0.7, 0.8, 0.9],
+    "attention": [0.2, 0.3, 0.4, 0.5, 0.6, 0.7],
+    "memory_bound": [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9],
     "intra_node_bw": [0.5, 0.6, 0.7, 0.8, 0.9],
     "inter_node_bw": [0.6, 0.7, 0.8, 0.9],
 }
 
 
-def mape(rows, values: dict) -> float:
+LINKS = ("intra_node_bw", "inter_node_bw")
+
+
+def mape(rows, values: dict, stack: str = "fused") -> float:
     original = published_runs.row_cluster
 
     def patched(row):
-        cluster = original(row)
+        cluster = original(row).for_stack(stack)
         eff = cluster.gpu.efficiency.model_copy(update=values)
         return cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"efficiency": eff})})
 
     published_runs.row_cluster = patched
     try:
         errors = [abs(published_runs.predict(row)[0] / float(row["value"]) - 1) for row in rows]
+    except ValueError:  # a trial under which some row fits no layout is no fit
+        return float("inf")
     finally:
         published_runs.row_cluster = original
     return 100 * sum(errors) / len(errors)
@@ -52,23 +62,33 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gpu", required=True)
     parser.add_argument("--csv", type=Path, default=published_runs.DEFAULT_CSV)
+    parser.add_argument("--stack", default="fused", choices=published_runs.STACKS)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--compute-only", action="store_true",
+                        help="keep the link efficiencies as their sources give them (measured NCCL figures)")
     args = parser.parse_args(argv)
     with open(args.csv, newline="") as handle:
-        rows = [r for r in csv.DictReader(handle) if r["gpu"].strip().lower() == args.gpu.lower()]
-    cluster = published_runs.row_cluster(rows[0])
-    values = {k: getattr(cluster.gpu.efficiency, k) for k in RANGES}
-    best = mape(rows, values)
+        rows = [r for r in csv.DictReader(handle) if r["gpu"].strip().lower() == args.gpu.lower()
+                and published_runs.row_stack(r) == args.stack]
+    if not rows:
+        print(f"no {args.stack} rows of {args.gpu} in {args.csv}")
+        return 1
+    fp8 = any((r.get("dtype") or "").strip().lower() == "fp8" for r in rows)
+    fields = [k for k in RANGES if (k != "fp8_matmul_max" or fp8) and (args.stack == "fused" and not args.compute_only or k not in LINKS)]
+    efficiency = published_runs.row_cluster(rows[0]).for_stack(args.stack).gpu.efficiency
+    values = {k: getattr(efficiency, k) if getattr(efficiency, k) is not None else RANGES[k][len(RANGES[k]) // 2]
+              for k in fields}
+    best = mape(rows, values, args.stack)
     print(f"start: MAPE {best:.2f}% with {values}")
     for _ in range(args.rounds):
-        for key, choices in RANGES.items():
-            for choice in choices:
+        for key in fields:
+            for choice in RANGES[key]:
                 trial = {**values, key: choice}
-                score = mape(rows, trial)
+                score = mape(rows, trial, args.stack)
                 if score < best - 1e-9:
                     best, values = score, trial
         print(f"round: MAPE {best:.2f}% with {values}")
-    print(f"fitted on {len(rows)} rows of {args.gpu}: {values}")
+    print(f"fitted on {len(rows)} {args.stack} rows of {args.gpu}: {values}")
     return 0
 
 

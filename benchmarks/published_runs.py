@@ -25,9 +25,9 @@ fp32; blank bf16) is the precision the run trained in and is priced so (FP8 at
 the GPU's FP8 peak). `stack` names the software that ran it: eager (PyTorch
 ops, FSDP2/DTensor, what `parallax run` executes), compile (torch.compile) or
 fused (Megatron-LM / Transformer Engine kernels); blank is fused, which every
-Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; the
-cost model does not yet price the stacks differently, so those lines show what
-one efficiency set per GPU misses on each stack. An optional peak_memory_gib
+Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; each
+stack is priced with its own efficiencies where the GPU's profile has them
+(`Efficiency.stacks`, fitted by `fit_efficiency.py --stack`). An optional peak_memory_gib
 (published peak per GPU) is compared with the predicted peak: its error prints
 beside the time error and a memory MAPE line follows the time MAPE. Other
 columns (source) are ignored.
@@ -159,7 +159,7 @@ def predict(row: dict) -> tuple[float, float, str, str, list[str]]:
         "mfu_pct": est.mfu * 100,
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
-    layout = f"{plan.layout_tag} {dtype}" if dtype != "bf16" else plan.layout_tag
+    layout = f"{plan.layout_tag} {dtype}" if dtype not in ("bf16", "fp8") else plan.layout_tag  # the tag names fp8
     return value, est.peak_memory_bytes / 2 ** 30, layout, mechanism(plan, row_stack(row)), plan.notes
 
 

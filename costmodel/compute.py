@@ -36,6 +36,7 @@ class Context:
     cp_kv_bytes: float = 0.0  # one whole sequence's keys and values of one attention layer
     ep: int = 1
     ep_group: Group | None = None
+    stack: str = "eager"  # the kernel stack (Plan.stack): compile and fused run pointwise chains fused
 
 
 @dataclass(frozen=True)
@@ -92,10 +93,18 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
         min_dim = max(1.0, min(layer.matmul_min_dim, layer.expert_tokens * b))
         gemm += layer.expert_flops * b / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
-    memory = layer.elementwise_bytes * b * _elementwise_share(layer, ctx) / (
+    memory = elementwise_traffic(layer, ctx) * b * _elementwise_share(layer, ctx) / (
         gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     )
     return gemm, attention, memory
+
+
+def elementwise_traffic(layer: LayerProfile, ctx: Context) -> float:
+    """Forward memory-bound bytes per sequence: each pointwise op its own kernel under eager,
+    each chain of them one kernel under the compile and fused stacks."""
+    if ctx.stack == "eager" or layer.elementwise_fused_bytes is None:
+        return layer.elementwise_bytes
+    return layer.elementwise_fused_bytes
 
 
 def cp_gather_time(layer: LayerProfile, ctx: Context) -> float:

@@ -139,6 +139,7 @@ def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> fl
 
 def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:
     """Check the plan, then price each pipeline rank's per-micro-batch work (shared with the simulator)."""
+    cluster = cluster.for_stack(plan.stack)
     check_plan(plan, workload, cluster)
     lay = layout_of(plan, cluster, workload)
     ranks = [RankTime() for _ in range(plan.pp)]
@@ -148,6 +149,7 @@ def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layou
 
 
 def estimate(workload: Workload, plan: Plan, cluster: Cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+    cluster = cluster.for_stack(plan.stack)
     lay, ranks = price_ranks(workload, plan, cluster)
     return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)
 

@@ -16,12 +16,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from hardware.schema import Cluster
+from hardware.schema import Cluster, Stack
 
 SCHEMA_VERSION = 4  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack
 
 Recompute = Literal["none", "selective", "full"]
-Stack = Literal["eager", "compile", "fused"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
 Compression = Literal["none", "fp16", "bf16", "int8", "topk", "powersgd"]
 

@@ -56,6 +56,7 @@ class SimResult:
 
 def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
     """Simulate one step of `plan`; raises PlanError if the plan does not fit the model or cluster."""
+    cluster = cluster.for_stack(plan.stack)
     lay, rank_times = price_ranks(workload, plan, cluster)
     pricer = Pricer(plan, workload, lay)
     spec = _engine_input(plan, pricer, lay, bucket_bytes)

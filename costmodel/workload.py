@@ -28,6 +28,9 @@ class LayerProfile(BaseModel):
     matmul_min_dim: int = Field(ge=1, description="smallest GEMM dimension at tp=1 (sets GEMM efficiency)")
     attention_flops: float = Field(0.0, ge=0, description="forward FLOPs of the s^2 attention core")
     elementwise_bytes: float = Field(0.0, ge=0, description="forward memory-bound traffic (norms, activations, softmax)")
+    elementwise_fused_bytes: float | None = Field(
+        None, ge=0, description="the same traffic with each chain of pointwise ops fused into one kernel, as the "
+                                "compile and fused stacks run it (None: elementwise_bytes, already counted fused)")
     act_replicated: float = Field(0.0, ge=0, description="saved bytes TP leaves replicated (SP splits them)")
     act_tp_sharded: float = Field(0.0, ge=0, description="saved bytes TP splits")
     act_attention_scores: float = Field(0.0, ge=0, description="saved s^2 bytes (dropped by selective recompute)")

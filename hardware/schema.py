@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (costmodel.plan.Plan.stack)
 
 
 class _Sourced(BaseModel):
@@ -38,13 +39,43 @@ class _Sourced(BaseModel):
         return self
 
 
+COMPUTE_EFFICIENCIES = ("matmul_max", "matmul_half_dim", "attention", "fused_attention", "memory_bound",
+                        "fp8_matmul_max", "optimizer")
+
+
+# torch.compile runs eager's cuBLAS GEMMs and attention kernels and fuses the pointwise ops
+# between them (priced as traffic, costmodel.compute.elementwise_traffic): without a fit of
+# its own it takes eager's efficiencies.
+STACK_FALLBACK = {"compile": ("eager",)}
+
+
+class StackEfficiency(_Sourced):
+    """One kernel stack's own compute efficiencies on a GPU, fitted on published runs of that
+    stack: the same GEMM shapes reach a different share of peak through cuBLAS under eager
+    autocast (a cast kernel per weight, no epilogue fusion, a launch per op) than through
+    Transformer Engine's fused kernels. Links are not the stack's, so they are not here. A field
+    left out keeps the GPU's base value."""
+
+    matmul_max: float | None = Field(default=None, gt=0, le=1)
+    matmul_half_dim: float | None = Field(default=None, ge=0)
+    attention: float | None = Field(default=None, gt=0, le=1)
+    fused_attention: float | None = Field(default=None, gt=0, le=1)
+    memory_bound: float | None = Field(default=None, gt=0, le=1)
+    fp8_matmul_max: float | None = Field(default=None, gt=0, le=1)
+    optimizer: float | None = Field(default=None, gt=0, le=1)
+
+
 class Efficiency(_Sourced):
     """Achievable fractions of peak, calibrated per GPU type.
 
     A matmul whose smallest dimension is `d` runs at
     `matmul_max * d / (d + matmul_half_dim)` of peak: small, TP-split GEMMs
-    under-fill the streaming multiprocessors.
+    under-fill the streaming multiprocessors. The base values are one stack's (the
+    catalog says which in their sources); `stacks` holds the others' compute
+    efficiencies, and `for_stack` gives the set a plan's stack is priced with.
     """
+
+    unsourced_fields: ClassVar[frozenset[str]] = frozenset({"stacks"})
 
     matmul_max: float = Field(gt=0, le=1)
     matmul_half_dim: float = Field(ge=0)
@@ -65,6 +96,24 @@ class Efficiency(_Sourced):
         default=None, ge=0, le=1,
         description="fraction of a collective's time that hides behind concurrent compute (None: 1, "
                     "collectives on their own engines; near 0 where they need the cores the compute uses)")
+    stacks: dict[Stack, StackEfficiency] = Field(
+        default_factory=dict, description="other kernel stacks' compute efficiencies (see StackEfficiency)")
+    priced_stack: Stack | None = Field(
+        default=None, description="set by for_stack: the stack these values are already priced for")
+
+    def for_stack(self, stack: str) -> "Efficiency":
+        """These efficiencies as `stack` runs: its own fitted values over the base ones."""
+        if self.priced_stack == stack:
+            return self
+        if self.priced_stack is not None:
+            raise ValueError(f"efficiencies already priced for the {self.priced_stack} stack, not {stack}")
+        values, sources = {}, dict(self.sources)
+        for name in (*STACK_FALLBACK.get(stack, ()), stack):
+            own = self.stacks.get(name)
+            mine = {} if own is None else {k: getattr(own, k) for k in COMPUTE_EFFICIENCIES if getattr(own, k) is not None}
+            values.update(mine)
+            sources.update({k: f"{name} stack: {own.sources[k]}" for k in mine})
+        return self.model_copy(update={**values, "sources": sources, "priced_stack": stack})
 
 
 class GPU(_Sourced):
@@ -177,6 +226,14 @@ class Cluster(_Sourced):
     @property
     def nic_bytes_per_s(self) -> float:
         return self.nic_gbps * 1e9 / 8
+
+    def for_stack(self, stack: str) -> "Cluster":
+        """This cluster with its GPU's efficiencies as `stack` runs (`Efficiency.for_stack`): the
+        one door through which a plan's kernel stack reaches the cost model."""
+        eff = self.gpu.efficiency.for_stack(stack)
+        if eff is self.gpu.efficiency:
+            return self
+        return self.model_copy(update={"gpu": self.gpu.model_copy(update={"efficiency": eff})})
 
     def spec(self) -> str:
         """The spec string that `hardware.load` turns back into this cluster."""

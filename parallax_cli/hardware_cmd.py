@@ -57,7 +57,10 @@ def _rows(cluster: Cluster) -> list[tuple[str, str, str]]:
         rows.append((f"gpu.peak_tflops.{dtype}", _fmt(tflops), source))
     rows += [(f"gpu.{f}", _fmt(getattr(gpu, f)), gpu.sources.get(f, "")) for f in ("hbm_gb", "hbm_gbps", "mtbf_hours")]
     rows += [(f"gpu.efficiency.{f}", _fmt(getattr(eff, f)), eff.sources.get(f, ""))
-             for f in type(eff).model_fields if f != "sources"]
+             for f in type(eff).model_fields if f not in ("sources", "stacks", "priced_stack")]
+    rows += [(f"gpu.efficiency.stacks.{stack}.{f}", _fmt(getattr(own, f)), own.sources.get(f, ""))
+             for stack, own in eff.stacks.items() for f in type(own).model_fields
+             if f != "sources" and getattr(own, f) is not None]
     rows += [(f"node.{f}", _fmt(getattr(node, f)), node.sources.get(f, ""))
              for f in type(node).model_fields if f != "sources"]
     rows += [(f, _fmt(getattr(cluster, f)), cluster.sources.get(f, ""))

@@ -157,7 +157,8 @@ def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkey
 
 
 def test_compression_pays_on_slow_nics_only():
-    """7B over 100 vs 400 Gb/s: int8 shortens the exposed DP reduction more on the slow network."""
+    """7B over 100 vs 400 Gb/s: int8 shortens the exposed DP reduction more on the slow network
+    (priced on the fused stack, whose faster compute hides less of the reduction)."""
     from costmodel import TransformerDims, transformer_workload
     from costmodel.estimate import estimate
 
@@ -167,7 +168,7 @@ def test_compression_pays_on_slow_nics_only():
     for nic in (100, 400):
         cluster = hardware.load("64xh100-sxm", nic_gbps=nic)
         base = Plan(model="llama-7b", hardware=cluster.spec(), global_batch=64, seq_len=4096, dp=32, tp=1, pp=2,
-                    micro_batch=1, stages=uniform_stages([l.kind for l in wl.layers], 2, "none"))
+                    micro_batch=1, stages=uniform_stages([l.kind for l in wl.layers], 2, "none"), stack="fused")
         none = estimate(wl, base, cluster).step_time_s
         int8 = estimate(wl, base.model_copy(update={"compression": "int8"}), cluster).step_time_s
         gains[nic] = (none - int8) / none

@@ -30,8 +30,10 @@ def test_every_entry_loads_as_one_full_node(name):
     assert cluster.n_nodes == 1 and cluster.n_gpus == cluster.gpus_per_node == 8
     assert cluster.spec() == f"8x{name}"
     assert load(cluster.spec()) == cluster
-    for model in (cluster.gpu, cluster.gpu.efficiency, cluster.node):
-        numeric = [f for f, v in model if isinstance(v, (int, float, dict)) and f != "sources" and v is not None]
+    stacks = list(cluster.gpu.efficiency.stacks.values())
+    for model in (cluster.gpu, cluster.gpu.efficiency, cluster.node, *stacks):
+        numeric = [f for f, v in model if isinstance(v, (int, float, dict)) and f != "sources" and v is not None
+                   and f not in type(model).unsourced_fields]
         assert set(numeric) <= set(model.sources), (name, type(model).__name__)
         assert all(model.sources[f].strip() for f in numeric)
 
@@ -345,3 +347,22 @@ def test_cli_bad_spec(capsys):
     assert main(["hardware", "show", "12xh100"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and "16xh100-sxm" in err
+
+
+def test_each_stack_prices_with_its_own_fitted_efficiencies():
+    """H100's eager set (fitted on PyTorch FSDP runs) differs from its fused base (Megatron / TE);
+    compile takes eager's GEMM and attention speeds; pricing twice for one stack is a no-op."""
+    cluster = load("8xh100-sxm")
+    base = cluster.gpu.efficiency
+    eager = cluster.for_stack("eager").gpu.efficiency
+    assert base.stacks["eager"].matmul_max == eager.matmul_max < base.matmul_max
+    assert eager.sources["matmul_max"].startswith("eager stack:")
+    assert (eager.intra_node_bw, eager.inter_node_bw) == (base.intra_node_bw, base.inter_node_bw)  # links: hardware's
+    assert cluster.for_stack("compile").gpu.efficiency.matmul_max == eager.matmul_max
+    fused = cluster.for_stack("fused")
+    assert fused.gpu.efficiency.matmul_max == base.matmul_max
+    assert fused.for_stack("fused") is fused
+    with pytest.raises(ValueError, match="already priced"):
+        fused.for_stack("eager")
+    cpu = load("2xcpu")  # no stack of its own: every stack is the profile's one set
+    assert cpu.for_stack("fused").gpu.efficiency.matmul_max == cpu.for_stack("eager").gpu.efficiency.matmul_max

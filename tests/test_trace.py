@@ -204,3 +204,44 @@ def test_a_cached_workload_is_the_traced_one_and_keyed_by_its_config(tmp_path, m
     # the key covers the tracing code itself: a changed tracer never reads an old entry
     names = {path.name for path in cache.fingerprinted_files()}
     assert {"module.py", "hf.py", "to_workload.py", "blocks.py", "build.py", "executable.py", "workload.py"} <= names
+
+
+class _PointwiseChain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.b((self.a(x) * 2.0 + 1.0) * 3.0)
+
+
+def test_a_fused_pointwise_chain_reads_its_input_once_and_writes_its_output_once():
+    from planner.trace.fusion import fused_elementwise_bytes
+    from planner.trace.to_workload import nbytes
+
+    og = trace_module(_PointwiseChain(), (torch.randn(8, 64),), dtype="fp32")
+    members = {n for n, _ in og.nodes()}
+    chain = [d for _, d in og.nodes() if d["op"] in ("aten.mul.Tensor", "aten.add.Tensor")]
+    loss = [d for _, d in og.nodes() if d["op"] == "aten.sum.default"]
+    tensor = 8 * 64 * 4
+    assert len(chain) == 3 and sum(d["bytes"] for d in chain) == 3 * 2 * tensor  # eager: three kernels
+    # fused: the first GEMM's output read once, the product (the second GEMM's saved input) written once
+    assert fused_elementwise_bytes(og, members, nbytes) == 2 * tensor + loss[0]["bytes"]
+
+
+def test_compile_and_fused_stacks_price_fused_pointwise_traffic(llama):
+    import hardware
+    from costmodel.compute import Context, forward_parts
+
+    workload, _ = llama
+    cluster = hardware.load("8xh100-sxm")
+    for layer in workload.layers:
+        assert layer.elementwise_fused_bytes <= layer.elementwise_bytes
+    block = _blocks(workload)[0].layer
+    assert block.elementwise_fused_bytes < 0.8 * block.elementwise_bytes  # HF's unfused RMSNorm, RoPE, SwiGLU
+    kw = dict(cluster=cluster, dtype="bf16", tp=1, sp=False, micro_batch=1, tp_group=None)
+    eager = forward_parts(block, Context(**kw))
+    for stack in ("compile", "fused"):
+        fused = forward_parts(block, Context(stack=stack, **kw))
+        assert fused[:2] == eager[:2]
+        assert fused[2] == pytest.approx(eager[2] * block.elementwise_fused_bytes / block.elementwise_bytes)

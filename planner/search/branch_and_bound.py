@@ -141,6 +141,7 @@ def search(
     `target_gap` or the time limit passes."""
     fixed = fixed or {}
     started = time.perf_counter()
+    cluster = cluster.for_stack(fixed.get("stack", "eager"))  # every layout of one search prices one stack
     capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
     dropped: list = []
     entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped)

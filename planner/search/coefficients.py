@@ -86,7 +86,7 @@ class LayerTimes:
 
     def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
         key = (id(layer), policy, id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
-               ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group)
+               ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack)
         if key not in self._memo:
             self._memo[key] = layer_time(layer, ctx, policy)
         return self._memo[key]
@@ -122,6 +122,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     """`plan` carries the layout (its stages are ignored); `times` shares layer prices across
     the layouts of one search."""
     times = times if times is not None else LayerTimes()
+    cluster = cluster.for_stack(plan.stack)
     lay = layout_of(plan, cluster, workload)
     first, last = block_span(workload)
     layers = workload.layers
@@ -131,8 +132,12 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
             coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
     per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack).values())
-    probe = 1e9  # linearise the gradient reduction around a billion parameters
-    dp_slope = (dp_time(probe, plan, lay) - dp_time(0.0, plan, lay)) / probe
+    # Collective times are concave in their size (the cheapest of affine protocol costs): their
+    # latency (`dp_latency`) plus their least marginal cost per parameter, from a billion
+    # parameters on, bound them from below at every size (a chord from zero would count the
+    # latency again in the slope and overshoot beyond the probe).
+    probe = 1e9
+    dp_slope = (dp_time(2 * probe, plan, lay) - dp_time(probe, plan, lay)) / probe
     data = StageModelData(
         block=block,
         prefix=[coeff[id(layer)] for layer in layers[:first]],
@@ -147,7 +152,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 else 0.0,
         # ZeRO-1's weight all-gather follows the step as the optimizer does: linear in the rank's parameters
         optimizer_seconds_per_param=(optimizer_seconds_per_param(plan, cluster)
-                                     + weight_gather_time(probe, plan, lay) / probe),
+                                     + (weight_gather_time(2 * probe, plan, lay) - weight_gather_time(probe, plan, lay)) / probe),
         capacity=capacity,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),

@@ -21,6 +21,7 @@ Conventions:
 from __future__ import annotations
 
 from costmodel.workload import LayerProfile, Segment, Workload
+from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
@@ -76,6 +77,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
                                if expert_flops and top_k else 0.0),
         matmul_flops=matmul / b, matmul_min_dim=_effective_dim(matmul, flops_per_dim, og.seq_len),
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
+        elementwise_fused_bytes=min(elementwise, fused_elementwise_bytes(og, members, nbytes)) / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
         act_input=max(inputs, default=0.0) / b,
         tp_shardable=kind != "block" or bool(reduces),
