@@ -21,7 +21,8 @@ from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
-from .memory import WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes,
+                     transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
@@ -90,36 +91,81 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    memory = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    """Memory by category at the rank's peak (`peak_moments`, the larger of its two moments)."""
+    return peak_moments(plan, workload, rank_index, rank)[0]
+
+
+def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> tuple[dict, float]:
+    """The rank's memory by category at the largest of its three candidate peaks, as the dry
+    run measures them:
+    - the loss, computed outside every FSDP2 unit between forward and backward: every
+      in-flight micro-batch's saved activations and the last layers' temporaries (the loss's
+      fp32 logits and their gradients), no gathered buffers;
+    - the root unit's backward (the head's): the saved activations and ZeRO-3's gathered
+      root weights with their unsharded gradients;
+    - a block's backward: the saved activations less the head's one micro-batch (freed by
+      then), the block's and the next's gathered weights and one block's unsharded gradients,
+      the accumulation transient, and the larger of the block's temporaries and a fully
+      recomputed block being rebuilt (one layer at a time).
+    Model states are there at each, but for one micro-batch under FSDP2 without pipelining
+    no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
+    in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
+    states = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     if rank.expert_params:  # expert states shard over the ranks holding the same experts
         experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
                                     plan.stack)
-        memory = {k: memory[k] + experts[k] for k in memory}
+        states = {k: states[k] + experts[k] for k in states}
+    if not gradients_at_peak(plan):
+        states["gradients"] = 0.0
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
-    per_mb, transient, biggest, root = 0.0, 0.0, 0.0, 0.0
+    per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
+    biggest, root = 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):
-            per_mb += activation_bytes(layer, policy, **kw) * count
-            if policy == "full":  # one layer is rebuilt at a time in backward
-                transient = max(transient, activation_bytes(layer, "none", **kw))
+            kept = activation_bytes(layer, policy, **kw)
+            per_mb += kept * count
             if layer.kind == "block":
+                block_temporaries = max(block_temporaries, transient_bytes(layer, **kw))
                 biggest = max(biggest, layer_params_on_rank(layer, plan.tp, plan.ep))
             else:
+                end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
-    in_flight = in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
-    memory["activations"] = per_mb * in_flight + transient + accumulation_transient(plan, workload, rank)
-    if held_zero(plan) >= 3 and plan.shard_degree > 1:
-        memory["buffers"] = zero3_buffer_bytes(root, biggest, plan.dtype)
-    return memory
+                head_saved += kept * count if layer.kind == "head" else 0.0
+            if policy == "full":
+                rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
+    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
+    sharded = held_zero(plan) >= 3 and plan.shard_degree > 1
+    gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
+    moments = [
+        ({"activations": saved + end_temporaries, "buffers": 0.0}),
+        ({"activations": saved, "buffers": gathered["root"]}),
+        ({"activations": saved - head_saved + max(rebuild, block_temporaries) + accumulation_transient(plan, workload, rank),
+          "buffers": gathered["block"]}),
+    ]
+    if not sharded:
+        moments = [{"activations": m["activations"]} for m in moments]
+    peak = max(moments, key=lambda m: sum(m.values()))
+    return {**states, **peak}, saved
 
 
-def zero3_buffer_bytes(root_params: float, block_params: float, dtype: str) -> float:
-    """FSDP2's unsharded memory under ZeRO-3, with one unit per block and the rest of the
-    stage (embedding, head, norms) in the root unit: the root's parameters stay gathered
-    through forward and backward (FSDP2 does not reshard the root) and its gradients are
-    unsharded before their reduce-scatter; a block is gathered while the next is prefetched,
-    and one block's gradients wait for their reduce-scatter."""
-    return WEIGHT_BYTES[dtype] * (2 * root_params + 3 * block_params)
+def gradients_at_peak(plan: Plan) -> bool:
+    """Whether gradients exist at the activation peak: not for a single micro-batch under
+    FSDP2 without pipelining (zero_grad sets them to None and the backward makes them as it
+    frees activations); DDP's buckets, accumulated micro-batches and pipelined FSDP2's
+    unsharded gradients are there."""
+    return not (plan.zero >= 2 and plan.pp == 1 and plan.num_micro_batches == 1)
+
+
+def root_buffer_bytes(root_params: float, dtype: str) -> float:
+    """FSDP2's root unit under ZeRO-3 (the stage's embedding, head and norms) during its
+    backward: its gathered 16-bit weights and their unsharded gradients."""
+    return 2 * WEIGHT_BYTES[dtype] * root_params
+
+
+def block_buffer_bytes(block_params: float, dtype: str) -> float:
+    """FSDP2 under ZeRO-3 during a block's backward: the block gathered while the next is
+    prefetched, and one block's unsharded gradients waiting for their reduce-scatter."""
+    return 3 * WEIGHT_BYTES[dtype] * block_params
 
 
 def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> float:

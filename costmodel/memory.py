@@ -53,24 +53,40 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str 
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
-                     cp: int = 1, kv_bytes: float = 0.0) -> float:
+                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of
     tokens: micro_batch / cp under context parallelism), on one TP rank.
 
-    Context parallelism's attention also saves the keys and values it all-gathered from the
-    other cp ranks (`kv_bytes`: one whole sequence's, per attention layer) unless the layer is
-    recomputed, which gathers them again."""
+    Sequence parallelism splits the replicated activations over TP; under DTensor (the eager
+    and compile stacks) each column-split linear still saves its all-gathered input whole, and
+    a gathered output's loss stays whole (`act_sp_whole` in place of `act_sp_dropped`); the
+    fused stack (Megatron) saves the shards. Context parallelism's attention also saves the
+    keys and values it all-gathered from the other cp ranks (`kv_bytes`: one whole sequence's,
+    per attention layer) unless the layer is recomputed, which gathers them again."""
     t = tp if layer.tp_shardable else 1
     replicated_split = t if sp else 1
     if recompute == "full":
         kept = layer.act_input / replicated_split
     else:
         kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
+        if sp and t > 1 and stack != "fused":
+            kept += layer.act_sp_whole - layer.act_sp_dropped / t
         if recompute == "none":
             kept += layer.act_attention_scores / t
             if cp > 1 and layer.attention_flops:
                 kept += kv_bytes * (cp - 1) / t
     return kept * micro_batch
+
+
+def transient_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
+                    **_) -> float:
+    """One layer's temporaries at its worst moment on one TP rank (`LayerProfile.act_transient`):
+    split where the tensors setting them are, or are sequence-split; a gathered output's stay
+    whole except on the fused stack (Megatron's vocabulary-parallel loss)."""
+    t = tp if layer.tp_shardable else 1
+    kind = layer.act_transient_tp
+    split = t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
+    return layer.act_transient / split * micro_batch
 
 
 def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> float:
@@ -92,4 +108,5 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
 def activation_keywords(plan, kv_bytes: float) -> dict:
     """`activation_bytes`'s layout keywords for `plan` (`kv_bytes`: one sequence's keys and
     values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
-    return dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank, cp=plan.cp, kv_bytes=kv_bytes)
+    return dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank, cp=plan.cp, kv_bytes=kv_bytes,
+                stack=plan.stack)

@@ -20,7 +20,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .data_parallel import expert_reduction_time, optimizer_time
-from .estimate import price_ranks, rank_memory
+from .estimate import peak_moments, price_ranks, rank_memory
 from .layout import RankTime
 from .memory import WEIGHT_BYTES
 from .plan import Plan
@@ -59,12 +59,15 @@ def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: 
     cluster = cluster.for_stack(plan.stack)
     lay, rank_times = price_ranks(workload, plan, cluster)
     pricer = Pricer(plan, workload, lay)
-    spec = _engine_input(plan, pricer, lay, bucket_bytes)
+    peaks = [peak_moments(plan, workload, r, rank_times[r]) for r in range(plan.pp)]
+    # each rank's transient at its peak moment (a rebuilt block, the loss's temporaries), while its ops run
+    transients = [max(0.0, memory["activations"] - saved) for memory, saved in peaks]
+    spec = _engine_input(plan, pricer, lay, bucket_bytes, transients)
     out = Engine(spec).run()
     return _assemble(plan, workload, cluster, lay, rank_times, spec, out)
 
 
-def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> EngineInput:
+def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float, transients: list[float]) -> EngineInput:
     n = plan.n_virtual_stages
     templates = {(s, ph): pricer.template(s, ph) for s in range(n) for ph in ("F", "B")}
     fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
@@ -78,7 +81,7 @@ def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float) -> Engin
         templates=templates,
         p2p_fwd=fwd,
         p2p_bwd=bwd,
-        activation=[stage_activation(plan, pricer, s) for s in range(n)],
+        activation=[(stage_activation(plan, pricer, s), transients[s % plan.pp]) for s in range(n)],
         buckets=grads,
         bucket_time=_bucket_pricer(plan, lay),
         pp_stream=pricer.pp_stream,

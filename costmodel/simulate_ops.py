@@ -144,15 +144,10 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
                       layer_done=tuple(done), comm_tail=comm_free)
 
 
-def stage_activation(plan: Plan, pricer: Pricer, index: int) -> tuple[float, float]:
-    """(bytes one in-flight micro-batch keeps, transient bytes while a full-recompute layer is rebuilt)."""
+def stage_activation(plan: Plan, pricer: Pricer, index: int) -> float:
+    """Bytes one in-flight micro-batch of virtual stage `index` keeps until its backward."""
     kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes)
-    kept, transient = 0.0, 0.0
-    for _, layer, policy in pricer.stage_layers(index):
-        kept += activation_bytes(layer, policy, **kw)
-        if policy == "full":
-            transient = max(transient, activation_bytes(layer, "none", **kw))
-    return kept, transient
+    return sum(activation_bytes(layer, policy, **kw) for _, layer, policy in pricer.stage_layers(index))
 
 
 def p2p_seconds(plan: Plan, pricer: Pricer, boundary_layer: int) -> float:

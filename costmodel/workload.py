@@ -28,6 +28,14 @@ class LayerProfile(BaseModel):
     matmul_min_dim: int = Field(ge=1, description="smallest GEMM dimension at tp=1 (sets GEMM efficiency)")
     attention_flops: float = Field(0.0, ge=0, description="forward FLOPs of the s^2 attention core")
     elementwise_bytes: float = Field(0.0, ge=0, description="forward memory-bound traffic (norms, activations, softmax)")
+    act_sp_whole: float = Field(0.0, ge=0, description="saved bytes per sequence that sequence parallelism under "
+                                "DTensor keeps whole on every TP rank: each column-split linear's gathered input, "
+                                "and what a gathered output feeds (the loss)")
+    act_sp_dropped: float = Field(0.0, ge=0, description="the replicated saved bytes those whole copies replace")
+    act_transient: float = Field(0.0, ge=0, description="temporaries per sequence at the layer's worst moment, "
+                                 "beside its saved activations (a loss's fp32 logits and their gradients)")
+    act_transient_tp: Literal["S", "R", "whole"] = Field(
+        "R", description="the TP state of what sets act_transient: split, replicated (split by SP), or whole")
     elementwise_fused_bytes: float | None = Field(
         None, ge=0, description="the same traffic with each chain of pointwise ops fused into one kernel, as the "
                                 "compile and fused stacks run it (None: elementwise_bytes, already counted fused)")

@@ -39,8 +39,9 @@ class RankMemory:
 
     rank: int
     pp_rank: int
-    measured: dict[str, float]
+    measured: dict[str, float]  # each category's own maximum
     measured_peak: float
+    at_peak: dict[str, float]  # each category at the moment of the peak
     predicted: dict[str, float]
     predicted_peak: float
     capacity: float
@@ -110,6 +111,7 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
         measured, predicted = _measure_rank(short, name, rank), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
+                              at_peak=measured.at_peak,
                               predicted=predicted, predicted_peak=sum(predicted.values()), capacity=capacity))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]

@@ -46,12 +46,13 @@ def dry_run_command(
 
 def _table(rank) -> Table:
     table = Table(title=f"rank {rank.rank} (pipeline rank {rank.pp_rank})")
-    for column in ("category", "measured GiB", "predicted GiB", "error"):
+    for column in ("category", "measured GiB", "at the peak", "predicted GiB", "error"):
         table.add_column(column, justify="left" if column == "category" else "right")
     names = [n for n in ORDER if n in rank.measured or n in rank.predicted]
     for name in names + ["peak"]:
         measured = rank.measured_peak if name == "peak" else rank.measured.get(name, 0.0)
+        at_peak = rank.measured_peak if name == "peak" else rank.at_peak.get(name, 0.0)
         predicted = rank.predicted_peak if name == "peak" else rank.predicted.get(name, 0.0)
-        error = f"{predicted / measured - 1:+.1%}" if measured else "-"
-        table.add_row(name, f"{measured / GIB:.2f}", f"{predicted / GIB:.2f}", error)
+        error = f"{predicted / at_peak - 1:+.1%}" if at_peak else "-"  # the prediction is of the peak's moment
+        table.add_row(name, f"{measured / GIB:.2f}", f"{at_peak / GIB:.2f}", f"{predicted / GIB:.2f}", error)
     return table

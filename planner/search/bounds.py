@@ -161,7 +161,7 @@ class _RankCost:
 
     def __init__(self, data: StageModelData, r: int, pp: int, S: int) -> None:
         fixed = fixed_per_rank(data, pp, S // pp)[r]
-        self.data = data
+        self.data, self.rebuild = data, data.rebuild_bytes(r)
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
         self.fixed_bytes = fixed.params * data.state_bytes_per_param + data.extra_bytes(r) + fixed.activation * self.in_flight
@@ -183,7 +183,7 @@ class _RankCost:
         best, best_time = None, float("inf")
         for full in range(n + 1):
             over = (self.in_flight * (n * act["none"] - full * (act["none"] - act["full"]))
-                    + (act["none"] if full else 0.0) - room)
+                    + (self.rebuild if full else 0.0) - room)
             if over <= 0:
                 fewest = 0
             elif saved_by_selective > 0:

@@ -12,9 +12,10 @@ from dataclasses import dataclass, replace
 from costmodel.compute import Context, LayerTime, layer_time
 from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_exposed, weight_gather_time)
-from costmodel.estimate import p2p_time, zero3_buffer_bytes
+from costmodel.estimate import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
 from costmodel.layout import layout_of
-from costmodel.memory import WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes
+from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches,
+                              model_state_bytes, transient_bytes)
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -60,12 +61,18 @@ class StageModelData:
     capacity: float
     core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
     fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
-    extra: tuple[float, ...] = ()  # per pipeline rank: ZeRO-3's gather buffers and the accumulation transient
+    extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`_rank_extra_bytes`)
     fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
 
+    rebuild: tuple[float, ...] = ()  # per pipeline rank: what a fully recomputed block adds to its peak
+
     def extra_bytes(self, r: int) -> float:
-        """Rank r's memory besides states and activations (`_rank_extra_bytes`)."""
+        """Rank r's memory at its peak besides states and saved activations (`_rank_extra_bytes`)."""
         return self.extra[r] if self.extra else 0.0
+
+    def rebuild_bytes(self, r: int) -> float:
+        """What rank r's peak grows by once it fully recomputes a block (`_rank_extra_bytes`)."""
+        return self.rebuild[r] if self.rebuild else self.block.activation["none"]
 
     def stage_fill(self, s: int, S: int) -> float:
         """The sharded collectives of virtual stage s (of S) that one-layer prefetch cannot hide
@@ -131,7 +138,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         if id(layer) not in coeff:
             coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
-    per_param = sum(model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack).values())
+    states = model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    per_param = sum(states.values()) - (0.0 if gradients_at_peak(plan) else states["gradients"])
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
     # latency (`dp_latency`) plus their least marginal cost per parameter, from a billion
     # parameters on, bound them from below at every size (a chord from zero would count the
@@ -156,9 +164,10 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         capacity=capacity,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
-        extra=_rank_extra_bytes(layers[:first], layers[first], layers[last:], plan),
     )
-    return replace(data, fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
+    extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"])
+    return replace(data, extra=extra, rebuild=rebuild,
+                   fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
 
 
 def fixed_per_rank(data: StageModelData, pp: int, vpp: int) -> tuple[RankFixed, ...]:
@@ -175,26 +184,38 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
                      activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers))
 
 
-def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan) -> tuple:
-    """Each pipeline rank's memory besides states and activations, as the estimator holds it:
-    ZeRO-3's gather buffers (the rank's embedding and head as the root unit, its biggest
-    block) and the gradient-accumulation transient (`costmodel.estimate.accumulation_transient`:
-    the largest weight gradient it materialises, the embedding's on the first rank, the tied
-    head copy's on the last, a block's on every rank)."""
+def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
+                      rebuilt: float) -> tuple[tuple, tuple]:
+    """Each pipeline rank's peak besides states and saved activations, as
+    `costmodel.estimate.peak_moments` holds it, without and with a fully recomputed block
+    (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
+    unit's backward (ZeRO-3's gathered embedding and head) and a block's backward (the
+    block's gather buffers, the accumulation transient, the larger of the block's
+    temporaries and the rebuilt block, the head's saved activations freed). Returned as
+    (without, with - without) per rank: a constant and the coefficient of the solver's
+    per-rank full-recompute indicator."""
+    kw = activation_keywords(plan, 0.0)
     S = plan.n_virtual_stages
     ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
+    sharded = held_zero(plan) >= 3 and plan.shard_degree > 1
 
     def largest(layers: list[LayerProfile]) -> float:
         tied = lambda l: l.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0  # noqa: E731
         return max((max(l.grad_dense_bytes, tied(l)) / (plan.tp if l.tp_shardable else 1) for l in layers), default=0.0)
 
-    def buffers(layers: list[LayerProfile]) -> float:
-        if held_zero(plan) < 3 or plan.shard_degree == 1:
-            return 0.0
-        return zero3_buffer_bytes(_params(layers, plan), layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype)
-
     accumulating = plan.num_micro_batches >= 2
-    return tuple(buffers(own) + (max(largest([block]), largest(own)) if accumulating else 0.0) for own in ends)
+    block_temporaries = transient_bytes(block, **kw)
+    without, growth = [], []
+    for own in ends:
+        at_loss = max((transient_bytes(layer, **kw) for layer in own), default=0.0)
+        at_root = root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0
+        at_block = ((block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0)
+                    + (max(largest([block]), largest(own)) if accumulating else 0.0)
+                    - sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head"))
+        plain = max(at_loss, at_root, at_block + block_temporaries)
+        without.append(plain)
+        growth.append(max(at_loss, at_root, at_block + max(block_temporaries, rebuilt)) - plain)
+    return tuple(without), tuple(growth)
 
 
 def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,
@@ -246,7 +267,7 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         slack += window
         optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
         act = f.activation + none * a_none + sel * a_sel + full * a_full
-        used = (params * data.state_bytes_per_param + act * data.in_flight[r] + (a_none if full else 0.0)
+        used = (params * data.state_bytes_per_param + act * data.in_flight[r] + (data.rebuild_bytes(r) if full else 0.0)
                 + data.extra_bytes(r))
         headroom = min(headroom, data.capacity - used)
     slowest = max(rank_time)
@@ -295,7 +316,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
                 + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
 
         def used(f: int) -> float:
-            transient = block.activation["none"] if lean == "full" and f else 0.0
+            transient = data.rebuild_bytes(r) if lean == "full" and f else 0.0
             return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)

@@ -19,8 +19,10 @@ Constraints (one function each below)
                  the embedding and other leading layers sit on stage 0, the
                  head and other trailing layers on stage S-1 (not free).
     time:        R[r] = sum_{s = r mod pp} (sum_k n[s][k] * t_k + fixed_s + p2p)
-    memory:      states(params[r]) + inflight[r] * act[r] + full[r] * a_none
-                 + zero3 buffers <= capacity          for every rank r
+    memory:      states(params[r]) + inflight[r] * act[r] + full[r] * rebuild[r]
+                 + zero3 buffers + temporaries[r] <= capacity   for every rank r
+                 (rebuild[r] = max(0, a_none - temporaries[r]): a rebuilt block and the
+                 largest temporaries exist at different moments, the larger counts)
     dp overlap:  E >= dp(P[r]) - window[r] - slack[r] for every r, E >= 0,
                  where window is rank r's backward (+ recompute) and slack the
                  backward of the ranks before it (they finish after it).
@@ -126,7 +128,7 @@ class StageModel:
             self.model.Add(
                 sum(act)
                 + states
-                + full_here * _i(d.block.activation["none"], KIB)
+                + full_here * _i(d.rebuild_bytes(r), KIB)
                 + _i(fixed_act + fixed_states + d.extra_bytes(r), KIB)
                 <= _i(d.capacity, KIB)
             )

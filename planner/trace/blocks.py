@@ -150,14 +150,19 @@ def split_tp(og: OpGraph) -> None:
         sharded = "S" in states
         data["tp"], data["allreduce"], data["scores"] = ("S" if sharded else "R"), False, False
         data["tp_style"], data["gather"] = None, False
+        # downstream of a gathered output: whole on every TP rank even under SP (the logits and loss)
+        data["whole"] = not sharded and any(g.nodes[p].get("whole") for p in preds)
+        # computed from the hidden states: what SP can split by sequence (a causal mask is not)
+        data["stream"] = data["kind"] == "embedding" or any(g.nodes[p].get("stream") for p in preds)
         if data["kind"] == "linear" and node not in split:
             _set_style(og, data["module"], "replicate")
         elif data["kind"] == "linear":
             style = "rowwise" if sharded else "colwise"
             data["tp"], data["allreduce"] = ("R", True) if sharded else ("S", False)
             data["tp_style"] = style
+            data["whole"] = False
             if node in gathered and not sharded:
-                data["tp"], data["gather"] = "R", True
+                data["tp"], data["gather"], data["whole"] = "R", True, True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":
             from_input = any(_from_input(g, p) for p in preds)

@@ -23,6 +23,7 @@ from __future__ import annotations
 from costmodel.workload import LayerProfile, Segment, Workload
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
+from planner.trace.saved import sp_whole_bytes, transient
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
          "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -66,6 +67,9 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
     comm = reduces or colwise
     inputs = [nbytes(g.nodes[p]) for n in members for p in g.predecessors(n)
               if p not in members and not g.edges[p, n].get("param") and g.nodes[p]["phase"] != "backward"]
+    order = [n for n, _ in nodes]
+    sp_whole, sp_dropped = sp_whole_bytes(og, layer, order, nbytes)
+    temporaries, temporaries_tp = transient(og, order, nbytes)
     experts = [d for _, d in nodes if any(".experts." in p for p in d.get("params") or ())]
     n_experts, top_k = og.meta.get("n_experts"), og.meta.get("top_k")
     expert_flops = sum(d["flops"] for d in experts if d["kind"] in ("linear", "matmul"))
@@ -79,7 +83,8 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         elementwise_fused_bytes=min(elementwise, fused_elementwise_bytes(og, members, nbytes)) / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
-        act_input=max(inputs, default=0.0) / b,
+        act_input=max(inputs, default=0.0) / b, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,
+        act_transient=temporaries / b, act_transient_tp=temporaries_tp,
         tp_shardable=kind != "block" or bool(reduces),
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
         tp_allreduces_bwd=len(colwise), tied_params=_tied_params(og, nodes, layer),
