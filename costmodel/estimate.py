@@ -21,8 +21,8 @@ from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
-from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches, model_state_bytes,
-                     transient_bytes)
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
+                     model_state_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
@@ -107,7 +107,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
       then), the block's and the next's gathered weights and one block's unsharded gradients,
       the accumulation transient, and the larger of the block's temporaries and a fully
       recomputed block being rebuilt (one layer at a time).
-    Model states are there at each, but for one micro-batch under FSDP2 without pipelining
+    Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
+    (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
+    FSDP2 without pipelining
     no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
     in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
     states = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
@@ -142,7 +144,10 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         ({"activations": saved - head_saved + max(rebuild, block_temporaries) + accumulation_transient(plan, workload, rank),
           "buffers": gathered["block"]}),
     ]
-    if not sharded:
+    held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if held:
+        moments = [{**m, "buffers": held} for m in moments]
+    elif not sharded:
         moments = [{"activations": m["activations"]} for m in moments]
     peak = max(moments, key=lambda m: sum(m.values()))
     return {**states, **peak}, saved

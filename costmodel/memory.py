@@ -47,9 +47,16 @@ def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str 
         optimizer /= dp
     if zero >= 2:
         grads /= dp
-    if zero >= 3:
+    if zero >= 3 or (zero == 2 and stack != "fused"):  # FSDP2's ZeRO-2 shards the weights at rest too
         weights /= dp
     return {"weights": weights, "gradients": grads, "optimizer": optimizer}
+
+
+def gathered_weight_bytes(params: float, dtype: str, zero: int, dp: int, stack: str = "eager") -> float:
+    """ZeRO-2 as FSDP2 runs it (eager and compile stacks: fully_shard without resharding after
+    forward): the rank's whole 16-bit weights, gathered at their first forward and held until
+    their backward ends, beside the sharded fp32 master weights."""
+    return WEIGHT_BYTES[dtype] * params if zero == 2 and dp > 1 and stack != "fused" else 0.0
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from costmodel.plan import Plan
 from executor.dry_run_trackers import CategoryPeaks, tracker_for
+from hardware.errors import PlanError
 
 
 
@@ -102,6 +103,10 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     (on `cluster`, default the plan's own hardware)."""
     name = model_name or plan.model
     build_model_check(name)
+    if plan.reduces_through_ddp:
+        raise PlanError("zero", f"the dry run cannot follow DDP (zero={plan.zero} over plain replicas): its C++ "
+                                "reducer allocates real gradient buckets and fails on the fake process group",
+                        "dry-run the layout with zero 2 or 3 (FSDP2), or measure it with `parallax run`")
     plan = with_estimate(plan, name, cluster)
     replay = replay_micro_batches(plan)
     short = _shortened(plan, replay)
@@ -109,7 +114,7 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
-        measured, predicted = _measure_rank(short, name, rank), _predicted_stage(plan, pp_rank)
+        measured, predicted = _measure_isolated(short, name, rank), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak,
                               predicted=predicted, predicted_peak=sum(predicted.values()), capacity=capacity))
@@ -131,6 +136,19 @@ def _shortened(plan: Plan, micro_batches: int) -> Plan:
         return plan
     per_micro_batch = plan.global_batch // plan.num_micro_batches
     return plan.model_copy(update={"global_batch": per_micro_batch * micro_batches})
+
+
+def _measure_isolated(plan: Plan, name: str, rank: int) -> CategoryPeaks:
+    """`_measure_rank`, in a fresh process where the plan has TP and pipeline roles: torch's
+    DTensor keeps sub-meshes of an earlier process group (by equal mesh) that a re-initialised
+    fake world no longer knows."""
+    if plan.pp == 1 or plan.tp == 1:
+        return _measure_rank(plan, name, rank)
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_measure_rank, plan, name, rank).result()
 
 
 def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
@@ -203,13 +221,20 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
     for stage in stages.values():
         _defer_fsdp(stage.submod, True)
     backwards_left = {i: n for i in stages}
+    # Each stage runs its forwards, and its backwards, in micro-batch order: numbered here by
+    # their turn, as torch's 1F1B order names its last rank's first forward micro-batch 1.
+    turn = {(i, k): 0 for i in stages for k in ("F", "B")}
     for action in order:
-        kind, index, mb = action.computation_type.name, action.stage_index, action.microbatch_index
+        kind, index = action.computation_type.name, action.stage_index
         stage = stages[index]
-        if kind in ("FORWARD", "F"):
-            x = micro[mb] if stage.is_first else _hidden_stand_in(micro[mb], hidden)
+        step = "F" if kind in ("FORWARD", "F") else "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD") else None
+        if step is None:
+            continue
+        mb, turn[(index, step)] = turn[(index, step)], turn[(index, step)] + 1
+        if step == "F":
+            x = micro[mb] if stage.is_first else _hidden_stand_in(micro[mb], hidden, plan)
             outputs[(index, mb)] = _MicroBatch(stage.submod)(x)
-        elif kind in ("FULL_BACKWARD", "B", "BACKWARD"):
+        else:
             out = outputs.pop((index, mb))
             backwards_left[index] -= 1
             if backwards_left[index] == 0:
@@ -236,10 +261,12 @@ def _stages(schedule) -> list:
     return list(getattr(schedule, "_stages", None) or [schedule._stage])
 
 
-def _hidden_stand_in(tokens: torch.Tensor, hidden: int) -> torch.Tensor:
+def _hidden_stand_in(tokens: torch.Tensor, hidden: int, plan: Plan) -> torch.Tensor:
     """What a later stage receives: fp32 hidden states (the executor keeps fp32 weights, so the
-    residual stream is fp32 under autocast), as a leaf that wants its gradient."""
-    return torch.zeros(*tokens.shape, hidden, requires_grad=True)
+    residual stream is fp32 under autocast), as a leaf that wants its gradient; under SP the
+    local sequence shard, which the stage wraps back into its sequence-sharded DTensor."""
+    rows, seq = tokens.shape
+    return torch.zeros(rows, seq // plan.tp if plan.sp else seq, hidden, requires_grad=True)
 
 
 def _defer_fsdp(module, defer: bool) -> None:

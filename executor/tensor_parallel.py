@@ -41,8 +41,14 @@ def split_styles(model: nn.Module, analysis: TPAnalysis, tp: int) -> tuple[dict[
         module = get_or_none(model, name)
         if module is not None and isinstance(module, nn.Embedding) and not _divides(model, name, style, tp):
             styles[name] = "replicate"
-    replicated = sorted(n for n, s in styles.items() if s == "replicate" and not _is_norm(get_or_none(model, n)))
+    # a pipeline chunk holds some of the model's modules (the others absent or parameterless
+    # stand-ins): only weights it holds can block SP
+    replicated = sorted(n for n, s in styles.items() if s == "replicate" and _holds_weights(get_or_none(model, n)))
     return styles, replicated
+
+
+def _holds_weights(module: nn.Module | None) -> bool:
+    return module is not None and not _is_norm(module) and any(True for _ in module.parameters(recurse=False))
 
 
 def _is_norm(module: nn.Module | None) -> bool:

@@ -18,13 +18,17 @@ def test_zero_paper_model_states(zero, expected_gb):
     assert total == pytest.approx(expected_gb, abs=0.05)
 
 
-@pytest.mark.parametrize("zero, expected_gb", [(0, 120), (1, 60.94), (2, 31.41), (3, 1.875)])
-def test_autocast_model_states(zero, expected_gb):
+@pytest.mark.parametrize("zero, expected_gb, gathered_gb", [(0, 120, 0), (1, 60.94, 0), (2, 1.875, 15), (3, 1.875, 0)])
+def test_autocast_model_states(zero, expected_gb, gathered_gb):
     """The executor's split of the same 16 bytes: fp32 weights (the master) and gradients, 8 bytes
-    of AdamW moments; ZeRO-1/2 keep the unsharded fp32 weights, so they hold more than Megatron's."""
+    of AdamW moments; ZeRO-1 keeps the unsharded fp32 weights, so it holds more than Megatron's;
+    FSDP2's ZeRO-2 shards them at rest and holds the gathered bf16 copy through the step."""
+    from costmodel.memory import gathered_weight_bytes
+
     states = model_state_bytes(7.5e9, "bf16", zero, 64)
     assert sum(states.values()) / 1e9 == pytest.approx(expected_gb, abs=0.01)
-    assert states["weights"] == (7.5e9 * 4 if zero < 3 else 7.5e9 * 4 / 64)
+    assert states["weights"] == (7.5e9 * 4 if zero < 2 else 7.5e9 * 4 / 64)
+    assert gathered_weight_bytes(7.5e9, "bf16", zero, 64) / 1e9 == pytest.approx(gathered_gb)
 
 
 def _block(workload):

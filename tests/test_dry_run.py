@@ -108,3 +108,40 @@ def test_a_stack_the_executor_does_not_run_is_priced_not_run():
                         fixed={"tp": 1, "pp": 1, "stack": "compile"})
     with pytest.raises(PlanError, match="stack"):
         validate(tiny, build_model("hf-llama-tiny"))
+
+
+def test_a_ddp_plan_is_refused_in_one_line(tmp_path, capsys):
+    """DDP's C++ reducer allocates real buckets and fails on the fake process group: refused by
+    name before anything is built."""
+    plan = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
+                        fixed={"tp": 1, "pp": 1, "zero": 0, "dp": 4})
+    path = tmp_path / "p.json"
+    path.write_text(plan.to_json())
+    assert main(["dry-run", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: zero:") and "zero 2 or 3" in err and len(err.strip().splitlines()) == 1
+
+
+def test_tensor_parallel_pipeline_ranks_are_each_measured_with_sp():
+    """TP x 1F1B pipeline with SP: each role measured in its own process (torch keeps sub-meshes
+    of an earlier fake world); a stage's stand-in input is its local sequence shard, and a
+    stage's parameterless stand-ins do not turn SP off."""
+    plan = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
+                        fixed={"tp": 2, "pp": 2, "zero": 0, "sp": True, "vpp": 1}, dtype="fp32")
+    assert plan.schedule == "1f1b" and plan.sp
+    result = dry_run(plan)
+    assert [r.pp_rank for r in result.ranks] == [0, 1]
+    assert all(r.measured["activations"] > 0 for r in result.ranks)
+
+
+def test_sp_is_not_skipped_on_a_pipeline_chunk():
+    from executor.tensor_parallel import split_styles
+    from executor.tp_styles import TPAnalysis
+    from torch import nn
+
+    chunk = nn.Module()
+    chunk.norm = nn.Identity()  # a stage's stand-in for a norm held by another stage
+    chunk.proj = nn.Linear(8, 8)
+    analysis = TPAnalysis(styles={"norm": "replicate", "proj": "colwise", "other_stage.norm": "replicate"})
+    _, replicated = split_styles(chunk, analysis, 2)
+    assert replicated == []

@@ -245,3 +245,34 @@ def test_compile_and_fused_stacks_price_fused_pointwise_traffic(llama):
         fused = forward_parts(block, Context(stack=stack, **kw))
         assert fused[:2] == eager[:2]
         assert fused[2] == pytest.approx(eager[2] * block.elementwise_fused_bytes / block.elementwise_bytes)
+
+
+def test_dtensor_sp_keeps_each_gathered_linear_input_whole(llama):
+    """Under SP a column-split linear saves its all-gathered input: q, k, v, gate and up each
+    their own whole copy (the eager stack), where Megatron's SP (fused) saves the shards."""
+    from costmodel.memory import activation_bytes
+
+    workload, _ = llama
+    block = _blocks(workload)[0].layer
+    s, h = SEQ, 4096
+    assert block.act_sp_whole >= 5 * s * h * 2  # five gathered bf16 inputs (and the causal mask)
+    assert block.act_sp_dropped >= 2 * s * h * 2  # the two norm outputs they replace
+    kw = dict(recompute="none", tp=4, sp=True, micro_batch=1)
+    eager, fused = activation_bytes(block, stack="eager", **kw), activation_bytes(block, stack="fused", **kw)
+    assert eager - fused == pytest.approx(block.act_sp_whole - block.act_sp_dropped / 4)
+    assert activation_bytes(block, "none", tp=4, sp=False, micro_batch=1) > eager > fused
+
+
+def test_the_loss_temporaries_are_the_fp32_logits_and_their_gradients(llama):
+    """The head's worst moment: log-softmax's fp32 gradient in and out, on the gathered (whole)
+    logits, beside the saved log-probabilities."""
+    from costmodel.memory import transient_bytes
+
+    workload, _ = llama
+    head = workload.layers[-1]
+    logits_fp32 = SEQ * 128256 * 4
+    assert head.act_transient == pytest.approx(2 * logits_fp32, rel=0.05)
+    assert head.act_transient_tp == "whole"
+    kw = dict(tp=4, sp=True, micro_batch=2)
+    assert transient_bytes(head, **kw) == pytest.approx(2 * head.act_transient)  # whole under DTensor
+    assert transient_bytes(head, stack="fused", **kw) == pytest.approx(2 * head.act_transient / 4)  # vocab-parallel

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from costmodel.data_parallel import held_zero, layer_params_on_rank
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
-from costmodel.memory import model_state_bytes
+from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
@@ -89,7 +89,7 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
 
 
 def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict) -> bool:
-    """Whether the average pipeline rank's weights, gradients and optimizer states alone exceed
+    """Whether the average pipeline rank's weights and optimizer states alone exceed
     one GPU (the fullest rank holds at least the average; experts priced at the dense
     per-parameter figure, which shards over more ranks): such a layout's bound is inf, so it
     is dropped before its coefficients are built."""
@@ -97,7 +97,10 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     if key not in per_rank:
         per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
     shard = Plan.shard_degree.fget(layout)
-    state = sum(model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack).values())
+    states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
+    # gradients left out: one FSDP2 micro-batch holds none at its peak (estimate.gradients_at_peak)
+    state = (states["weights"] + states["optimizer"]
+             + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
     return per_rank[key] / layout.pp * state > capacity
 
 

@@ -14,8 +14,8 @@ from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, o
                                      sharded_exposed, weight_gather_time)
 from costmodel.estimate import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
 from costmodel.layout import layout_of
-from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, in_flight_micro_batches,
-                              model_state_bytes, transient_bytes)
+from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
+                              in_flight_micro_batches, model_state_bytes, transient_bytes)
 from costmodel.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -139,7 +139,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
             coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
     states = model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    per_param = sum(states.values()) - (0.0 if gradients_at_peak(plan) else states["gradients"])
+    per_param = (sum(states.values()) - (0.0 if gradients_at_peak(plan) else states["gradients"])
+                 + gathered_weight_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack))
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
     # latency (`dp_latency`) plus their least marginal cost per parameter, from a billion
     # parameters on, bound them from below at every size (a chord from zero would count the
