@@ -101,8 +101,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     - the loss, computed outside every FSDP2 unit between forward and backward: every
       in-flight micro-batch's saved activations and the last layers' temporaries (the loss's
       fp32 logits and their gradients), no gathered buffers;
-    - the root unit's backward (the head's): the saved activations and ZeRO-3's gathered
-      root weights with their unsharded gradients;
+    - the root unit's backward (the head's, after the loss's): the saved activations less
+      the head's one micro-batch (the loss's log-probabilities, its largest, are freed) and
+      ZeRO-3's gathered root weights with their unsharded gradients;
     - a block's backward: the saved activations less the head's one micro-batch (freed by
       then), the block's and the next's gathered weights and one block's unsharded gradients,
       the accumulation transient, and the larger of the block's temporaries and a fully
@@ -140,7 +141,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
     moments = [
         ({"activations": saved + end_temporaries, "buffers": 0.0}),
-        ({"activations": saved, "buffers": gathered["root"]}),
+        ({"activations": saved - head_saved, "buffers": gathered["root"]}),
         ({"activations": saved - head_saved + max(rebuild, block_temporaries) + accumulation_transient(plan, workload, rank),
           "buffers": gathered["block"]}),
     ]

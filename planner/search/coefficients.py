@@ -190,7 +190,8 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     """Each pipeline rank's peak besides states and saved activations, as
     `costmodel.estimate.peak_moments` holds it, without and with a fully recomputed block
     (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
-    unit's backward (ZeRO-3's gathered embedding and head) and a block's backward (the
+    unit's backward (ZeRO-3's gathered embedding and head, the head's saved activations
+    freed) and a block's backward (the
     block's gather buffers, the accumulation transient, the larger of the block's
     temporaries and the rebuilt block, the head's saved activations freed). Returned as
     (without, with - without) per rank: a constant and the coefficient of the solver's
@@ -209,10 +210,10 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     without, growth = [], []
     for own in ends:
         at_loss = max((transient_bytes(layer, **kw) for layer in own), default=0.0)
-        at_root = root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0
+        head_saved = sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head")
+        at_root = root_buffer_bytes(_params(own, plan), plan.dtype) - head_saved if sharded else 0.0
         at_block = ((block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0)
-                    + (max(largest([block]), largest(own)) if accumulating else 0.0)
-                    - sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head"))
+                    + (max(largest([block]), largest(own)) if accumulating else 0.0) - head_saved)
         plain = max(at_loss, at_root, at_block + block_temporaries)
         without.append(plain)
         growth.append(max(at_loss, at_root, at_block + max(block_temporaries, rebuilt)) - plain)
