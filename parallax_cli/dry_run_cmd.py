@@ -53,6 +53,7 @@ def _table(rank) -> Table:
         measured = rank.measured_peak if name == "peak" else rank.measured.get(name, 0.0)
         at_peak = rank.measured_peak if name == "peak" else rank.at_peak.get(name, 0.0)
         predicted = rank.predicted_peak if name == "peak" else rank.predicted.get(name, 0.0)
-        error = f"{predicted / at_peak - 1:+.1%}" if at_peak else "-"  # the prediction is of the peak's moment
+        # the prediction is of the peak's moment; a category empty then has no relative error
+        error = f"{predicted / at_peak - 1:+.1%}" if at_peak > 2 ** 20 else "-"
         table.add_row(name, f"{measured / GIB:.2f}", f"{at_peak / GIB:.2f}", f"{predicted / GIB:.2f}", error)
     return table
