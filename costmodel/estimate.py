@@ -91,7 +91,7 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    """Memory by category at the rank's peak (`peak_moments`, the larger of its two moments)."""
+    """Memory by category at the rank's peak (`peak_moments`, the largest of its three moments)."""
     return peak_moments(plan, workload, rank_index, rank)[0]
 
 
@@ -110,8 +110,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
       recomputed block being rebuilt (one layer at a time).
     Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
-    FSDP2 without pipelining
-    no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
+    FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
     in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
     states = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     if rank.expert_params:  # expert states shard over the ranks holding the same experts

@@ -63,7 +63,6 @@ class StageModelData:
     fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
     extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`_rank_extra_bytes`)
     fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
-
     rebuild: tuple[float, ...] = ()  # per pipeline rank: what a fully recomputed block adds to its peak
 
     def extra_bytes(self, r: int) -> float:
@@ -191,9 +190,9 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     `costmodel.estimate.peak_moments` holds it, without and with a fully recomputed block
     (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
     unit's backward (ZeRO-3's gathered embedding and head, the head's saved activations
-    freed) and a block's backward (the
-    block's gather buffers, the accumulation transient, the larger of the block's
-    temporaries and the rebuilt block, the head's saved activations freed). Returned as
+    freed) and a block's backward (the block's gather buffers, the accumulation transient,
+    the larger of the block's temporaries and the rebuilt block, the head's saved
+    activations freed). Returned as
     (without, with - without) per rank: a constant and the coefficient of the solver's
     per-rank full-recompute indicator."""
     kw = activation_keywords(plan, 0.0)
