@@ -12,7 +12,9 @@ shards some categories and not others:
   8 of AdamW moments; FSDP2 gathers the 16-bit copy only while a unit runs
   (`executor.data_parallel.mixed_precision`), priced as ZeRO-3 buffers.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3
-everything over the data-parallel group. In fp32 training every stack holds
+everything over the data-parallel group; FSDP2's ZeRO-2 (the eager and compile
+stacks) shards the fp32 weights at rest too and holds their gathered 16-bit copy
+through the step (`gathered_weight_bytes`). In fp32 training every stack holds
 4 + 4 + 8.
 
 Activations follow Korthikanti et al. 2022 per policy: "none" keeps

@@ -20,7 +20,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .data_parallel import expert_reduction_time, optimizer_time
-from .estimate import peak_moments, price_ranks, rank_memory
+from .estimate import peak_moments, price_ranks
 from .layout import RankTime
 from .memory import WEIGHT_BYTES
 from .plan import Plan
@@ -64,7 +64,7 @@ def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: 
     transients = [max(0.0, memory["activations"] - saved) for memory, saved in peaks]
     spec = _engine_input(plan, pricer, lay, bucket_bytes, transients)
     out = Engine(spec).run()
-    return _assemble(plan, workload, cluster, lay, rank_times, spec, out)
+    return _assemble(plan, workload, cluster, lay, rank_times, spec, out, [memory for memory, _ in peaks])
 
 
 def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float, transients: list[float]) -> EngineInput:
@@ -125,11 +125,12 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     return end, opt
 
 
-def _rank_sim(plan, workload, r, rank_time, spec, out, events, end) -> RankSim:
+def _rank_sim(plan, memory: dict, r, rank_time, spec, out, events, end) -> RankSim:
+    """`memory`: the rank's categories at its peak (`costmodel.estimate.peak_moments`)."""
     ops = out.ops[r]
     tpls = [spec.templates[(op.stage, op.phase)] for op, _, _ in ops]
     busy = sum(t.duration for t in tpls)
-    static = {k: v for k, v in rank_memory(plan, workload, r, rank_time).items() if k != "activations"}
+    static = {k: v for k, v in memory.items() if k != "activations"}
     timeline, peak, when = memory_timeline(out.memory_deltas[r], sum(static.values()))
     return RankSim(
         rank=r,
@@ -151,12 +152,12 @@ def _rank_sim(plan, workload, r, rank_time, spec, out, events, end) -> RankSim:
     )
 
 
-def _assemble(plan, workload, cluster, lay, rank_times, spec, out) -> SimResult:
+def _assemble(plan, workload, cluster, lay, rank_times, spec, out, memories) -> SimResult:
     tails = [_tail(plan, cluster, lay, r, rank_times[r], out) for r in range(plan.pp)]
     by_rank: list[list[Event]] = [[] for _ in range(plan.pp)]
     for e in out.events:
         by_rank[e.rank].append(e)
-    ranks = [_rank_sim(plan, workload, r, rank_times[r], spec, out, by_rank[r], tails[r][0]) for r in range(plan.pp)]
+    ranks = [_rank_sim(plan, memories[r], r, rank_times[r], spec, out, by_rank[r], tails[r][0]) for r in range(plan.pp)]
     step = max(end for end, _ in tails)
     pipeline = max(out.compute_end)
     busiest = max(r.busy_s for r in ranks)
