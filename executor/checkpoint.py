@@ -4,9 +4,16 @@ Layout of a checkpoint directory D:
 
     D/step-00000010/            one complete checkpoint (10 steps done)
         .metadata, __R_0.distcp   torch.distributed.checkpoint, sharded as the plan shards
-                                  (DDP: replicated tensors written once; FSDP2/TP: DTensor shards)
-        extra/rank00003.pt        per-rank RNG state and compression residuals
+                                  (DDP: replicated tensors written once; FSDP2/TP: DTensor shards;
+                                  ZeRO-1: each AdamW state by the rank that owns it)
+        extra/rank00003.pt        per-rank RNG states (torch, python, numpy, CUDA) and compression residuals
         manifest.json             step, data position, world size, plan, and size + sha256 of every file
+
+Model and optimizer state are `get_state_dict`'s, one chunk and its optimizers at a time,
+optimizer state flattened and keyed by parameter name ("state.blocks.3.attn.q.weight.exp_avg"),
+so a checkpoint names every tensor as the unsplit model does: any other layout (dp, tp, pp,
+vpp, zero, rank count) loads the entries its own chunks hold, and DCP reshards them. A
+weight tied across pipeline stages is saved under each of its names.
     D/.tmp-step-00000012/       a write in progress, never loaded
 
 A checkpoint is written into `.tmp-step-N`, verified complete by every rank
@@ -16,7 +23,8 @@ crash at any point leaves either the previous checkpoints or a `.tmp-` folder
 that is ignored. On resume rank 0 walks the checkpoints newest first, checks
 each one's files against its manifest (present, same size, same sha256) and
 takes the first that passes, saying why any newer one was skipped; every rank
-loads that one. DCP loads onto whatever the current plan shards (another
+loads that one. Saves run with `dcp.async_save` on a process group of their own: the
+write overlaps the next step, and the manifest and rename follow once it is done. DCP loads onto whatever the current plan shards (another
 rank count, another ZeRO stage), which is what elastic resume relies on.
 
 The data position is the step: every step's global batch is a function of
@@ -37,9 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from costmodel.plan import Plan
+from executor.checkpoint_state import chunk_states, layout_words, load_chunks, merged, restore_rng, rng_states
 from hardware.errors import PlanError
 
 MANIFEST = "manifest.json"
@@ -139,16 +147,10 @@ def read_latest_manifest(root: str | Path) -> dict | None:
 
 def check_checkpointable(plan) -> None:
     """Refuse, before any process starts, the layouts whose state this module cannot save:
-    several pipeline chunks per rank, and ZeroRedundancyOptimizer's partitioned state."""
-    if plan.vpp > 1:
-        raise PlanError("checkpoint", "checkpointing interleaved pipeline chunks (vpp > 1) is not supported yet",
-                        "use the 1f1b or gpipe schedule with --checkpoint-dir")
+    expert-parallel slices share their names across ep ranks (DCP would keep one of them)."""
     if plan.ep > 1:
-        raise PlanError("checkpoint", "checkpointing expert-parallel layouts (split dense and expert optimizers) "
-                        "is not supported yet", "use ep=1 with --checkpoint-dir")
-    if plan.zero == 1 and plan.data_parallel > 1:
-        raise PlanError("checkpoint", "ZeroRedundancyOptimizer (zero 1) state cannot be saved with "
-                        "torch.distributed.checkpoint yet", "use zero 0, 2 or 3 with --checkpoint-dir")
+        raise PlanError("checkpoint", "checkpointing expert-parallel layouts (ep > 1) is not supported yet: "
+                        "each ep rank's experts share one name", "use ep=1 with --checkpoint-dir")
 
 
 @dataclass
@@ -158,59 +160,70 @@ class Checkpointer:
     plan: Plan
     seed: int = 0
     keep: int = 3
+    tied: list[tuple[str, ...]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    group: object = None  # the saves' own process group (async saves run beside training's collectives)
+    pending: tuple | None = None  # (future, steps_done) of an async save not yet finalised
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
         if self.every < 0:
             raise PlanError("checkpoint_every", f"must be >= 0, got {self.every}")
-
-    # ------------------------------------------------------------ state
-    @staticmethod
-    def _module(run):
-        return run.modules[0]  # one chunk per rank: check_checkpointable refused vpp > 1
-
-    def _state(self, run) -> dict:
         check_checkpointable(self.plan)
-        model_sd, optim_sd = get_state_dict(self._module(run), run.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        self.group = dist.new_group(backend="gloo")
 
     def _extra(self, run) -> dict:
         from executor.compression import compression_states
 
-        out = {"torch_rng": torch.get_rng_state(), "compression": [s.state_dict() for s in compression_states(run.modules)]}
-        if torch.cuda.is_available():
-            out["cuda_rng"] = torch.cuda.get_rng_state()
-        return out
+        return {**rng_states(), "compression": [s.state_dict() for s in compression_states(run.modules)]}
 
     # ------------------------------------------------------------ save
     def due(self, steps_done: int, total: int) -> bool:
         return steps_done == total or (self.every > 0 and steps_done % self.every == 0)
 
-    def save(self, run, steps_done: int) -> Path:
-        """Collective: every rank calls it after `steps_done` optimizer steps."""
-        rank, world = dist.get_rank(), dist.get_world_size()
-        final, tmp = step_dir(self.root, steps_done), self.root / f"{TMP_PREFIX}{steps_done:08d}"
+    def _tmp(self, steps_done: int) -> Path:
+        return self.root / f"{TMP_PREFIX}{steps_done:08d}"
+
+    def save(self, run, steps_done: int, wait: bool = False) -> None:
+        """Collective: every rank calls it after `steps_done` optimizer steps. The state is
+        staged to host memory and written in the background (`dcp.async_save`); `finish`
+        makes it a checkpoint. `wait`: finish before returning (the last step's save)."""
+        self.finish()
+        rank, tmp = dist.get_rank(), self._tmp(steps_done)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
             if tmp.exists():  # left by a crash mid-write
                 shutil.rmtree(tmp)
             (tmp / "extra").mkdir(parents=True)
         dist.barrier()
-        dcp.save(self._state(run), checkpoint_id=str(tmp))
         extra = tmp / "extra" / f"rank{rank:05d}.pt"
         torch.save(self._extra(run), extra)
         with open(extra, "rb+") as fh:
             os.fsync(fh.fileno())
+        state = merged(chunk_states(run, self.tied))
+        future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+        self.pending = (future, steps_done)
+        if wait:
+            self.finish()
+
+    def finish(self) -> Path | None:
+        """Collective: wait for the pending save, then rank 0 writes its manifest and renames it
+        into place; a crash before this leaves only a `.tmp-` folder, never loaded."""
+        if self.pending is None:
+            return None
+        future, steps_done = self.pending
+        self.pending = None
+        future.result()
         dist.barrier()  # every rank's shards and extras are on disk
-        if rank == 0:
+        final, tmp = step_dir(self.root, steps_done), self._tmp(steps_done)
+        if dist.get_rank() == 0:
             write_manifest(tmp, {
                 "step": steps_done,
                 "data_position": {"next_step": steps_done, "samples_consumed": steps_done * self.plan.global_batch,
                                   "seed": self.seed},
-                "world_size": world,
+                "world_size": dist.get_world_size(),
                 "plan": json.loads(self.plan.to_json()),
-                "rng": "extra/rankNNNNN.pt: torch RNG state and compression residuals per rank",
+                "rng": "extra/rankNNNNN.pt: torch, python, numpy (and CUDA) RNG states and compression residuals per rank",
                 "created_unix": time.time(),
             })
             if final.exists():  # re-reaching a step after resuming from an older checkpoint
@@ -244,31 +257,46 @@ class Checkpointer:
         self.notes += messages
         if folder is None:
             return 0
-        state = self._state(run)
-        dcp.load(state, checkpoint_id=folder)
-        set_state_dict(self._module(run), run.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        states = chunk_states(run, self.tied)
+        loaded = merged(states)
+        dcp.load(loaded, checkpoint_id=folder, process_group=self.group)
+        load_chunks(run, states, loaded)
         self._restore_extra(run, Path(folder), manifest)
         step = int(manifest["step"])
         saved_world = manifest.get("world_size")
         where = f"resumed from {Path(folder).name} (step {step}"
         self.notes.append(where + (f", written by {saved_world} ranks, resharded onto {dist.get_world_size()})"
                                    if saved_world != dist.get_world_size() else ")"))
+        resharded = _reshard_line(manifest.get("plan"), self.plan)
+        if resharded:
+            self.notes.insert(0, resharded)
         return step
 
     def _restore_extra(self, run, folder: Path, manifest: dict) -> None:
         from executor.compression import compression_states
 
-        rank, same_world = dist.get_rank(), manifest.get("world_size") == dist.get_world_size()
-        path = folder / "extra" / f"rank{(rank if same_world else 0):05d}.pt"
+        rank = dist.get_rank()
+        same = manifest.get("world_size") == dist.get_world_size() and not _reshard_line(manifest.get("plan"), self.plan)
+        path = folder / "extra" / f"rank{(rank if same else 0):05d}.pt"
         if not path.exists():
             return
         extra = torch.load(path, weights_only=False)
-        torch.set_rng_state(extra["torch_rng"])
-        if "cuda_rng" in extra and torch.cuda.is_available():
-            torch.cuda.set_rng_state(extra["cuda_rng"])
+        restore_rng(extra)
         states = compression_states(run.modules)
-        if same_world:
+        if same:
             for state, saved in zip(states, extra.get("compression", [])):
                 state.load_state_dict(saved)
         elif states and rank == 0:
-            self.notes.append("compression residuals are per rank and were dropped on the new rank count")
+            self.notes.append("compression residuals are per rank and were dropped on the new layout")
+
+
+def _reshard_line(saved: dict | None, plan: Plan) -> str:
+    """"resharded from dp2 pp2 interleaved v2 zero1 to dp2 tp2 zero3" when the layouts differ."""
+    if not saved:
+        return ""
+    try:
+        before = layout_words(Plan.model_validate(saved))
+    except ValueError:
+        return ""
+    after = layout_words(plan)
+    return f"resharded from {before} to {after}" if before != after else ""

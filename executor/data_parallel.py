@@ -3,7 +3,7 @@
 zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
 re-gathered for backward; zero 2: FSDP2 keeping the gathered parameters from
 forward to backward; zero 1: replicated parameters with the optimizer state
-sharded by ZeroRedundancyOptimizer; zero 0: replicated parameters. Blocks are
+sharded by parameter ownership (executor/optimizer.py); zero 0: replicated parameters. Blocks are
 sharded one by one so that only one block's parameters are gathered at a time.
 Hybrid sharding (`plan.dp_shard`) hands FSDP2 the 2-D (dp_replicate, dp_shard)
 view of the dp dimension: states sharded inside a shard group, gradients all-reduced across the
@@ -21,8 +21,6 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.plan import Plan
@@ -107,30 +105,6 @@ def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool 
             getattr(sub, n).expert_parallel = tag
 
 
-def build_optimizer(modules: list[nn.Module], mesh: DeviceMesh, plan: Plan, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """AdamW over every chunk's parameters; state sharded across dp for ZeRO-1.
-
-    torch's default AdamW implementation, the one `parallax calibrate` times. The fused
-    kernel would match the cost model's one-pass traffic better (~4x faster on this CPU for
-    gpt2) but refuses DTensor parameters in torch 2.13 ("mixed torch.Tensor and DTensor")."""
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    if plan.ep > 1 and plan.zero <= 1:
-        return _expert_split_optimizer(params, mesh, plan, lr)
-    if plan.zero == 1 and plan.data_parallel > 1:
-        return _zero1(params, mesh["dp"].get_group(), lr)
-    return torch.optim.AdamW(params, lr=lr)
-
-
-def _zero1(params, group, lr: float):
-    """AdamW with its state sharded over `group`: ZeroRedundancyOptimizer, through the local
-    shards where parameters are DTensors (TP, FSDP2's replicate)."""
-    if any(isinstance(p, DTensor) for p in params):
-        from executor.zero1 import LocalShardZero
-
-        return LocalShardZero(params, group, lr=lr)
-    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=group, lr=lr)
-
-
 def sync_context(module: nn.Module, last_micro_batch: bool):
     """Skip gradient synchronisation on all but the last micro-batch of a step."""
     import contextlib
@@ -142,38 +116,3 @@ def sync_context(module: nn.Module, last_micro_batch: bool):
     elif hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
-
-
-class _Optimizers(torch.optim.Optimizer):
-    """Dense and expert weights stepped by their own optimizers (each shards over its own group)."""
-
-    def __init__(self, parts: list[torch.optim.Optimizer]) -> None:
-        self.parts = parts
-        self.param_groups = [g for part in parts for g in part.param_groups]
-        self.state = {}
-        self.defaults = parts[0].defaults
-
-    def step(self, closure=None):
-        for part in self.parts:
-            part.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for part in self.parts:
-            part.zero_grad(set_to_none=set_to_none)
-
-
-def _expert_split_optimizer(params, mesh: DeviceMesh, plan: Plan, lr: float) -> torch.optim.Optimizer:
-    """ZeRO-1 under expert parallelism: dense states sharded over dp, expert states over the
-    ranks holding the same experts (edp); zero 0: two plain AdamWs."""
-    experts = [p for p in params if hasattr(p, "expert_parallel")]
-    dense = [p for p in params if not hasattr(p, "expert_parallel")]
-    _, edp = ep_meshes(mesh, plan)
-
-    def one(group_params, group, size):
-        if plan.zero == 1 and size > 1:
-            return _zero1(group_params, group, lr)
-        return torch.optim.AdamW(group_params, lr=lr)
-
-    return _Optimizers([one(dense, mesh["dp"].get_group(), plan.data_parallel),
-                        one(experts, edp.get_group(), plan.data_parallel // plan.ep)])
-

@@ -73,13 +73,9 @@ _Recording = _recording(MemTracker)
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
-    """The torch optimizers behind the executor's: its dense/expert split (`parts`) and the
-    ZeroRedundancyOptimizer inside LocalShardZero (`inner`) are what the trackers can follow."""
-    parts = getattr(optimizer, "parts", None)
-    if parts is not None:
-        return [o for part in parts for o in torch_optimizers(part)]
-    inner = getattr(optimizer, "inner", None)
-    return [inner] if inner is not None else [optimizer]
+    """The torch optimizers behind the executor's (one per chunk, or dense and expert under EP):
+    what the trackers can follow."""
+    return list(getattr(optimizer, "parts", [optimizer]))
 
 
 @contextlib.contextmanager

@@ -23,7 +23,8 @@ from costmodel.plan import Plan
 from executor.checkpointing import apply_checkpointing
 from executor.context_parallel import apply_context_parallel
 from executor.expert_parallel import ExpertGradients, apply_expert_parallel
-from executor.data_parallel import apply_data_parallel, build_optimizer
+from executor.data_parallel import apply_data_parallel
+from executor.optimizer import ChunkOptimizers, build_optimizer
 from executor.layers import LayerMap, layer_map
 from executor.mesh import build_mesh, local_device
 from executor.pipeline import apply_pipeline, build_schedule
@@ -44,13 +45,14 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 class Materialized:
     modules: list[nn.Module]
     schedule: object | None
-    optimizer: torch.optim.Optimizer
+    optimizer: ChunkOptimizers
     mesh: DeviceMesh
     device: torch.device
     tp_replicated: list[str] = field(default_factory=list)
     tied: TiedGradients | None = None
     tied_aliases: dict[str, str] = field(default_factory=dict)
     experts: ExpertGradients | None = None
+    tied_names: list[tuple[str, ...]] = field(default_factory=list)  # each tied weight's names, canonical first
 
     def sync_gradients(self) -> None:
         """The gradient sums DDP/FSDP do not do: tied copies across stages, experts across replicas."""
@@ -81,7 +83,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
         model = model.to(device)
     lmap: LayerMap = layer_map(model)
     analysis = tp_analysis(model, plan)
-    groups = tied_groups(model) if plan.pp > 1 else []
+    groups = tied_groups(model)
     chunks = apply_pipeline(model, mesh, plan)
     replicated: list[str] = []
     if analysis is not None:
@@ -93,9 +95,9 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
-    tied = TiedGradients(groups, lmap, plan, mesh, chunks) if groups else None
+    tied = TiedGradients(groups, lmap, plan, mesh, chunks) if groups and plan.pp > 1 else None
     experts = ExpertGradients(chunks, mesh, plan) if plan.ep > 1 else None
-    return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups), experts)
+    return Materialized(chunks, schedule, optimizer, mesh, device, replicated, tied, aliases(groups), experts, groups)
 
 
 def materialize(plan: Plan, model: nn.Module):

@@ -111,8 +111,10 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
                 torch.cuda.synchronize(run.device)
             times.append(time.perf_counter() - start)
         losses.append(_global_loss(loss, plan, at, run.device))
-        if checkpointer is not None and checkpointer.due(step + 1, steps):
-            checkpointer.save(run, step + 1)
+        if checkpointer is not None:
+            checkpointer.finish()  # the previous step's save, written while this step ran
+            if checkpointer.due(step + 1, steps):
+                checkpointer.save(run, step + 1, wait=step + 1 == steps)
     return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes}
 
 
@@ -157,7 +159,7 @@ def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float =
     if checkpoint_dir:
         from executor.checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed)
+        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names)
         start = checkpointer.resume(run)
     kill_at = kill_step(fail_at, fail_rank, dist.get_rank(), _torchrun_attempt())
     result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at)

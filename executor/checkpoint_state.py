@@ -1,0 +1,94 @@
+"""What a checkpoint holds of one rank: model and optimizer state by name, and RNG states.
+
+Each chunk and its optimizers go through `get_state_dict` with the optimizer state
+flattened (`StateDictOptions(flatten_optimizer_state_dict=True)`): every entry is keyed by
+the unsplit model's parameter name, so the union over chunks is one flat dict whose keys
+do not depend on the layout. Loading builds the same dict for the new layout's chunks,
+lets DCP fill it (resharding DTensors, reading replicated entries from whoever wrote them)
+and hands each chunk its own keys back through `set_state_dict`.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+OPTIM_PREFIXES = ("state.", "param_groups.")
+
+
+def _aliased(flat: dict, groups: list[tuple[str, ...]]) -> dict:
+    """`flat` plus each tied weight's entries under every name of its group (a pipeline
+    stage holding only the LM head's copy then finds the state the embedding's name saved)."""
+    out = dict(flat)
+    for names in groups:
+        for key, value in flat.items():
+            for name in names:
+                prefix = next((p for p in ("", *OPTIM_PREFIXES) if key == p + name or key.startswith(p + name + ".")), None)
+                if prefix is None:
+                    continue
+                rest = key[len(prefix + name):]
+                for other in names:
+                    out.setdefault(prefix + other + rest, value)
+    return out
+
+
+def chunk_states(run, tied: list[tuple[str, ...]]) -> list[tuple[set[str], dict]]:
+    """Per chunk: the keys it names itself, and its flat state (model entries and its
+    optimizers' flattened state) with tied weights' entries under every name."""
+    out = []
+    for chunk, optimizers in zip(run.modules, run.optimizer.per_chunk):
+        model, optim = get_state_dict(chunk, tuple(optimizers), options=OPTIONS)
+        own = {**model, **optim}
+        out.append((set(own), _aliased(own, tied)))
+    return out
+
+
+def merged(states: list[tuple[set[str], dict]]) -> dict:
+    """The rank's whole state, as DCP saves and loads it."""
+    out: dict = {}
+    for _, state in states:
+        out.update(state)
+    return out
+
+
+def load_chunks(run, states: list[tuple[set[str], dict]], loaded: dict) -> None:
+    """Hand each chunk its own entries of `loaded` (filled by dcp.load) through `set_state_dict`."""
+    for chunk, optimizers, (own, _) in zip(run.modules, run.optimizer.per_chunk, states):
+        model = {k: loaded[k] for k in own if not k.startswith(OPTIM_PREFIXES)}
+        optim = {k: loaded[k] for k in own if k.startswith(OPTIM_PREFIXES)}
+        set_state_dict(chunk, tuple(optimizers), model_state_dict=model, optim_state_dict=optim, options=OPTIONS)
+
+
+def rng_states() -> dict:
+    """Every random generator a step may draw from."""
+    out = {"torch_rng": torch.get_rng_state(), "python_rng": random.getstate(), "numpy_rng": np.random.get_state()}
+    if torch.cuda.is_available():
+        out["cuda_rng"] = torch.cuda.get_rng_state()
+    return out
+
+
+def restore_rng(extra: dict) -> None:
+    torch.set_rng_state(extra["torch_rng"])
+    if "python_rng" in extra:
+        random.setstate(extra["python_rng"])
+    if "numpy_rng" in extra:
+        np.random.set_state(extra["numpy_rng"])
+    if "cuda_rng" in extra and torch.cuda.is_available():
+        torch.cuda.set_rng_state(extra["cuda_rng"])
+
+
+def layout_words(plan) -> str:
+    """A layout as a resume message names it: "dp2 pp2 interleaved v2 zero1", "dp2 tp2+sp zero3"."""
+    parts = [f"dp{plan.dp}"]
+    parts += [f"ep{plan.ep}"] if plan.ep > 1 else []
+    parts += [f"cp{plan.cp}"] if plan.cp > 1 else []
+    parts += [f"tp{plan.tp}{'+sp' if plan.sp else ''}"] if plan.tp > 1 else []
+    if plan.pp > 1:
+        parts += [f"pp{plan.pp}", plan.schedule] + ([f"v{plan.vpp}"] if plan.vpp > 1 else [])
+    parts.append(f"zero{plan.zero}")
+    if plan.zero >= 2 and plan.dp_replicate > 1:
+        parts.append(f"hsdp{plan.dp_replicate}x{plan.shard_degree}")
+    return " ".join(parts)
