@@ -17,6 +17,10 @@ the last checkpoint.
   higher-order optimum is sqrt(2 delta M) (1 + sqrt(delta/(2M))/3 + delta/(18 M)) - delta.
   To first order goodput ~ 1 - delta/tau - (R + (tau + delta)/2) / M.
 
+The checkpoint's write time is its bytes over the job's storage bandwidth: the
+profile's sourced `storage_gbps_per_node` times the nodes (each node writes its
+ranks' DCP shards in parallel).
+
 Checkpoint size is the model state that resumes training: 16-bit weights
 plus fp32 master weights and the two Adam moments (2 + 12 bytes per
 parameter in mixed precision, 4 + 8 in fp32); gradients are not saved.
@@ -25,6 +29,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+from pydantic import BaseModel, Field
 
 from hardware.errors import ParallaxError
 from hardware.schema import Cluster
@@ -108,6 +114,10 @@ def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbp
         "storage_gbps": DEFAULT_STORAGE_SOURCE if storage_gbps is None else "user",
         "restart_s": DEFAULT_RESTART_SOURCE if restart_s is None else "user",
     }
+    if storage_gbps is None and cluster.storage_gbps_per_node is not None:
+        storage_gbps = cluster.storage_gbps_per_node * cluster.n_nodes
+        sources["storage_gbps"] = f"{cluster.n_nodes} nodes x {cluster.storage_gbps_per_node:g} GB/s: " + \
+            cluster.sources.get("storage_gbps_per_node", "profile")
     storage = DEFAULT_STORAGE_GBPS if storage_gbps is None else storage_gbps
     restart = DEFAULT_RESTART_S if restart_s is None else restart_s
     if storage <= 0 or restart < 0:
@@ -121,3 +131,41 @@ def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbp
     return Goodput(n_gpus=n, gpu_mtbf_hours=per_gpu, job_mtbf_s=mtbf_s, checkpoint_bytes=size, write_s=write,
                    restart_s=restart, interval_s=tau, optimal_interval_s=young, daly_interval_s=daly_interval(write, mtbf_s),
                    goodput=expected_goodput(tau, write, restart, mtbf_s), failures_per_day=86400 / mtbf_s, sources=sources)
+
+
+class CheckpointAdvice(BaseModel):
+    """How often a plan should checkpoint, and the goodput it then keeps (Young/Daly)."""
+
+    every_steps: int = Field(ge=1, description="optimizer steps between checkpoints (Young's interval)")
+    interval_s: float = Field(gt=0, description="compute seconds between checkpoints")
+    goodput: float = Field(description="expected useful fraction of wall time under failures")
+    write_s: float = Field(ge=0, description="one checkpoint's write time")
+    job_mtbf_s: float = Field(gt=0, description="the job's mean time between failures")
+    gpu_mtbf_hours: float = Field(gt=0)
+    sources: dict[str, str] = Field(default_factory=dict)
+
+    def line(self) -> str:
+        return (f"checkpoint every {self.every_steps:,} steps ({_duration(self.interval_s)}): expected goodput "
+                f"{self.goodput:.1%} (a save takes {_duration(self.write_s)}, the job fails every "
+                f"{_duration(self.job_mtbf_s)} at {self.gpu_mtbf_hours:,.0f} h MTBF per GPU)")
+
+
+def checkpoint_advice(params: float, cluster: Cluster, step_time_s: float, *, dtype: str = "bf16",
+                      mtbf_hours: float | None = None) -> CheckpointAdvice | None:
+    """Young's interval in whole steps of `step_time_s`, and Daly's goodput there; None
+    when the profile states no MTBF and none is given."""
+    if mtbf_hours is None and cluster.gpu.mtbf_hours is None:
+        return None
+    g = goodput(params, cluster, dtype=dtype, mtbf_hours=mtbf_hours)
+    steps = g.steps_between(step_time_s)
+    at = expected_goodput(steps * step_time_s, g.write_s, g.restart_s, g.job_mtbf_s)
+    return CheckpointAdvice(every_steps=steps, interval_s=steps * step_time_s, goodput=at, write_s=g.write_s,
+                            job_mtbf_s=g.job_mtbf_s, gpu_mtbf_hours=g.gpu_mtbf_hours, sources=g.sources)
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    if seconds >= 60:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds:.1f} s"

@@ -18,6 +18,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hardware.schema import Cluster, Stack
 
+from .goodput import CheckpointAdvice
+
 SCHEMA_VERSION = 4  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack
 
 Recompute = Literal["none", "selective", "full"]
@@ -134,6 +136,8 @@ class Plan(BaseModel):
     estimate: Estimate | None = None
     alternatives: list["Plan"] = Field(default_factory=list)
     solver: SolverReport | None = None
+    checkpointing: CheckpointAdvice | None = Field(None, description="Young/Daly checkpoint interval and goodput "
+                                                   "(`parallax run` and `launch` use it without --checkpoint-every)")
     notes: list[str] = Field(default_factory=list)
 
     @property

@@ -1,18 +1,61 @@
-"""Elastic resume: re-plan a checkpointed job for a different number of ranks.
+"""Elastic resume: re-plan a job for the ranks that are left (or were given).
 
-The model-parallel layout (tp, pp, stage partition, recomputation) is kept
-when it fits the new world size, since it was chosen for the model, and the
-data-parallel degree absorbs the change: dp = world / (tp * pp). The global
-batch is kept (so the loss stays on its curve: the same tokens per step, see
-executor/checkpoint.py), the micro-batch is reduced until dp * micro_batch
-divides it. When tp * pp does not divide the new world, pipeline and then
-tensor degrees are lowered (uniform stages) until a valid plan is found.
-The checkpoint itself is resharded by torch.distributed.checkpoint on load.
+When a node dies under torchrun's elastic agent (`--nnodes MIN:MAX`), the agent
+restarts the workers on the nodes that remain, with a smaller WORLD_SIZE; when a
+user passes another `--nproc`, the launcher does the same before starting. Either
+way the planner chooses a layout for the new world afresh (any dp, tp, pp, vpp,
+zero: the layout that was best for 8 ranks need not be for 4), on the plan's own
+hardware profile resized to the new rank count, keeping the global batch, sequence
+length and dtype so the loss stays on its curve (every step's tokens depend on the
+seed and the step only, executor/checkpoint.py). The checkpoint, named by parameter,
+is resharded onto that layout by torch.distributed.checkpoint on load.
+
+A model the planner cannot trace by name (an importable "package.module:function")
+keeps its model-parallel layout where it divides the new world, the data-parallel
+degree absorbing the change.
 """
 from __future__ import annotations
 
 from costmodel.plan import Plan, uniform_stages
-from hardware.errors import PlanError
+from hardware.errors import ParallaxError, PlanError
+from hardware.schema import Cluster
+
+
+def resized(cluster: Cluster, world: int) -> Cluster:
+    """`cluster` with `world` GPUs: whole nodes of its kind, or one node of `world` GPUs."""
+    per_node = cluster.gpus_per_node
+    if world % per_node == 0:
+        return cluster.model_copy(update={"n_nodes": world // per_node})
+    if world < per_node:
+        return cluster.model_copy(update={"n_nodes": 1, "node": cluster.node.model_copy(update={"gpus_per_node": world})})
+    raise PlanError("world size", f"{world} ranks do not fill whole nodes of {per_node}",
+                    f"run a multiple of {per_node} ranks")
+
+
+def replan(plan: Plan, world_size: int, layer_kinds: list[str] | None = None) -> tuple[Plan, str]:
+    """A plan for `world_size` ranks, from the planner where it knows the model, and a note."""
+    if world_size == plan.n_gpus:
+        return plan, ""
+    if world_size < 1:
+        raise PlanError("nproc", f"must be positive, got {world_size}")
+    from planner.trace.models.catalog import list_models
+
+    if plan.model not in list_models():
+        return _keep_model_parallel(plan, world_size, layer_kinds)
+    import planner
+
+    cluster = resized(plan.cluster(), world_size)
+    fixed = {"stack": plan.stack} if plan.stack != "eager" else None
+    try:
+        new = planner.plan(plan.model, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
+                           fixed=fixed, top_k=1)
+    except ParallaxError as error:
+        raise PlanError("world size", f"no layout of {world_size} ranks trains {plan.model}: {error}",
+                        "resume on more ranks") from None
+    note = f"elastic re-plan for {world_size} ranks: the planner picked {new.layout_tag} (was {plan.layout_tag})"
+    new = new.model_copy(update={"model": plan.model, "alternatives": [], "notes": [*plan.notes, note],
+                                 "compression": plan.compression if new.reduces_through_ddp else "none"})
+    return new, note
 
 
 def _with(plan: Plan, dp: int, tp: int, pp: int, kinds: list[str] | None) -> Plan | None:
@@ -35,12 +78,8 @@ def _with(plan: Plan, dp: int, tp: int, pp: int, kinds: list[str] | None) -> Pla
         return None
 
 
-def replan(plan: Plan, world_size: int, layer_kinds: list[str] | None = None) -> tuple[Plan, str]:
-    """A plan for `world_size` ranks derived from `plan`, and a note saying what changed."""
-    if world_size == plan.n_gpus:
-        return plan, ""
-    if world_size < 1:
-        raise PlanError("nproc", f"must be positive, got {world_size}")
+def _keep_model_parallel(plan: Plan, world_size: int, layer_kinds: list[str] | None) -> tuple[Plan, str]:
+    """tp and pp kept where they divide the world (lowered otherwise), dp = world / (tp * pp)."""
     candidates = [(plan.tp, plan.pp)]
     candidates += [(plan.tp, p) for p in range(plan.pp - 1, 0, -1)]
     candidates += [(t, p) for t in range(plan.tp - 1, 0, -1) for p in range(plan.pp, 0, -1)]

@@ -1,4 +1,10 @@
-"""Launch a plan with torchrun and collect its run report."""
+"""Launch a plan with torchrun and collect its run report.
+
+One node runs `torchrun --standalone`; several meet at torchrun's own c10d rendezvous
+(`Nodes`): the same command on every node, each starting its share of the ranks, and
+an elastic range `--nnodes MIN:MAX` lets the job go on when nodes are lost (the
+workers re-plan for the ranks that are left, executor/elastic.py).
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from costmodel.plan import Plan
@@ -18,14 +25,50 @@ from executor.report import RunReport
 from executor.validate import validate
 
 
-def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int,
-                     extra_torchrun_args=(), checkpoint_dir: str | None = None, checkpoint_every: int = 0,
+@dataclass(frozen=True)
+class Nodes:
+    """Where the ranks run: one node, or `nnodes` ("N", or "MIN:MAX" for an elastic job)
+    meeting at the c10d rendezvous on `rdzv_endpoint` (HOST:PORT of the first node)."""
+    nnodes: str = "1"
+    node_rank: int = 0
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "parallax"
+
+    def __post_init__(self) -> None:
+        parts = str(self.nnodes).split(":")
+        if len(parts) > 2 or not all(p.isdigit() and int(p) >= 1 for p in parts) or int(parts[0]) > int(parts[-1]):
+            raise PlanError("nnodes", f"cannot read {self.nnodes!r}", "pass a node count N, or MIN:MAX for an elastic job")
+        if not 0 <= self.node_rank < self.max_nodes:
+            raise PlanError("node_rank", f"{self.node_rank} is not a node of {self.max_nodes}", f"use 0..{self.max_nodes - 1}")
+        if self.max_nodes > 1 and not self.rdzv_endpoint:
+            raise PlanError("rdzv_endpoint", f"{self.max_nodes} nodes need a rendezvous endpoint",
+                            "pass --rdzv-endpoint HOST:PORT, the first node's address and a free port")
+        if self.rdzv_endpoint and (":" not in self.rdzv_endpoint or not self.rdzv_endpoint.rsplit(":", 1)[1].isdigit()):
+            raise PlanError("rdzv_endpoint", f"cannot read {self.rdzv_endpoint!r}", "pass HOST:PORT, e.g. node001:29500")
+
+    @property
+    def max_nodes(self) -> int:
+        return int(str(self.nnodes).split(":")[-1])
+
+    @property
+    def single(self) -> bool:
+        return self.max_nodes == 1 and not self.rdzv_endpoint
+
+    def torchrun_args(self) -> list[str]:
+        if self.single:
+            return ["--standalone"]
+        return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", str(self.rdzv_endpoint), "--rdzv-id", self.rdzv_id]
+
+
+def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int, nodes: Nodes = Nodes(),
+                     checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                      max_restarts: int = 0, seed: int = 0, fail_at: list[int] | None = None,
                      fail_rank: int = 1, log_dir: str | None = None) -> list[str]:
-    """`python -m torch.distributed.run` for one node, or multi-node when rendezvous args are given.
+    """`python -m torch.distributed.run` for this node's ranks.
     With `log_dir`, torchrun keeps every rank's stdout and stderr there and each
     failing rank writes its exception there too (see `first_failure`)."""
-    node_args = list(extra_torchrun_args) or ["--standalone"]
+    node_args = nodes.torchrun_args()
     if log_dir:
         node_args += ["--log-dir", log_dir, "--redirects", "3"]
     if max_restarts:
@@ -38,7 +81,7 @@ def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, npro
 
 
 def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
-        extra_torchrun_args=(), cluster=None, timeout_s: float | None = None,
+        nodes: Nodes = Nodes(), cluster=None, timeout_s: float | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
         seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1) -> RunReport:
     """Validate (before any process starts), launch, and return the report with predictions.
@@ -51,24 +94,23 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
     resharded on load. `seed` seeds the model, the data and compression's randomness.
 
     `fail_at` / `fail_rank` are fault injection for the restart tests: on torchrun attempt i,
-    rank `fail_rank` SIGKILLs itself mid-step at step `fail_at[i]`."""
+    rank `fail_rank` SIGKILLs itself mid-step at step `fail_at[i]`.
+
+    `nodes`: this node's place in a multi-node job; every node runs the same call and
+    prints the same report (each node's first rank writes it)."""
     model = model or plan.model
-    nnodes = _nnodes(extra_torchrun_args)
-    nproc = nproc or plan.n_gpus // nnodes
+    nproc = nproc or max(1, plan.n_gpus // nodes.max_nodes)
     module = build_model(model)
     replanned = ""
-    if checkpoint_dir and nproc * nnodes != plan.n_gpus:
+    if checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
         from executor.elastic import replan
-        from executor.layers import layer_map
 
-        lmap = layer_map(module)
-        kinds = ["embedding"] + ["block"] * (lmap.n_layers - 2) + ["head"]
-        plan, replanned = replan(plan, nproc * nnodes, kinds)
+        plan, replanned = replan(plan.model_copy(update={"model": model}), nproc * nodes.max_nodes, layer_kinds(module))
     if plan.compression != "none":
         from executor.compression import check_compression
 
         check_compression(plan)
-    validate(plan, module, world_size=nproc * nnodes)
+    validate(plan, module, world_size=nproc * nodes.max_nodes)
     if checkpoint_dir:
         from executor.checkpoint import check_checkpointable
 
@@ -84,7 +126,7 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         # a caller's OMP_NUM_THREADS is kept. The worker sizes torch's pool from it.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
-        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, extra_torchrun_args,
+        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, nodes,
                                str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts,
                                seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs)
         try:
@@ -97,8 +139,17 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
     shutil.rmtree(logs, ignore_errors=True)
     if replanned:
         report = report.model_copy(update={"notes": [replanned, *report.notes]})
-    report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(plan, report.device)]})
-    return report.with_prediction(*predict(plan, model, cluster))
+    ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
+    report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
+    return report.with_prediction(*predict(ran, model, cluster))
+
+
+def layer_kinds(module) -> list[str]:
+    """The executor's expanded layers as the plan's stages name them."""
+    from executor.layers import layer_map
+
+    lmap = layer_map(module)
+    return ["embedding"] + ["block"] * (lmap.n_layers - 2) + ["head"]
 
 
 def executed_dtype_notes(plan: Plan, device: str) -> list[str]:
@@ -129,15 +180,3 @@ def first_failure(log_dir: str, exit_code: int, stderr: str) -> RunError:
     first = records[0]
     message = " ".join(first["message"].split())[:400]
     return RunError(f"rank {first['rank']}", f"{first['type']}: {message}", where)
-
-
-def _nnodes(args) -> int:
-    args = list(args)
-    for i, arg in enumerate(args):
-        if arg.startswith("--nnodes"):
-            value = arg.split("=", 1)[1] if "=" in arg else args[i + 1]
-            try:
-                return int(value.split(":")[-1])
-            except ValueError as error:
-                raise PlanError("nnodes", f"cannot read {value!r}", "pass --nnodes N") from error
-    return 1

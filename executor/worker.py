@@ -24,10 +24,12 @@ from executor.train import run_rank, steady_step_time
 
 
 def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport | None:
+    """The run report, on each node's first rank (every node's launcher prints it)."""
     everyone: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     dist.all_gather_object(everyone, mine)
-    if dist.get_rank() != 0:
+    if int(os.environ.get("LOCAL_RANK", "0")) != 0:
         return None
+    mine = everyone[0]
     ran = len(mine["step_times_s"])  # fewer than `steps` when resumed from a checkpoint
     times = [max(r["step_times_s"][i] for r in everyone) for i in range(ran)]
     notes = list(mine.get("notes", []))
@@ -41,6 +43,32 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
                      step_time_s=steady_step_time(times) if times else 0.0,
                      peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
                      tp_replicated=mine["tp_replicated"], notes=notes)
+
+
+def _plan_for_world(plan: Plan, model: str) -> tuple[Plan, str]:
+    """The plan itself, or (after torchrun's elastic agent restarted the job on fewer nodes)
+    rank 0's re-plan for the ranks that are left, the same on every rank."""
+    world = dist.get_world_size()
+    if world == plan.n_gpus:
+        return plan, ""
+    answer: list = [None, ""]
+    if dist.get_rank() == 0:
+        from executor.elastic import replan
+        from executor.launch import layer_kinds
+        from executor.models import build_model
+        from hardware.errors import ParallaxError
+
+        try:
+            new, note = replan(plan.model_copy(update={"model": model}), world, layer_kinds(build_model(model)))
+            answer = [new.to_json(), note]
+        except ParallaxError as error:
+            answer = [None, str(error)]
+    dist.broadcast_object_list(answer, src=0)
+    if answer[0] is None:
+        from hardware.errors import PlanError
+
+        raise PlanError("world size", answer[1])
+    return Plan.from_json(answer[0]), answer[1]
 
 
 def _steps(text: str) -> list[int]:
@@ -89,8 +117,11 @@ def _work(args) -> None:
     plan = Plan.from_json(open(args.plan).read())
     model = args.model or plan.model
     init_distributed()
+    plan, replanned = _plan_for_world(plan, model)
     mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank)
+    if replanned:
+        mine["notes"].insert(0, replanned)
     report = _gather_report(plan, model, args.steps, mine)
     if report is not None:
         with open(args.out, "w") as fh:

@@ -27,6 +27,7 @@ class Network(_Sourced):
     nic_gbps: float = Field(gt=0, description="per-GPU NIC bandwidth, Gb/s (bits)")
     nic_latency_us: float = Field(ge=0)
     inter_fabric: str = "infiniband"
+    storage_gbps_per_node: float | None = Field(None, gt=0, description="checkpoint write bandwidth per node, GB/s")
     collectives: Collectives | None = None
 
 

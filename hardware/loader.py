@@ -53,6 +53,7 @@ def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gb
     price, price_sources = _price(base, price_per_gpu_hour, price_table)
     fields = dict(name=base.name, gpu=base.gpu, node=node, n_nodes=n_nodes, nic_gbps=nic,
                   nic_latency_us=nic_lat, inter_fabric=base.network.inter_fabric,
+                  storage_gbps_per_node=base.network.storage_gbps_per_node,
                   collectives=_shift_steps(base.network.collectives, node.link_latency_us - base.node.link_latency_us,
                                             nic_lat - base.network.nic_latency_us),
                   price_per_gpu_hour=price, sources={**net_sources, **price_sources})
@@ -121,8 +122,9 @@ def _from_entry(entry: CatalogEntry, count: int | None) -> _Base:
 
 def _from_cluster(cluster: Cluster) -> _Base:
     """Re-open a Cluster so overrides can be applied the same way as to an entry."""
-    net_sources = {k: v for k, v in cluster.sources.items() if k in ("nic_gbps", "nic_latency_us")}
+    net_sources = {k: v for k, v in cluster.sources.items() if k in ("nic_gbps", "nic_latency_us", "storage_gbps_per_node")}
     network = Network.model_construct(nic_gbps=cluster.nic_gbps, nic_latency_us=cluster.nic_latency_us,
+                                      storage_gbps_per_node=cluster.storage_gbps_per_node,
                                       inter_fabric=cluster.inter_fabric, collectives=cluster.collectives,
                                       sources=net_sources)
     price = None
@@ -199,6 +201,8 @@ def _override_node(node: Node, gpus_per_node, intra_gbps, intra_latency_us) -> N
 def _network(network: Network, nic_gbps, nic_latency_us) -> tuple[float, float, dict[str, str]]:
     """(nic_gbps, nic_latency_us, their sources) after overrides."""
     sources = {k: network.sources.get(k, "profile") for k in ("nic_gbps", "nic_latency_us")}
+    if network.storage_gbps_per_node is not None:
+        sources["storage_gbps_per_node"] = network.sources.get("storage_gbps_per_node", "profile")
     nic, latency = network.nic_gbps, network.nic_latency_us
     if nic_gbps is not None:
         nic, sources["nic_gbps"] = _number("nic_gbps", nic_gbps), USER

@@ -210,6 +210,8 @@ class Cluster(_Sourced):
     nic_gbps: float = Field(gt=0, description="per-GPU inter-node NIC bandwidth, Gb/s (bits)")
     nic_latency_us: float = Field(ge=0)
     inter_fabric: str = "infiniband"
+    storage_gbps_per_node: float | None = Field(None, gt=0, description="sustained checkpoint write bandwidth "
+                                                "to shared storage per node, GB/s (prices a DCP save)")
     price_per_gpu_hour: float | None = Field(default=None, ge=0)
     collectives: Collectives | None = Field(
         default=None, description="the collective library's protocols on this fabric (None: one alpha-beta "

@@ -6,6 +6,7 @@ from typing import Optional
 
 import typer
 
+from hardware.errors import PlanError
 from parallax_cli import app, load_plan
 
 
@@ -19,8 +20,16 @@ def run_command(
     out: Path = typer.Option(None, "--out", help="write the run report JSON here"),
     checkpoint_dir: Path = typer.Option(None, "--checkpoint-dir",
                                         help="save model+optimizer state here (sharded, atomic, verified) and resume from it"),
-    checkpoint_every: int = typer.Option(0, "--checkpoint-every", min=0, help="save every N steps (and after the last)"),
+    checkpoint_every: Optional[int] = typer.Option(
+        None, "--checkpoint-every", min=0,
+        help="save every N steps (and after the last); default: the plan's Young/Daly interval"),
     max_restarts: int = typer.Option(0, "--max-restarts", min=0, help="torchrun restarts after a worker dies"),
+    nnodes: str = typer.Option("1", "--nnodes", help="nodes in the job: N, or MIN:MAX for an elastic job that "
+                                                     "re-plans when nodes are lost"),
+    node_rank: int = typer.Option(0, "--node-rank", min=0, help="this node's index (0 on the first node)"),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint",
+                                                help="HOST:PORT of torchrun's c10d rendezvous (the first node)"),
+    rdzv_id: str = typer.Option("parallax", "--rdzv-id", help="the job's rendezvous id, the same on every node"),
     seed: int = typer.Option(0, "--seed", help="seeds the model, the data and compression's randomness"),
     topk_fraction: Optional[float] = typer.Option(
         None, "--topk-fraction", help="override the plan's topk_fraction: k for compression 'topk' (0 < k <= 1)"),
@@ -37,9 +46,12 @@ def run_command(
     validated copy of the plan with those fields replaced, which is also what is predicted
     and reported. With --checkpoint-dir the job resumes from the newest valid checkpoint there;
     --nproc other than the plan's rank count re-plans the job and reshards the checkpoint
-    (elastic resume)."""
-    from executor.launch import run
+    (elastic resume). On several nodes, run the same command on each with --nnodes,
+    --node-rank and --rdzv-endpoint (torchrun's c10d rendezvous); `parallax launch --slurm`
+    writes the batch script that does so."""
+    from executor.launch import Nodes, run
 
+    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
     plan = load_plan(plan_path)
     overrides = {k: v for k, v in dict(topk_fraction=topk_fraction, powersgd_rank=powersgd_rank,
                                        stochastic_rounding=stochastic_rounding).items() if v is not None}
@@ -50,8 +62,9 @@ def run_command(
         from hardware import load
 
         cluster = load(hardware)
-    report = run(plan, model=model, steps=steps, nproc=nproc, cluster=cluster,
-                 checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=checkpoint_every,
+    every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
+    report = run(plan, model=model, steps=steps, nproc=nproc, nodes=nodes, cluster=cluster,
+                 checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=every,
                  max_restarts=max_restarts, seed=seed)
     if out:
         out.write_text(report.model_dump_json(indent=2))
@@ -63,10 +76,51 @@ def run_command(
         typer.echo(f"note: {note}")
 
 
+def checkpoint_interval(plan, checkpoint_dir, given: int | None) -> int:
+    """--checkpoint-every when given, else the plan's Young/Daly interval (said in one line)."""
+    if given is not None or not checkpoint_dir:
+        return given or 0
+    if plan.checkpointing is None:
+        typer.echo("checkpoint: the plan has no checkpoint interval (plan it again, or pass --checkpoint-every); "
+                   "saving after the last step only")
+        return 0
+    typer.echo(f"checkpoint: every {plan.checkpointing.every_steps} steps, the plan's Young/Daly interval "
+               f"(expected goodput {plan.checkpointing.goodput:.1%})")
+    return plan.checkpointing.every_steps
+
+
 def _vs(predicted: float | None, error: float | None, scale: float, unit: str) -> str:
     if predicted is None:
         return ""
     return f" (predicted {predicted * scale:.1f} {unit}, error {error:+.1%})"
+
+
+@app.command("launch")
+def launch_command(
+    plan_path: Path = typer.Argument(..., help="plan JSON, at a path every node can read"),
+    slurm: bool = typer.Option(False, "--slurm", help="write a SLURM batch script (sbatch)"),
+    out: Path = typer.Option(..., "--out", help="the script to write"),
+    steps: int = typer.Option(5, "--steps", min=1),
+    checkpoint_dir: Optional[Path] = typer.Option(None, "--checkpoint-dir", help="shared storage for checkpoints"),
+    checkpoint_every: Optional[int] = typer.Option(None, "--checkpoint-every", min=0,
+                                                   help="default: the plan's Young/Daly interval"),
+    max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
+    min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1,
+                                            help="go on with this many nodes when others are lost (re-planned)"),
+) -> None:
+    """Write a batch script that runs PLAN on a cluster: one torchrun per node, c10d rendezvous."""
+    from executor.slurm import batch_script
+
+    if not slurm:
+        raise PlanError("launch", "no scheduler named", "pass --slurm")
+    plan = load_plan(plan_path)
+    every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
+    text = batch_script(plan, str(plan_path.resolve()), steps=steps,
+                        checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
+                        checkpoint_every=every, max_restarts=max_restarts, min_nodes=min_nodes)
+    out.write_text(text)
+    out.chmod(0o755)
+    typer.echo(f"wrote {out}: submit it with `sbatch {out}`")
 
 
 @app.command("calibrate")

@@ -31,7 +31,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
          objective: str = "time", fixed: dict | None = None, top_k: int = 3, example_inputs: Any = None,
          time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
          price_per_gpu_hour: float | None = None, allow_compression: bool = False,
-         target_gap: float = TARGET_GAP):
+         target_gap: float = TARGET_GAP, mtbf_hours: float | None = None):
     """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
     on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
     subset's plan, as a `planner.hetero_plan.HeteroPlan`."""
@@ -39,7 +39,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
         return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                             fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,
                             memory_reserve=memory_reserve, price_per_gpu_hour=price_per_gpu_hour,
-                            allow_compression=allow_compression, target_gap=target_gap)
+                            allow_compression=allow_compression, target_gap=target_gap, mtbf_hours=mtbf_hours)
     unsupported = {"fixed": fixed, "objective": objective != "time" and objective, "price_per_gpu_hour": price_per_gpu_hour,
                    "allow_compression": allow_compression, "example_inputs": example_inputs is not None}
     for field, value in unsupported.items():

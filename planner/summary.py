@@ -75,6 +75,8 @@ def headline(plan: Plan) -> str:
         s = plan.solver
         lines.append(f"solver: {s.status}, {s.layouts_considered} layouts, {s.layouts_solved} solved with CP-SAT, "
                      f"gap {s.gap:.1%}, {s.wall_s:.1f} s")
+    if plan.checkpointing:
+        lines.append(plan.checkpointing.line())
     lines += plan.notes
     return "\n".join(lines)
 

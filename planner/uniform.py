@@ -35,6 +35,7 @@ def plan_uniform(
     price_per_gpu_hour: float | None = None,
     allow_compression: bool = False,
     target_gap: float = TARGET_GAP,
+    mtbf_hours: float | None = None,
 ) -> Plan:
     """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
 
@@ -42,7 +43,9 @@ def plan_uniform(
     reach, or after `time_limit_s`; the plan's solver report holds the gap and the time.
 
     `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
-    and bf16 for fp32 training); the solver may then pick one for DDP layouts."""
+    and bf16 for fp32 training); the solver may then pick one for DDP layouts.
+    `mtbf_hours` (per GPU; default the profile's sourced figure) sets the plan's
+    checkpoint interval and expected goodput (costmodel/goodput.py)."""
     check_inputs(global_batch, seq_len, dtype, objective, top_k)
     fixed = dict(fixed or {})
     check_pins(fixed)
@@ -64,15 +67,28 @@ def plan_uniform(
             if best_key is None or key < best_key:
                 best_result, best_key, best_cluster = result, key, candidate
     if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
-        return with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
-                                        model=name, memory_reserve=memory_reserve), cluster)
+        pinned = with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
+                                          model=name, memory_reserve=memory_reserve), cluster)
+        return with_checkpointing(pinned, workload, cluster, mtbf_hours)
     if best_result is None:
         report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)
     best = _to_plan(best_result, objective, best_cluster)
     if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
         best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
-    return best
+    return with_checkpointing(best, workload, best_cluster, mtbf_hours)
+
+
+def with_checkpointing(plan_: Plan, workload: Workload, cluster: Cluster, mtbf_hours: float | None) -> Plan:
+    """The plan with its Young/Daly checkpoint interval in steps and the goodput it keeps."""
+    if plan_.estimate is None:
+        return plan_
+    from costmodel.goodput import checkpoint_advice
+
+    cluster = cluster.model_copy(update={"n_nodes": max(1, plan_.n_gpus // cluster.gpus_per_node)})
+    advice = checkpoint_advice(workload.params, cluster, plan_.estimate.step_time_s,
+                               dtype="fp32" if plan_.dtype == "fp32" else "bf16", mtbf_hours=mtbf_hours)
+    return plan_.model_copy(update={"checkpointing": advice})
 
 
 def _compression_note(workload: Workload, best: Plan, cluster: Cluster, memory_reserve: float) -> str:
