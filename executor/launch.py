@@ -28,11 +28,12 @@ from executor.validate import validate
 @dataclass(frozen=True)
 class Nodes:
     """Where the ranks run: one node, or `nnodes` ("N", or "MIN:MAX" for an elastic job)
-    meeting at the c10d rendezvous on `rdzv_endpoint` (HOST:PORT of the first node)."""
+    meeting at the c10d rendezvous on `rdzv_endpoint`, HOST:PORT of node 0, which hosts it."""
     nnodes: str = "1"
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     rdzv_id: str = "parallax"
+    last_call_s: int | None = None  # c10d's wait for late nodes once MIN have joined (torchrun's default: 30 s)
 
     def __post_init__(self) -> None:
         parts = str(self.nnodes).split(":")
@@ -57,8 +58,13 @@ class Nodes:
     def torchrun_args(self) -> list[str]:
         if self.single:
             return ["--standalone"]
+        # node 0 hosts the rendezvous store at the endpoint (its own address), the others join it:
+        # left to torchrun, whichever agent started first on a shared host would, and its death
+        # would end the job instead of shrinking it
         return ["--nnodes", str(self.nnodes), "--node-rank", str(self.node_rank), "--rdzv-backend", "c10d",
-                "--rdzv-endpoint", str(self.rdzv_endpoint), "--rdzv-id", self.rdzv_id]
+                "--rdzv-endpoint", str(self.rdzv_endpoint), "--rdzv-id", self.rdzv_id,
+                "--rdzv-conf", f"is_host={int(self.node_rank == 0)}"
+                + (f",last_call_timeout={self.last_call_s}" if self.last_call_s is not None else "")]
 
 
 def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int, nodes: Nodes = Nodes(),

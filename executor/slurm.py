@@ -49,7 +49,7 @@ COMMON_ENV = [
 
 def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str | None, checkpoint_every: int,
                  max_restarts: int, min_nodes: int | None = None, job_name: str | None = None,
-                 python: str | None = None) -> str:
+                 python: str | None = None, port: int = RDZV_PORT) -> str:
     """The sbatch script's text for `plan` (saved at `plan_path`, a path every node can read)."""
     cluster = plan.cluster()
     per_node = min(cluster.gpus_per_node, plan.n_gpus)
@@ -83,7 +83,7 @@ def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str 
         "",
         "# The rendezvous (torchrun's c10d) on the allocation's first node",
         'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-        f"export PARALLAX_RDZV=\"$head:{RDZV_PORT}\"",
+        f"export PARALLAX_RDZV=\"$head:{port}\"",
         "",
         "# One task per node; each starts torchrun for its node's ranks",
         f"srun --nodes={nodes} --ntasks-per-node=1 --kill-on-bad-exit=0 bash -c "

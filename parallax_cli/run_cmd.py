@@ -30,6 +30,9 @@ def run_command(
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint",
                                                 help="HOST:PORT of torchrun's c10d rendezvous (the first node)"),
     rdzv_id: str = typer.Option("parallax", "--rdzv-id", help="the job's rendezvous id, the same on every node"),
+    rdzv_last_call: Optional[int] = typer.Option(None, "--rdzv-last-call", min=0,
+                                                 help="seconds to wait for more nodes once the minimum has joined "
+                                                      "(torchrun's default: 30)"),
     seed: int = typer.Option(0, "--seed", help="seeds the model, the data and compression's randomness"),
     topk_fraction: Optional[float] = typer.Option(
         None, "--topk-fraction", help="override the plan's topk_fraction: k for compression 'topk' (0 < k <= 1)"),
@@ -51,7 +54,8 @@ def run_command(
     writes the batch script that does so."""
     from executor.launch import Nodes, run
 
-    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id)
+    nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
+                  last_call_s=rdzv_last_call)
     plan = load_plan(plan_path)
     overrides = {k: v for k, v in dict(topk_fraction=topk_fraction, powersgd_rank=powersgd_rank,
                                        stochastic_rounding=stochastic_rounding).items() if v is not None}
@@ -107,6 +111,7 @@ def launch_command(
     max_restarts: int = typer.Option(3, "--max-restarts", min=0, help="torchrun restarts after a failure"),
     min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1,
                                             help="go on with this many nodes when others are lost (re-planned)"),
+    port: int = typer.Option(29500, "--rdzv-port", min=1, max=65535, help="the rendezvous port on the first node"),
 ) -> None:
     """Write a batch script that runs PLAN on a cluster: one torchrun per node, c10d rendezvous."""
     from executor.slurm import batch_script
@@ -117,7 +122,7 @@ def launch_command(
     every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
     text = batch_script(plan, str(plan_path.resolve()), steps=steps,
                         checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
-                        checkpoint_every=every, max_restarts=max_restarts, min_nodes=min_nodes)
+                        checkpoint_every=every, max_restarts=max_restarts, min_nodes=min_nodes, port=port)
     out.write_text(text)
     out.chmod(0o755)
     typer.echo(f"wrote {out}: submit it with `sbatch {out}`")
