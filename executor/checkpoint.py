@@ -145,14 +145,6 @@ def read_latest_manifest(root: str | Path) -> dict | None:
     return manifest
 
 
-def check_checkpointable(plan) -> None:
-    """Refuse, before any process starts, the layouts whose state this module cannot save:
-    expert-parallel slices share their names across ep ranks (DCP would keep one of them)."""
-    if plan.ep > 1:
-        raise PlanError("checkpoint", "checkpointing expert-parallel layouts (ep > 1) is not supported yet: "
-                        "each ep rank's experts share one name", "use ep=1 with --checkpoint-dir")
-
-
 @dataclass
 class Checkpointer:
     root: Path
@@ -169,7 +161,6 @@ class Checkpointer:
         self.root = Path(self.root)
         if self.every < 0:
             raise PlanError("checkpoint_every", f"must be >= 0, got {self.every}")
-        check_checkpointable(self.plan)
         self.group = dist.new_group(backend="gloo")
 
     def _extra(self, run) -> dict:

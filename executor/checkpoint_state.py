@@ -35,30 +35,34 @@ def _aliased(flat: dict, groups: list[tuple[str, ...]]) -> dict:
     return out
 
 
-def chunk_states(run, tied: list[tuple[str, ...]]) -> list[tuple[set[str], dict]]:
-    """Per chunk: the keys it names itself, and its flat state (model entries and its
-    optimizers' flattened state) with tied weights' entries under every name."""
+def chunk_states(run, tied: list[tuple[str, ...]]) -> list[tuple[dict, dict]]:
+    """Per chunk: its own flat state (model entries and its optimizers' flattened state, as
+    `get_state_dict` gives them) and what DCP saves of it: tied weights' entries under every
+    name, each expert under its own (executor/checkpoint_experts.py)."""
+    from executor.checkpoint_experts import expert_rows, split_experts
+
     out = []
     for chunk, optimizers in zip(run.modules, run.optimizer.per_chunk):
         model, optim = get_state_dict(chunk, tuple(optimizers), options=OPTIONS)
         own = {**model, **optim}
-        out.append((set(own), _aliased(own, tied)))
+        out.append((own, split_experts(_aliased(own, tied), expert_rows(chunk))))
     return out
 
 
-def merged(states: list[tuple[set[str], dict]]) -> dict:
+def merged(states: list[tuple[dict, dict]]) -> dict:
     """The rank's whole state, as DCP saves and loads it."""
     out: dict = {}
-    for _, state in states:
-        out.update(state)
+    for _, saved in states:
+        out.update(saved)
     return out
 
 
-def load_chunks(run, states: list[tuple[set[str], dict]], loaded: dict) -> None:
-    """Hand each chunk its own entries of `loaded` (filled by dcp.load) through `set_state_dict`."""
+def load_chunks(run, states: list[tuple[dict, dict]], loaded: dict) -> None:
+    """Hand each chunk its own entries through `set_state_dict`: those DCP filled in `loaded`,
+    and the expert weights it filled in place through their views."""
     for chunk, optimizers, (own, _) in zip(run.modules, run.optimizer.per_chunk, states):
-        model = {k: loaded[k] for k in own if not k.startswith(OPTIM_PREFIXES)}
-        optim = {k: loaded[k] for k in own if k.startswith(OPTIM_PREFIXES)}
+        model = {k: loaded.get(k, v) for k, v in own.items() if not k.startswith(OPTIM_PREFIXES)}
+        optim = {k: loaded.get(k, v) for k, v in own.items() if k.startswith(OPTIM_PREFIXES)}
         set_state_dict(chunk, tuple(optimizers), model_state_dict=model, optim_state_dict=optim, options=OPTIONS)
 
 

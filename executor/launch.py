@@ -117,10 +117,6 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
 
         check_compression(plan)
     validate(plan, module, world_size=nproc * nodes.max_nodes)
-    if checkpoint_dir:
-        from executor.checkpoint import check_checkpointable
-
-        check_checkpointable(plan)
     logs = tempfile.mkdtemp(prefix="parallax-logs-")
     with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
         plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")

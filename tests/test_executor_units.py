@@ -187,10 +187,3 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
     head = layers["head"]
     assert (head.tp_allreduces_fwd, head.tp_allreduces_bwd) == (0, 1)
     assert head.tp_gather_bytes == 256 * 8192 * 4
-
-
-def test_checkpointing_takes_every_layout_but_expert_parallel_before_launch():
-    from executor.checkpoint import check_checkpointable
-
-    for change in (dict(pp=2, schedule="interleaved", vpp=2), dict(dp=2, zero=1), dict(dp=2, zero=3)):
-        check_checkpointable(make_plan("reference-tiny", **change))

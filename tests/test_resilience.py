@@ -22,6 +22,7 @@ from costmodel.plan import Plan, uniform_stages
 from executor.launch import Nodes, run
 from planner.search.space import layouts
 from planner.trace.workload_for import workload_for
+from test_executor import make_plan
 from test_fault_tolerance import assert_identical, saved_state
 
 KINDS = ["embedding"] + ["block"] * 4 + ["head"]
@@ -66,6 +67,7 @@ def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factor
                             model="reference-tiny")
              for layout in drawn]
     plans.append(tiny(dp=2, pp=2, vpp=2, schedule="interleaved", zero=1))
+    plans.append(MOE_SOURCE)  # expert parallel: each expert saved under its own name
     for plan in plans:
         tmp = tmp_path_factory.mktemp("kill")
         kwargs = dict(steps=6, checkpoint_every=2, timeout_s=600)
@@ -80,12 +82,16 @@ def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factor
 
 # ------------------------------------------------------------------ resume on another layout
 
+MOE_SOURCE = make_plan("hf-mixtral-tiny", dp=4, ep=2, zero=3, micro_batch=GLOBAL_BATCH // 8)
 SOURCES = {"pp-interleaved-z1": tiny(dp=2, pp=2, vpp=2, schedule="interleaved", zero=1),
-           "tp-fsdp-z2": tiny(dp=2, tp=2, zero=2)}
+           "tp-fsdp-z2": tiny(dp=2, tp=2, zero=2), "moe-ep2-z3": MOE_SOURCE}
 PAIRS = [("pp-interleaved-z1", tiny(dp=2, tp=2, zero=3), "resharded from dp2 pp2 interleaved v2 zero1 to dp2 tp2 zero3"),
          ("pp-interleaved-z1", tiny(tp=2, pp=2, sp=True), "resharded from dp2 pp2 interleaved v2 zero1 to dp1 tp2+sp pp2 1f1b zero0"),
          ("tp-fsdp-z2", tiny(dp=2, pp=2, zero=3), "resharded from dp2 tp2 zero2 to dp2 pp2 1f1b zero3"),
-         ("tp-fsdp-z2", tiny("2xcpu", tp=2), "resharded from dp2 tp2 zero2 to dp1 tp2 zero0")]
+         ("tp-fsdp-z2", tiny("2xcpu", tp=2), "resharded from dp2 tp2 zero2 to dp1 tp2 zero0"),
+         ("moe-ep2-z3", make_plan("hf-mixtral-tiny", dp=2, ep=2, pp=2, zero=1),
+          "resharded from dp4 ep2 zero3 to dp2 ep2 pp2 1f1b zero1"),
+         ("moe-ep2-z3", make_plan("hf-mixtral-tiny", dp=2, tp=2, zero=2), "resharded from dp4 ep2 zero3 to dp2 tp2 zero2")]
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +111,7 @@ def test_a_checkpoint_resumes_on_another_layout(sources, tmp_path, source, targe
     report = run(target, steps=6, checkpoint_dir=str(work), checkpoint_every=2, timeout_s=600)
     assert report.notes[0] == line, report.notes
     assert report.losses == pytest.approx(whole.losses[4:], abs=1e-5)
+    assert report.plan["ep"] == target.ep
 
 
 # ------------------------------------------------------------------ several nodes
