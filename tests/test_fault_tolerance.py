@@ -137,16 +137,16 @@ def test_corrupted_checkpoint_is_detected_and_the_previous_one_used(reference, t
 
 
 def test_resume_on_two_ranks_from_a_four_rank_checkpoint(reference, tmp_path):
-    """Elastic: the 4-rank ZeRO-3 checkpoint is resharded onto 2 ranks (re-planned dp 4 -> 2);
-    the loss continues on the uninterrupted run's curve."""
+    """Elastic: the 4-rank ZeRO-3 checkpoint is resharded onto 2 ranks, re-planned by the
+    planner; the loss continues on the uninterrupted run's curve."""
     folder, ref = reference
     work = tmp_path / "ckpt"
     work.mkdir()
     shutil.copytree(folder / "step-00000004", work / "step-00000004")
     report = launch(work, nproc=2)
-    assert any("elastic re-plan for 2 ranks: dp 4->2" in n for n in report.notes), report.notes
+    assert any("elastic re-plan for 2 ranks: the planner picked" in n for n in report.notes), report.notes
     assert any("written by 4 ranks, resharded onto 2" in n for n in report.notes), report.notes
-    assert report.world_size == 2 and report.plan["dp"] == 2
+    assert report.world_size == 2 and Plan.model_validate(report.plan).n_gpus == 2
     assert report.losses == pytest.approx(ref.losses[4:], abs=1e-4)
     resumed = saved_state(work / "step-00000008", tmp_path)
     uninterrupted = saved_state(folder / "step-00000008", tmp_path)
@@ -155,12 +155,19 @@ def test_resume_on_two_ranks_from_a_four_rank_checkpoint(reference, tmp_path):
             assert torch.allclose(resumed[key], value, atol=1e-4), key
 
 
-def test_replan_keeps_model_parallel_layout():
+def test_replan_asks_the_planner_and_keeps_the_batch():
     plan = make_plan(dp=4).model_copy(update={"micro_batch": 2})
     new, note = replan(plan, 2, KINDS)
-    assert (new.dp, new.tp, new.pp, new.micro_batch, new.global_batch) == (2, 1, 1, 2, 8) and "dp 4->2" in note
+    assert new.n_gpus == 2 and new.global_batch == 8 and new.seq_len == plan.seq_len and new.dtype == "fp32"
+    assert note.startswith("elastic re-plan for 2 ranks: the planner picked") and new.estimate is not None
     same, note = replan(plan, 4, KINDS)
     assert same is plan and note == ""
+
+
+def test_replan_of_a_model_the_planner_cannot_name_keeps_its_model_parallel_layout():
+    plan = make_plan(dp=4).model_copy(update={"micro_batch": 2, "model": "tests.failing_model:build"})
+    new, note = replan(plan, 2, KINDS)
+    assert (new.dp, new.tp, new.pp, new.micro_batch, new.global_batch) == (2, 1, 1, 2, 8) and "dp 4->2" in note
 
 
 # ------------------------------------------------------------------ goodput
