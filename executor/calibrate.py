@@ -324,8 +324,27 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                    if oversub else {}))
     return Cluster(name=f"calibrated-{device}", gpu=gpu, node=node, n_nodes=1, nic_gbps=link_bw * 8 / 1e9,
                    nic_latency_us=latency * 1e6, inter_fabric="loopback",
+                   storage_gbps_per_node=storage_write_bytes_per_s() / 1e9,
                    sources={"nic_gbps": when + " (single node: the local all-reduce link)",
-                            "nic_latency_us": when + " (single node: the local all-reduce link)"})
+                            "nic_latency_us": when + " (single node: the local all-reduce link)",
+                            "storage_gbps_per_node": when + " (fsync'd 8 MiB writes in the working directory)"})
+
+
+def storage_write_bytes_per_s(folder: str = ".", mbytes: int = 256, budget_s: float = 5.0) -> float:
+    """Sustained write bandwidth of the storage under `folder` (where checkpoints would go): 8 MiB
+    blocks written and fsync'd, stopping after `mbytes` or `budget_s`, whichever comes first."""
+    import tempfile
+    import time
+
+    block = os.urandom(8 * 2 ** 20)
+    written, start = 0, time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".parallax-calibrate-") as fh:
+        while written < mbytes * 2 ** 20 and time.perf_counter() - start < budget_s:
+            fh.write(block)
+            written += len(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return written / (time.perf_counter() - start)
 
 
 def _device_memory_gb(device: str) -> float:

@@ -187,3 +187,10 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
     head = layers["head"]
     assert (head.tp_allreduces_fwd, head.tp_allreduces_bwd) == (0, 1)
     assert head.tp_gather_bytes == 256 * 8192 * 4
+
+
+def test_storage_write_measurement_is_bounded_and_leaves_nothing(tmp_path):
+    from executor.calibrate import storage_write_bytes_per_s
+
+    rate = storage_write_bytes_per_s(str(tmp_path), mbytes=16, budget_s=2.0)
+    assert rate > 0 and list(tmp_path.iterdir()) == []
