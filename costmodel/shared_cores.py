@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from hardware.schema import Cluster
 
 from .plan import Plan
-from .simulate_schedule import rank_orders
+from .simulate.schedule import rank_orders
 
 if TYPE_CHECKING:
     from .layout import RankTime
@@ -28,7 +28,7 @@ def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluste
     In a pipeline the ranks waiting in the warm-up and drain, or for a slower stage,
     hand their share to the ones computing, so the bubble is partly refilled and the
     slowest stage runs faster than the all-busy rate. The schedule's op order
-    (simulate_schedule) is played with its data dependencies, each op progressing at
+    (simulate/schedule.py) is played with its data dependencies, each op progressing at
     its rank's current share. None when the cores are not shared: one device per rank.
     """
     over = cluster.node.oversubscription

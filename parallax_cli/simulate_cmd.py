@@ -79,7 +79,7 @@ def simulate_command(
     report: Optional[Path] = typer.Option(None, "--report", help="write a self-contained HTML report here"),
 ) -> None:
     """Simulate one training step of PLAN and compare it with the analytic estimate."""
-    from costmodel.simulate import simulate
+    from costmodel.simulate.step import simulate
 
     plan = load_plan(plan_path)
     cluster = hardware.load(hw) if hw else plan.cluster()
@@ -95,7 +95,7 @@ def simulate_command(
 
 def _write_outputs(sim, plan, cluster, notes, trace, plot, report, console) -> None:
     if trace:
-        from costmodel.trace_export import write_chrome_trace
+        from costmodel.simulate.trace_export import write_chrome_trace
 
         console.print(f"trace written to {write_chrome_trace(sim, trace)} (open in https://ui.perfetto.dev)")
     if plot:

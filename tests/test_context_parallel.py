@@ -5,7 +5,7 @@ import hardware
 import planner
 from costmodel.estimate import estimate
 from costmodel.plan import Plan, uniform_stages
-from costmodel.simulate import simulate
+from costmodel.simulate.step import simulate
 from executor.context_parallel import chunk_index
 from planner.resolve import resolve_workload
 

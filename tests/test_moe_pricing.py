@@ -63,7 +63,7 @@ def test_expert_parallel_splits_the_experts_and_adds_all_to_alls(mixtral):
 def test_estimate_and_simulator_agree_on_expert_parallel(mixtral):
     import hardware
     from costmodel.estimate import estimate
-    from costmodel.simulate import simulate
+    from costmodel.simulate.step import simulate
 
     cluster = hardware.load("64xh100-sxm")
     plan = _plan(mixtral, dp=64, zero=1, ep=8)

@@ -8,8 +8,8 @@ import pytest
 import hardware
 from costmodel import Plan, StagePlan, TransformerDims, estimate, transformer_workload
 from costmodel.plan import uniform_stages
-from costmodel.simulate import simulate
-from costmodel.trace_export import chrome_trace, write_chrome_trace
+from costmodel.simulate.step import simulate
+from costmodel.simulate.trace_export import chrome_trace, write_chrome_trace
 from costmodel.workload import LayerProfile, Segment, Workload
 from hardware.errors import PlanError
 

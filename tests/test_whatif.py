@@ -9,7 +9,7 @@ import hardware
 import planner
 from costmodel import Plan, TransformerDims, estimate, transformer_workload
 from costmodel.plan import uniform_stages
-from costmodel.simulate import simulate
+from costmodel.simulate.step import simulate
 from hardware.errors import InfeasibleError
 from parallax_cli import main
 from planner.whatif import amdahl_serial_fraction, whatif

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .simulate_engine import Event
+from .engine import Event
 
 
 @dataclass

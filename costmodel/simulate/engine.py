@@ -10,7 +10,7 @@ every rank's last gradient send wait for its whole bucket train, 9% on GPT-3
 have arrived and the compute stream is free. A min-heap orders the only
 asynchronous happenings, sends and bucket reductions, by the time they are
 issued; because requests reach a stream in time order, FIFO is exact.
-ZeRO-3 gathers are laid out inside their op (see `simulate_ops`) and do not
+ZeRO-3 gathers are laid out inside their op (see `ops`) and do not
 join that queue: ops are started ahead of the clock, so letting them reserve
 the link would make an earlier send wait for a later op's traffic.
 """
@@ -20,8 +20,8 @@ import heapq
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from .simulate_ops import Bucket, OpTemplate
-from .simulate_schedule import Op
+from .ops import Bucket, OpTemplate
+from .schedule import Op
 
 
 class Event(NamedTuple):

@@ -1,7 +1,7 @@
 """Chrome trace (Perfetto, chrome://tracing) of a simulated step.
 
 One process per pipeline rank, one thread per stream. Communicators that
-share a link run concurrently in the simulator (see `simulate_engine`), so
+share a link run concurrently in the simulator (see `engine`), so
 each (link, communicator) gets its own thread — Chrome's viewer requires
 events on one thread to nest, and overlapping siblings would be drawn wrong.
 Times are microseconds, as the format requires.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .simulate import SimResult
+from .step import SimResult
 
 # Thread order inside a rank: compute first, then the links.
 _THREADS = ("compute", "tp", "pp", "dp", "zero")

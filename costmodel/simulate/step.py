@@ -10,7 +10,7 @@ DP reduction overlapped with the last backward, ZeRO-3 gathers with one-layer
 prefetch and the optimizer step all appear as they happen, so the simulator
 is the reference where it and the formula differ.
 
-Prices are the analytic model's own per-layer terms (see `simulate_ops`).
+Prices are the analytic model's own per-layer terms (see `ops`).
 """
 from __future__ import annotations
 
@@ -18,17 +18,17 @@ from dataclasses import dataclass, field
 
 from hardware.schema import Cluster
 
-from . import collectives as coll
-from .data_parallel import expert_reduction_time, optimizer_time
-from .estimate import peak_moments, price_ranks
-from .layout import RankTime
-from .memory import WEIGHT_BYTES
-from .plan import Plan
-from .simulate_engine import Engine, EngineInput, Event
-from .simulate_ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
-from .simulate_schedule import rank_orders
-from .simulate_stats import RankSim, breakdown, exposed_by_kind, memory_timeline
-from .workload import Workload
+from .. import collectives as coll
+from ..data_parallel import expert_reduction_time, optimizer_time
+from ..estimate import peak_moments, price_ranks
+from ..layout import RankTime
+from ..memory import WEIGHT_BYTES
+from ..plan import Plan
+from .engine import Engine, EngineInput, Event
+from .ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
+from .schedule import rank_orders
+from .stats import RankSim, breakdown, exposed_by_kind, memory_timeline
+from ..workload import Workload
 
 __all__ = ["SimResult", "RankSim", "Event", "simulate"]
 
