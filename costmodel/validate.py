@@ -15,6 +15,17 @@ def check_dtype(dtype: str, cluster: Cluster) -> None:
                         "use bf16, or a GPU with an FP8 peak such as h100-sxm, h200, b200 or mi300x")
 
 
+def default_dtype(cluster: Cluster) -> tuple[str, str]:
+    """bf16, unless the profile's bf16 matmuls are no faster than its fp32 ones (CPUs without
+    native bf16 units run them tens of times slower): then fp32, and the reason."""
+    peaks = cluster.gpu.peak_tflops
+    half, full = peaks.get("bf16"), peaks.get("fp32")
+    if half is None or full is None or half > full:
+        return "bf16", ""
+    return "fp32", (f"dtype fp32: {cluster.gpu.name}'s bf16 matmuls ({half:.3g} TFLOP/s) are no faster than its fp32 "
+                    f"ones ({full:.3g} TFLOP/s); pass --dtype bf16 to plan bf16 anyway")
+
+
 def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     """Raise PlanError naming the first field that does not fit."""
     check_dtype(plan.dtype, cluster)

@@ -33,6 +33,11 @@ import torch.nn.functional as F
 from hardware.schema import GPU, Cluster, Efficiency, Node
 
 MATMUL_SIZES = (256, 512, 1024, 2048)
+# A matmul size is not grown to when one call of it would take longer than this (predicted from the
+# size below, time ~ d^3): on a CPU without native bf16 units a 2048^3 bf16 matmul takes ~28 s; the
+# curve is fitted from what was measured.
+MATMUL_CALL_BUDGET_S = 1.0
+SLOW_DTYPE_FACTOR = 10  # a dtype this many times slower than fp32 is flagged in the profile's sources
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLLECTIVE_SIZES = (2 ** 16, 2 ** 20, 8 * 2 ** 20, 32 * 2 ** 20)
 OPTIMIZER_PARAMS = 4 * 2 ** 20  # per tensor, four tensors
@@ -47,7 +52,13 @@ def _sync(device: str) -> None:
 # Set by the concurrent workers: a barrier, so that every rank times the same
 # thing over the same wall-clock window (ranks that shared cores but finished
 # at different moments would otherwise each see an idle machine part of the time).
-_LOCKSTEP = {"sync": None, "window_s": 0.5}
+_LOCKSTEP = {"sync": None, "window_s": 0.5, "agree": None}
+
+
+def _agree(seconds: float) -> float:
+    """The largest of every rank's `seconds` (in lockstep), so that all ranks take the same branch."""
+    agree = _LOCKSTEP["agree"]
+    return agree(seconds) if agree is not None else seconds
 
 
 def _timeit(fn, device: str, repeat: int = 5, window: bool = True) -> float:
@@ -77,12 +88,19 @@ def _timeit(fn, device: str, repeat: int = 5, window: bool = True) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def matmul_curve(device: str, dtype: torch.dtype, sizes=MATMUL_SIZES) -> dict[int, float]:
-    """FLOP/s of a square d x d x d matmul, by d."""
-    out = {}
-    for d in sizes:
+def matmul_curve(device: str, dtype: torch.dtype, sizes=MATMUL_SIZES,
+                 call_budget_s: float = MATMUL_CALL_BUDGET_S) -> dict[int, float]:
+    """FLOP/s of a square d x d x d matmul, by d, from the smallest size up; the next size is
+    skipped (and every larger one) when one call of it would exceed `call_budget_s` on the
+    slowest rank."""
+    out: dict[int, float] = {}
+    ordered = sorted(sizes)
+    for d, bigger in zip(ordered, [*ordered[1:], None]):
         a, b = (torch.randn(d, d, device=device, dtype=dtype) for _ in range(2))
-        out[d] = 2 * d ** 3 / _timeit(lambda: a @ b, device)
+        call = _agree(_timeit(lambda: a @ b, device))
+        out[d] = 2 * d ** 3 / call
+        if bigger is not None and call * (bigger / d) ** 3 > call_budget_s:
+            break
     return out
 
 
@@ -243,6 +261,13 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
     res: dict = {}
     _LOCKSTEP["sync"] = dist.barrier
 
+    def agree(seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return float(value)
+
+    _LOCKSTEP["agree"] = agree
+
     def lockstep(key, fn):
         dist.barrier()
         res[key] = fn()
@@ -310,7 +335,8 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                         "comm_overlap": when + " (all-reduce beside matmuls)"})
     memory_gb = _device_memory_gb(device) / ranks
     gpu = GPU(name=f"calibrated-{device}", peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
-              sources={"peak_tflops": when + " (fitted matmul asymptote)", "hbm_gb": when + " (device memory / ranks)",
+              sources={"peak_tflops": when + " (fitted matmul asymptote" + slow_dtype_notes(peak, results) + ")",
+                       "hbm_gb": when + " (device memory / ranks)",
                        "hbm_gbps": when + " (tensor copy)"})
     # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
@@ -345,6 +371,18 @@ def storage_write_bytes_per_s(folder: str = ".", mbytes: int = 256, budget_s: fl
         fh.flush()
         os.fsync(fh.fileno())
         return written / (time.perf_counter() - start)
+
+
+def slow_dtype_notes(peak: dict[str, float], results: list[dict]) -> str:
+    """"; bf16: no native units here, 54x slower than fp32, measured at d <= 512 only" for each dtype
+    at least SLOW_DTYPE_FACTOR times slower than fp32 ("" when none is)."""
+    notes = []
+    for name, tflops in peak.items():
+        if name != "fp32" and tflops * SLOW_DTYPE_FACTOR <= peak["fp32"]:
+            largest = max(results[0][("matmul", name)])
+            notes.append(f"{name}: no native units here, {peak['fp32'] / tflops:.0f}x slower than fp32, "
+                         f"measured at d <= {largest} only")
+    return "".join(f"; {n}" for n in notes)
 
 
 def _device_memory_gb(device: str) -> float:

@@ -117,12 +117,15 @@ class Efficiency(_Sourced):
 
 
 class GPU(_Sourced):
+    unsourced_fields: ClassVar[frozenset[str]] = frozenset({"placeholder"})  # a flag, not a figure
     name: str
     peak_tflops: dict[Dtype, float]
     hbm_gb: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0, description="HBM bandwidth, GB/s")
     efficiency: Efficiency
     mtbf_hours: float | None = Field(default=None, gt=0)
+    placeholder: bool = Field(False, description="its figures are an order-of-magnitude guess, not a datasheet's "
+                              "or a measurement's (the catalog's generic CPU): `parallax calibrate` measures one")
 
     @field_validator("peak_tflops")
     @classmethod
@@ -236,6 +239,13 @@ class Cluster(_Sourced):
         if eff is self.gpu.efficiency:
             return self
         return self.model_copy(update={"gpu": self.gpu.model_copy(update={"efficiency": eff})})
+
+    def guess_warning(self) -> str:
+        """The line that heads every prediction made on a placeholder profile ("" otherwise)."""
+        if not self.gpu.placeholder:
+            return ""
+        return (f"{self.spec()} is a catalog guess, not this machine: run parallax calibrate for predictions "
+                "you can hold it to")
 
     def spec(self) -> str:
         """The spec string that `hardware.load` turns back into this cluster."""

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from costmodel.plan import Plan, uniform_stages
+from costmodel.validate import default_dtype
 from hardware.errors import PlanError
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
@@ -39,7 +40,8 @@ def plan_command(
                                             "such as 16xa100-80g+8xh100-sxm"),
     global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
     seq_len: int = typer.Option(..., "--seq-len"),
-    dtype: str = typer.Option("bf16", "--dtype"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16, fp16 or fp8; default bf16, or fp32 on "
+                                        "hardware whose bf16 is no faster than its fp32"),
     objective: str = typer.Option("time", "--objective", help="time or cost"),
     tp: Optional[int] = typer.Option(None, "--tp"),
     pp: Optional[int] = typer.Option(None, "--pp"),
@@ -83,7 +85,7 @@ def plan_command(
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)
-        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
+        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype or default_dtype(cluster)[0])
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,

@@ -72,6 +72,9 @@ def run_command(
                  max_restarts=max_restarts, seed=seed)
     if out:
         out.write_text(report.model_dump_json(indent=2))
+    guess = (cluster or plan.cluster()).guess_warning()
+    if guess:
+        typer.echo(guess)
     typer.echo(f"losses: {', '.join(f'{l:.4f}' for l in report.losses)}")
     typer.echo(f"step time: {report.step_time_s * 1e3:.1f} ms" + _vs(report.predicted_step_time_s, report.step_time_error, 1e3, "ms"))
     typer.echo(f"peak memory: {max(report.peak_memory_bytes) / 2**20:.1f} MiB"

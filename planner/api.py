@@ -27,7 +27,7 @@ def is_mixed(hw: Any) -> bool:
     return isinstance(hw, MixedCluster) or (isinstance(hw, str) and "+" in hw)
 
 
-def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
+def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq_len: int, dtype: str | None = None,
          objective: str = "time", fixed: dict | None = None, top_k: int = 3, example_inputs: Any = None,
          time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
          price_per_gpu_hour: float | None = None, allow_compression: bool = False,
@@ -47,7 +47,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
             raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
     from planner.hetero import plan_hetero
 
-    return plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit_s,
+    return plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype or "bf16", time_limit_s=time_limit_s,
                        memory_reserve=memory_reserve)
 
 

@@ -61,8 +61,10 @@ def breakdown_table(plan: Plan) -> Table:
 
 def headline(plan: Plan) -> str:
     est = plan.estimate
-    lines = [f"[bold]{plan.model}[/bold] on [bold]{plan.hardware}[/bold]: global batch {plan.global_batch} x {plan.seq_len} tokens, {plan.dtype}",
-             f"layout: {_layout_line(plan)}"]
+    guess = plan.cluster().guess_warning()
+    lines = [f"[bold yellow]{guess}[/bold yellow]"] if guess else []
+    lines += [f"[bold]{plan.model}[/bold] on [bold]{plan.hardware}[/bold]: global batch {plan.global_batch} x {plan.seq_len} tokens, {plan.dtype}",
+              f"layout: {_layout_line(plan)}"]
     if est:
         lines.append(
             f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {est.tflops_per_gpu_model:.0f} TFLOP/s per GPU "

@@ -7,7 +7,7 @@ import hardware
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from costmodel.plan import Estimate, Plan
-from costmodel.validate import check_dtype
+from costmodel.validate import check_dtype, default_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
@@ -25,7 +25,7 @@ def plan_uniform(
     *,
     global_batch: int,
     seq_len: int,
-    dtype: str = "bf16",
+    dtype: str | None = None,
     objective: str = "time",
     fixed: dict | None = None,
     top_k: int = 3,
@@ -44,14 +44,16 @@ def plan_uniform(
 
     `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
     and bf16 for fp32 training); the solver may then pick one for DDP layouts.
+    `dtype` None: bf16, or fp32 on a profile whose bf16 is no faster (the plan says why).
     `mtbf_hours` (per GPU; default the profile's sourced figure) sets the plan's
     checkpoint interval and expected goodput (costmodel/goodput.py)."""
+    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
+    dtype, why = (dtype, "") if dtype is not None else default_dtype(cluster)
     check_inputs(global_batch, seq_len, dtype, objective, top_k)
     fixed = dict(fixed or {})
     check_pins(fixed)
     if allow_compression and "compression" not in fixed:
         fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
-    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     check_dtype(dtype, cluster)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
     check_pins(fixed, workload, cluster)
@@ -69,14 +71,18 @@ def plan_uniform(
     if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
         pinned = with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
                                           model=name, memory_reserve=memory_reserve), cluster)
-        return with_checkpointing(pinned, workload, cluster, mtbf_hours)
+        return _noted(with_checkpointing(pinned, workload, cluster, mtbf_hours), why)
     if best_result is None:
         report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)
     best = _to_plan(best_result, objective, best_cluster)
     if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
         best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
-    return with_checkpointing(best, workload, best_cluster, mtbf_hours)
+    return _noted(with_checkpointing(best, workload, best_cluster, mtbf_hours), why)
+
+
+def _noted(plan_: Plan, note: str) -> Plan:
+    return plan_.model_copy(update={"notes": [note, *plan_.notes]}) if note else plan_
 
 
 def with_checkpointing(plan_: Plan, workload: Workload, cluster: Cluster, mtbf_hours: float | None) -> Plan:
