@@ -70,7 +70,7 @@ class Nodes:
 def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int, nodes: Nodes = Nodes(),
                      checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                      max_restarts: int = 0, seed: int = 0, fail_at: list[int] | None = None,
-                     fail_rank: int = 1, log_dir: str | None = None) -> list[str]:
+                     fail_rank: int = 1, log_dir: str | None = None, profile_dir: str | None = None) -> list[str]:
     """`python -m torch.distributed.run` for this node's ranks.
     With `log_dir`, torchrun keeps every rank's stdout and stderr there and each
     failing rank writes its exception there too (see `first_failure`)."""
@@ -83,13 +83,15 @@ def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, npro
     fail = ["--fail-at", ",".join(str(s) for s in fail_at), "--fail-rank", str(fail_rank)] if fail_at else []
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
             "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
-            "--out", out_path, *ckpt, *fail, *(["--failure-dir", log_dir] if log_dir else [])]
+            "--out", out_path, *ckpt, *fail, *(["--failure-dir", log_dir] if log_dir else []),
+            *(["--profile-dir", profile_dir] if profile_dir else [])]
 
 
 def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
         nodes: Nodes = Nodes(), cluster=None, timeout_s: float | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
-        seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1) -> RunReport:
+        seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1,
+        profile_dir: str | None = None) -> RunReport:
     """Validate (before any process starts), launch, and return the report with predictions.
 
     Everything the workers do comes from `plan` (compression options included) and these
@@ -130,7 +132,8 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
         cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, nodes,
                                str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts,
-                               seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs)
+                               seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs,
+                               profile_dir=str(Path(profile_dir).resolve()) if profile_dir else None)
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
         except subprocess.TimeoutExpired:

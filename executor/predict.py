@@ -24,6 +24,15 @@ def _traceable(model_name: str):
     return module.model if isinstance(module, HFStage) else module
 
 
+def workload_of(plan: Plan, model_name: str):
+    """The traced workload of the model the workers build, as the planner prices it."""
+    from planner.resolve import resolve_workload
+
+    model = _traceable(model_name)
+    inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
+    return resolve_workload(model, seq_len=plan.seq_len, dtype=plan.dtype, example_inputs=inputs)
+
+
 def estimate_of(plan: Plan, model_name: str, cluster=None):
     """The planner's Estimate of `plan` for the model the workers build (raises ParallaxError)."""
     from planner.api import estimate

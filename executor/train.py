@@ -49,15 +49,21 @@ def precision(plan: Plan, device: torch.device):
                                               "fp8": torch.bfloat16}[plan.dtype])
 
 
-def _plain_step(run: Materialized, plan: Plan, x, y, call=None) -> torch.Tensor:
+def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None) -> torch.Tensor:
     """Forward and backward of every micro-batch; `call(module, xs)` runs the forward (the dry run
-    gives each micro-batch its own parent module for torch's memory trackers)."""
+    gives each micro-batch its own parent module for torch's memory trackers); `phase(name)`
+    marks them for the profiler."""
+    import contextlib
+
     module, n = run.modules[0], plan.num_micro_batches
+    phase = phase or (lambda name: contextlib.nullcontext())
     total = torch.zeros((), device=run.device)
     for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
         with sync_context(module, i == n - 1):
-            loss = lm_loss(call(module, xs) if call else module(xs), ys)
-            (loss / n).backward()
+            with phase("forward"):
+                loss = lm_loss(call(module, xs) if call else module(xs), ys)
+            with phase("backward"):
+                (loss / n).backward()
         total += loss.detach() / n
     return total
 
@@ -80,42 +86,56 @@ def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], devi
 
 
 def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int, start_step: int = 0,
-                checkpointer=None, kill_at: int | None = None) -> dict:
+                checkpointer=None, kill_at: int | None = None, profile_dir: str | None = None) -> dict:
     """Run optimizer steps `start_step`..`steps - 1`; return losses, step times and this rank's peak memory.
 
     With a checkpointer, state is saved after every step it says is due (and after the last).
-    `kill_at` (fault injection): this process SIGKILLs itself mid-step at that step."""
+    `kill_at` (fault injection): this process SIGKILLs itself mid-step at that step.
+    `profile_dir`: the last steps run under torch.profiler (executor/profiling.py)."""
+    from executor.profiling import StepProfiler, profiled_steps
+
     at = coords(run.mesh)
     params = [p for m in run.modules for p in m.parameters()]
     memory = PeakMemory(run.device, params)
+    profiler = StepProfiler(profile_dir, dist.get_rank(), profiled_steps(start_step, steps, MEMORY_STEPS))
+    if profile_dir and run.schedule is not None:
+        profiler.watch_forward(run.modules)
     losses, times = [], []
     for step in range(start_step, steps):
         x, y = (t.to(run.device) for t in local_batch(plan, global_batch(plan, step, seed, vocab), at["dp"]))
         with memory.measure() if step - start_step < MEMORY_STEPS else _null():
             dist.barrier()
             start = time.perf_counter()
-            with precision(plan, run.device):
-                if run.schedule is None:
-                    loss = _plain_step(run, plan, x, y)
-                else:
-                    loss = _pipeline_step(run, plan, x, y, at["pp"])
-            if step == kill_at:  # fault injection for the restart tests: die mid-step, before the update
-                import os
-                import signal
+            with profiler.step(step):
+                loss = _forward_backward(run, plan, x, y, at, profiler.phase)
+                if step == kill_at:  # fault injection for the restart tests: die mid-step, before the update
+                    import os
+                    import signal
 
-                os.kill(os.getpid(), signal.SIGKILL)
-            run.sync_gradients()
-            run.optimizer.step()
-            run.optimizer.zero_grad(set_to_none=True)
-            if run.device.type == "cuda":
-                torch.cuda.synchronize(run.device)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                with profiler.phase("sync"):
+                    run.sync_gradients()
+                with profiler.phase("optimizer"):
+                    run.optimizer.step()
+                    run.optimizer.zero_grad(set_to_none=True)
+                if run.device.type == "cuda":
+                    torch.cuda.synchronize(run.device)
             times.append(time.perf_counter() - start)
         losses.append(_global_loss(loss, plan, at, run.device))
         if checkpointer is not None:
             checkpointer.finish()  # the previous step's save, written while this step ran
             if checkpointer.due(step + 1, steps):
                 checkpointer.save(run, step + 1, wait=step + 1 == steps)
-    return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes}
+    return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes,
+            "profiled_steps": [s - start_step for s in profiler.window]}
+
+
+def _forward_backward(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase):
+    with precision(plan, run.device):
+        if run.schedule is None:
+            return _plain_step(run, plan, x, y, phase=phase)
+        with phase("pipeline"):  # torch's schedules mark each action (forward/backward of micro-batch i)
+            return _pipeline_step(run, plan, x, y, at["pp"])
 
 
 def kill_step(fail_at: list[int] | None, fail_rank: int, rank: int, attempt: int) -> int | None:
@@ -139,15 +159,17 @@ def _null():
     return contextlib.nullcontext()
 
 
-def steady_step_time(times: list[float]) -> float:
-    """Median over steps after the tracked warm-up steps (all steps when there are too few)."""
+def steady_step_time(times: list[float], profiled: list[int] = ()) -> float:
+    """Median over steps after the tracked warm-up steps (all steps when there are too few),
+    leaving out the profiled steps when others remain."""
     steady = times[MEMORY_STEPS:] or times[1:] or times
-    return statistics.median(steady)
+    unprofiled = [t for i, t in enumerate(times) if i >= MEMORY_STEPS and i not in set(profiled)]
+    return statistics.median(unprofiled or steady)
 
 
 def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3,
              checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-             fail_at: list[int] | None = None, fail_rank: int = 1) -> dict:
+             fail_at: list[int] | None = None, fail_rank: int = 1, profile_dir: str | None = None) -> dict:
     """Build, materialise and train on this rank (resuming from `checkpoint_dir` if it holds a
     valid checkpoint); every rank returns its own numbers.
 
@@ -162,7 +184,7 @@ def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float =
         checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names)
         start = checkpointer.resume(run)
     kill_at = kill_step(fail_at, fail_rank, dist.get_rank(), _torchrun_attempt())
-    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at)
+    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at, profile_dir)
     result["tp_replicated"] = run.tp_replicated
     result["rank"] = dist.get_rank()
     result["start_step"] = start

@@ -40,7 +40,7 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
         notes.append(f"losses and times are for steps {mine['start_step']}..{steps - 1}")
     return RunReport(model=model, plan=json.loads(plan.to_json()), steps=steps, world_size=len(everyone),
                      device=device_and_backend()[0], losses=mine["losses"], step_times_s=times,
-                     step_time_s=steady_step_time(times) if times else 0.0,
+                     step_time_s=steady_step_time(times, mine.get("profiled_steps", [])) if times else 0.0,
                      peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
                      tp_replicated=mine["tp_replicated"], notes=notes)
 
@@ -90,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
                              "itself mid-step at the i-th step of this comma-separated list")
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--failure-dir", default=None, help="write this rank's exception here if it fails")
+    parser.add_argument("--profile-dir", default=None, help="torch.profiler traces of the last steps, one per rank")
     args = parser.parse_args(argv)
     try:
         _work(args)
@@ -119,7 +120,8 @@ def _work(args) -> None:
     init_distributed()
     plan, replanned = _plan_for_world(plan, model)
     mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank)
+                    checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank,
+                    profile_dir=args.profile_dir)
     if replanned:
         mine["notes"].insert(0, replanned)
     report = _gather_report(plan, model, args.steps, mine)

@@ -38,6 +38,9 @@ def run_command(
         None, "--topk-fraction", help="override the plan's topk_fraction: k for compression 'topk' (0 < k <= 1)"),
     powersgd_rank: Optional[int] = typer.Option(
         None, "--powersgd-rank", help="override the plan's powersgd_rank: factor rank for compression 'powersgd'"),
+    profile_dir: Optional[Path] = typer.Option(
+        None, "--profile-dir", help="record torch.profiler on every rank for the last steps; write the merged "
+                                    "measured/predicted trace, the phase table and report.html here"),
     stochastic_rounding: Optional[bool] = typer.Option(
         None, "--stochastic-rounding/--no-stochastic-rounding",
         help="override the plan's stochastic_rounding: int8 compression rounds stochastically"),
@@ -69,7 +72,7 @@ def run_command(
     every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
     report = run(plan, model=model, steps=steps, nproc=nproc, nodes=nodes, cluster=cluster,
                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=every,
-                 max_restarts=max_restarts, seed=seed)
+                 max_restarts=max_restarts, seed=seed, profile_dir=str(profile_dir) if profile_dir else None)
     if out:
         out.write_text(report.model_dump_json(indent=2))
     guess = (cluster or plan.cluster()).guess_warning()
@@ -81,6 +84,12 @@ def run_command(
                + _vs(report.predicted_peak_memory_bytes, report.memory_error, 2 ** -20, "MiB"))
     for note in report.notes:
         typer.echo(f"note: {note}")
+    if profile_dir:
+        from costmodel.plan import Plan
+        from executor.profile_report import profile_report
+
+        for line in profile_report(profile_dir, Plan.model_validate(report.plan), report.model, cluster):
+            typer.echo(line)
 
 
 def checkpoint_interval(plan, checkpoint_dir, given: int | None) -> int:
