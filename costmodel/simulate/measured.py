@@ -6,7 +6,8 @@ thread inside a step is given to the innermost range that names a phase: the loo
 marks (`parallax.forward` ...), torch's pipeline actions (`PP:0F1`, `Forward 3`), FSDP2's
 and c10d's collectives, the optimizer; what no range names is idle (waiting, Python).
 Collectives count where the training thread waits on or launches them; gloo runs them on
-threads of its own, whose time overlaps compute and is not a phase. The simulator's
+threads of its own, whose time overlaps compute and is not a phase. Inside a pipeline
+action, time with no op running is waiting for the peer stage: idle, the bubble. The simulator's
 phases are the critical rank's, from its breakdown (exposed communication, bubble) and
 its forward and backward events. Pure data: reads JSON, imports no torch.
 """
@@ -25,7 +26,7 @@ PHASES = ("forward", "backward", "tp", "cp", "ep", "pp", "zero gather", "dp redu
 # first match wins; a range's phase is that of the innermost range that has one
 RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), phase) for p, phase in (
     (r"all_to_all|alltoall", "ep"),
-    (r"^PP:.*(SEND|RECV)|c10d::send|c10d::recv|batch_isend_irecv|gloo:send|gloo:recv", "pp"),
+    (r"^PP:.*(SEND|RECV)|c10d::send|c10d::recv|batch_isend_irecv", "pp"),
     (r"FSDP::all_gather|allgather_into_tensor_coalesced|_allgather_base|c10d::broadcast_", "zero gather"),
     (r"FSDP::post_backward_reduce|reduce_scatter|c10d::allreduce_|^parallax\.sync$", "dp reduce"),
     (r"^_c10d_functional::", "tp"),
@@ -34,6 +35,10 @@ RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), phase) for p, phase in (
     (r"^parallax\.backward$|^Backward \d|^PP:\d+[BIW]\d", "backward"),
     (r"^parallax\.pipeline$", "backward"),  # a pipeline stage's time outside its forward marks
 )]
+
+
+# a pipeline schedule's action or the loop's pipeline mark: its bare time is waiting for a peer stage
+PIPELINE_ACTION = re.compile(r"^PP:|^Forward \d|^Backward \d|^parallax\.pipeline$")
 
 
 def phase_of(name: str, cp: bool = False) -> str | None:
@@ -63,20 +68,41 @@ def load_rank(path: Path) -> RankTrace:
 
 
 def phase_segments(trace: RankTrace, step: int, cp: bool = False) -> list[tuple[float, float, str]]:
-    """(start us, end us, phase) pieces of the training thread during `step`, innermost named range winning."""
+    """(start us, end us, phase) pieces of the training thread during `step`.
+
+    A sweep over the thread's ranges (nested, as one thread's are): each instant belongs to
+    the innermost range, which takes the phase its name gives or else its parent's. Bare
+    time inside a pipeline action (no op running: waiting for a peer stage) is idle, as is
+    time outside every range. gloo's own records (`gloo:*`) time its asynchronous work, not
+    the thread's, and are left out."""
     lo, hi = trace.steps[step]
-    spans = sorted((max(e["ts"], lo), min(e["ts"] + e["dur"], hi), phase)
-                   for e in trace.events if e["tid"] == trace.main_tid and e["ts"] < hi and e["ts"] + e["dur"] > lo
-                   and (phase := phase_of(e["name"], cp)) is not None)
-    cuts = sorted({lo, hi, *(s for s, _, _ in spans), *(t for _, t, _ in spans)})
+    ranges = sorted(((max(e["ts"], lo), min(e["ts"] + e["dur"], hi), e["name"]) for e in trace.events
+                     if e["tid"] == trace.main_tid and e["ts"] < hi and e["ts"] + e["dur"] > lo
+                     and not e["name"].startswith("gloo:")), key=lambda r: (r[0], -r[1]))
     out: list[tuple[float, float, str]] = []
-    for a, b in zip(cuts, cuts[1:]):
-        inside = [(s, p) for s, t, p in spans if s <= a and t >= b]
-        phase = max(inside)[1] if inside else "idle"
-        if out and out[-1][2] == phase and out[-1][1] == a:
-            out[-1] = (out[-1][0], b, phase)
-        else:
-            out.append((a, b, phase))
+    stack = [(hi, "idle", "idle")]  # (end, phase inherited by children, phase of its bare time)
+    cursor = lo
+
+    def emit(to: float) -> None:
+        nonlocal cursor
+        if to > cursor:
+            phase = stack[-1][2]
+            if out and out[-1][2] == phase and out[-1][1] == cursor:
+                out[-1] = (out[-1][0], to, phase)
+            else:
+                out.append((cursor, to, phase))
+            cursor = to
+
+    for start, end, name in ranges:
+        while len(stack) > 1 and stack[-1][0] <= start:
+            emit(stack[-1][0])
+            stack.pop()
+        emit(start)
+        phase = phase_of(name, cp) or stack[-1][1]
+        stack.append((min(end, stack[-1][0]), phase, "idle" if PIPELINE_ACTION.search(name) else phase))
+    while stack:
+        emit(stack[-1][0])
+        stack.pop()
     return out
 
 
