@@ -108,7 +108,7 @@ def test_memory_tracker_counts_a_dtensor_parameter_by_its_local_shard():
 
 def test_link_fit_reproduces_the_cost_models_all_reduce():
     from costmodel.collectives import Group, all_reduce
-    from executor.calibrate import link_from_all_reduce
+    from executor.microbench import link_from_all_reduce
     from hardware import load
 
     cluster = load("4xcpu")
@@ -122,7 +122,7 @@ def test_link_fit_reproduces_the_cost_models_all_reduce():
 
 
 def test_fit_half_dim_is_flat_when_small_sizes_are_not_slower():
-    from executor.calibrate import fit_half_dim
+    from executor.microbench import fit_half_dim
 
     assert fit_half_dim({256: 2e10, 512: 1.9e10, 1024: 1.8e10}) == (2e10, 0.0)
     peak, half = fit_half_dim({d: 1e12 * d / (d + 128) for d in (128, 256, 512, 1024)})
@@ -190,7 +190,7 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
 
 
 def test_storage_write_measurement_is_bounded_and_leaves_nothing(tmp_path):
-    from executor.calibrate import storage_write_bytes_per_s
+    from executor.microbench import storage_write_bytes_per_s
 
     rate = storage_write_bytes_per_s(str(tmp_path), mbytes=16, budget_s=2.0)
     assert rate > 0 and list(tmp_path.iterdir()) == []

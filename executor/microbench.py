@@ -1,0 +1,234 @@
+"""The microbenchmarks `parallax calibrate` runs on every rank, and the fits of their results.
+
+Matmul throughput by size (each size grown only while one call stays within its budget),
+copy and elementwise bandwidth, attention, the optimizer step, all-reduce between compute
+bursts and beside compute, and the storage write bandwidth. In lockstep (executor/
+calibrate.py sets `_LOCKSTEP`) every rank times the same thing over the same window.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+import torch.nn.functional as F
+
+MATMUL_SIZES = (256, 512, 1024, 2048)
+# A matmul size is not grown to when one call of it would take longer than this (predicted from the
+# size below, time ~ d^3): on a CPU without native bf16 units a 2048^3 bf16 matmul takes ~28 s; the
+# curve is fitted from what was measured.
+MATMUL_CALL_BUDGET_S = 1.0
+SLOW_DTYPE_FACTOR = 10  # a dtype this many times slower than fp32 is flagged in the profile's sources
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+COLLECTIVE_SIZES = (2 ** 16, 2 ** 20, 8 * 2 ** 20, 32 * 2 ** 20)
+OPTIMIZER_PARAMS = 4 * 2 ** 20  # per tensor, four tensors
+OPTIMIZER_TRAFFIC_BYTES = 28  # the cost model's fused-AdamW traffic per parameter (costmodel.estimate)
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# Set by the concurrent workers: a barrier, so that every rank times the same
+# thing over the same wall-clock window (ranks that shared cores but finished
+# at different moments would otherwise each see an idle machine part of the time).
+_LOCKSTEP = {"sync": None, "window_s": 0.5, "agree": None}
+
+
+def _agree(seconds: float) -> float:
+    """The largest of every rank's `seconds` (in lockstep), so that all ranks take the same branch."""
+    agree = _LOCKSTEP["agree"]
+    return agree(seconds) if agree is not None else seconds
+
+
+def _timeit(fn, device: str, repeat: int = 5, window: bool = True) -> float:
+    """Seconds per call after one warm-up: the median of `repeat` calls, or, in lockstep, the
+    mean over a window that every rank spends calling its `fn` at the same time (`window=False`
+    for collectives, which need the same number of calls on every rank)."""
+    fn()
+    sync = _LOCKSTEP["sync"]
+    if sync is not None and window:
+        sync()
+        _sync(device)
+        start, calls = time.perf_counter(), 0
+        while True:
+            fn()
+            calls += 1
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= _LOCKSTEP["window_s"] and calls >= 2:
+                return elapsed / calls
+    times = []
+    for _ in range(repeat):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def matmul_curve(device: str, dtype: torch.dtype, sizes=MATMUL_SIZES,
+                 call_budget_s: float = MATMUL_CALL_BUDGET_S) -> dict[int, float]:
+    """FLOP/s of a square d x d x d matmul, by d, from the smallest size up; the next size is
+    skipped (and every larger one) when one call of it would exceed `call_budget_s` on the
+    slowest rank."""
+    out: dict[int, float] = {}
+    ordered = sorted(sizes)
+    for d, bigger in zip(ordered, [*ordered[1:], None]):
+        a, b = (torch.randn(d, d, device=device, dtype=dtype) for _ in range(2))
+        call = _agree(_timeit(lambda: a @ b, device))
+        out[d] = 2 * d ** 3 / call
+        if bigger is not None and call * (bigger / d) ** 3 > call_budget_s:
+            break
+    return out
+
+
+def fit_half_dim(curve: dict[int, float]) -> tuple[float, float]:
+    """Least-squares fit of 1/flops = 1/M + (h/M)/d: returns (asymptote M, half_dim h)."""
+    xs = [1 / d for d in curve]
+    ys = [1 / f for f in curve.values()]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-30)
+    intercept = my - slope * mx
+    if intercept <= 0 or slope < 0:  # no saturation seen, or faster at small sizes: flat at the best point
+        return max(curve.values()), 0.0
+    return 1 / intercept, slope / intercept
+
+
+def memory_bandwidth(device: str, mbytes: int = 128) -> tuple[float, float]:
+    """(copy bandwidth B/s, elementwise-add bandwidth / copy bandwidth)."""
+    n = mbytes * 2 ** 20 // 4
+    src, dst = torch.randn(n, device=device), torch.empty(n, device=device)
+    copy_bw = 2 * n * 4 / _timeit(lambda: dst.copy_(src), device)
+    add_bw = 3 * n * 4 / _timeit(lambda: torch.add(src, src, out=dst), device)
+    return copy_bw, min(add_bw / copy_bw, 1.0)
+
+
+def attention_flops(device: str, dtype: torch.dtype) -> float:
+    """FLOP/s of causal scaled-dot-product attention (forward), 4*b*h*s^2*d FLOPs / 2 for causality."""
+    b, h, s, d = 2, 8, 512, 64
+    q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
+    return 2 * b * h * s * s * d / _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
+
+
+def optimizer_seconds_per_param(device: str, dtype: torch.dtype = torch.float32) -> float:
+    """Seconds per parameter of one torch.optim.AdamW step (the executor's optimizer, default settings)."""
+    params = [torch.nn.Parameter(torch.randn(OPTIMIZER_PARAMS, device=device, dtype=dtype)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return _timeit(opt.step, device, repeat=3) / (4 * OPTIMIZER_PARAMS)
+
+
+# ---------------------------------------------------------------- collectives
+
+
+def _busy(device: str, seconds: float):
+    """A compute burst of about `seconds`: fp32 matmuls of d=512."""
+    a = torch.randn(512, 512, device=device)
+    one = _timeit(lambda: a @ a, device, repeat=3)
+    reps = max(1, round(seconds / max(one, 1e-6)))
+
+    def burst():
+        for _ in range(reps):
+            a @ a
+        _sync(device)
+
+    return burst
+
+
+def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7) -> dict[int, float]:
+    """Seconds an all-reduce adds to a compute burst on every rank, by message bytes.
+
+    Each iteration computes for ~20 ms on every rank and then all-reduces; the
+    cost is the iteration time minus the burst alone, so it includes waiting
+    for peers that share the cores to be scheduled, as in a training step.
+    """
+    import torch.distributed as dist
+
+    burst = _busy(device, 0.02)
+    dist.barrier()
+    alone = _timeit(burst, device, repeat, window=False)  # timed as the bursts with collectives are
+    out = {}
+    for nbytes in sizes:
+        tensor = torch.ones(nbytes // 4, device=device)
+
+        def step():
+            burst()
+            dist.all_reduce(tensor)
+            _sync(device)
+
+        dist.barrier()
+        out[nbytes] = max(_timeit(step, device, repeat, window=False) - alone, 1e-7)
+    return out
+
+
+def overlap_fraction(device: str, nbytes: int = 32 * 2 ** 20) -> float:
+    """Fraction of an all-reduce's time that hides behind compute running at the same time."""
+    import torch.distributed as dist
+
+    tensor = torch.ones(nbytes // 4, device=device)
+
+    def comm():
+        dist.all_reduce(tensor)
+        _sync(device)
+
+    dist.barrier()
+    t_comm = _timeit(comm, device, 3, window=False)
+    burst = _busy(device, t_comm)
+    dist.barrier()
+    t_compute = _timeit(burst, device, 3)
+
+    def both():
+        work = dist.all_reduce(tensor, async_op=True)
+        burst()
+        work.wait()
+        _sync(device)
+
+    dist.barrier()
+    t_both = _timeit(both, device, 3, window=False)
+    hidden = t_comm + t_compute - t_both
+    return min(max(hidden / min(t_comm, t_compute), 0.0), 1.0)
+
+
+def link_from_all_reduce(curve: dict[int, float], world: int) -> tuple[float, float]:
+    """(bandwidth B/s, per-hop latency s) with which the cost model's all-reduce best reproduces `curve`.
+
+    A profile without a collective library's protocols (what calibrate writes)
+    has the cost model price an all-reduce of S bytes on n ranks as one ring,
+    2*((n-1)/n*S/bw + (n-1)*a) (costmodel/collectives.py); (bw, a) minimise the
+    squared relative error over the measured sizes.
+    """
+    steps_ring = 2 * (world - 1)
+    frac = 2 * (world - 1) / world
+
+    def model(nbytes: int, bw: float, a: float) -> float:
+        return frac * nbytes / bw + steps_ring * a
+
+    small, large = min(curve), max(curve)
+    bw0 = frac * (large - small) / max(curve[large] - curve[small], 1e-9)
+    a0 = max(curve[small] / steps_ring, 1e-7)
+    best = (float("inf"), bw0, a0)
+    for i in range(-20, 21):
+        for j in range(-20, 21):
+            bw, a = bw0 * 1.15 ** i, a0 * 1.15 ** j
+            err = sum((model(s, bw, a) / t - 1) ** 2 for s, t in curve.items())
+            best = min(best, (err, bw, a))
+    return best[1], best[2]
+
+
+def storage_write_bytes_per_s(folder: str = ".", mbytes: int = 256, budget_s: float = 5.0) -> float:
+    """Sustained write bandwidth of the storage under `folder` (where checkpoints would go): 8 MiB
+    blocks written and fsync'd, stopping after `mbytes` or `budget_s`, whichever comes first."""
+    block = os.urandom(8 * 2 ** 20)
+    written, start = 0, time.perf_counter()
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".parallax-calibrate-") as fh:
+        while written < mbytes * 2 ** 20 and time.perf_counter() - start < budget_s:
+            fh.write(block)
+            written += len(block)
+        fh.flush()
+        os.fsync(fh.fileno())
+        return written / (time.perf_counter() - start)
