@@ -252,22 +252,23 @@ class Checkpointer:
         loaded = merged(states)
         dcp.load(loaded, checkpoint_id=folder, process_group=self.group)
         load_chunks(run, states, loaded)
-        self._restore_extra(run, Path(folder), manifest)
+        resharded = _reshard_line(manifest.get("plan"), self.plan)
+        same = manifest.get("world_size") == dist.get_world_size() and not resharded
+        self._restore_extra(run, Path(folder), same)
         step = int(manifest["step"])
         saved_world = manifest.get("world_size")
         where = f"resumed from {Path(folder).name} (step {step}"
         self.notes.append(where + (f", written by {saved_world} ranks, resharded onto {dist.get_world_size()})"
                                    if saved_world != dist.get_world_size() else ")"))
-        resharded = _reshard_line(manifest.get("plan"), self.plan)
         if resharded:
             self.notes.insert(0, resharded)
         return step
 
-    def _restore_extra(self, run, folder: Path, manifest: dict) -> None:
+    def _restore_extra(self, run, folder: Path, same: bool) -> None:
+        """RNG states and compression residuals: each rank's own when the layout is `same`, else rank 0's RNG."""
         from executor.compression import compression_states
 
         rank = dist.get_rank()
-        same = manifest.get("world_size") == dist.get_world_size() and not _reshard_line(manifest.get("plan"), self.plan)
         path = folder / "extra" / f"rank{(rank if same else 0):05d}.pt"
         if not path.exists():
             return

@@ -18,18 +18,6 @@ from __future__ import annotations
 
 from costmodel.plan import Plan, uniform_stages
 from hardware.errors import ParallaxError, PlanError
-from hardware.schema import Cluster
-
-
-def resized(cluster: Cluster, world: int) -> Cluster:
-    """`cluster` with `world` GPUs: whole nodes of its kind, or one node of `world` GPUs."""
-    per_node = cluster.gpus_per_node
-    if world % per_node == 0:
-        return cluster.model_copy(update={"n_nodes": world // per_node})
-    if world < per_node:
-        return cluster.model_copy(update={"n_nodes": 1, "node": cluster.node.model_copy(update={"gpus_per_node": world})})
-    raise PlanError("world size", f"{world} ranks do not fill whole nodes of {per_node}",
-                    f"run a multiple of {per_node} ranks")
 
 
 def replan(plan: Plan, world_size: int, layer_kinds: list[str] | None = None) -> tuple[Plan, str]:
@@ -44,9 +32,9 @@ def replan(plan: Plan, world_size: int, layer_kinds: list[str] | None = None) ->
         return _keep_model_parallel(plan, world_size, layer_kinds)
     import planner
 
-    cluster = resized(plan.cluster(), world_size)
     fixed = {"stack": plan.stack} if plan.stack != "eager" else None
     try:
+        cluster = plan.cluster().resized(world_size)
         new = planner.plan(plan.model, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype,
                            fixed=fixed, top_k=1)
     except ParallaxError as error:

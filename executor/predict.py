@@ -24,12 +24,17 @@ def _traceable(model_name: str):
     return module.model if isinstance(module, HFStage) else module
 
 
+def _model_and_inputs(plan: Plan, model_name: str):
+    """What the planner traces for `model_name`, and the example inputs a module needs."""
+    model = _traceable(model_name)
+    return model, None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
+
+
 def workload_of(plan: Plan, model_name: str):
     """The traced workload of the model the workers build, as the planner prices it."""
     from planner.resolve import resolve_workload
 
-    model = _traceable(model_name)
-    inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
+    model, inputs = _model_and_inputs(plan, model_name)
     return resolve_workload(model, seq_len=plan.seq_len, dtype=plan.dtype, example_inputs=inputs)
 
 
@@ -38,8 +43,7 @@ def estimate_of(plan: Plan, model_name: str, cluster=None):
     from planner.api import estimate
 
     cluster = cluster if cluster is not None else plan.cluster()
-    model = _traceable(model_name)
-    inputs = None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
+    model, inputs = _model_and_inputs(plan, model_name)
     return estimate(model, plan, cluster, example_inputs=inputs)
 
 

@@ -53,10 +53,8 @@ def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None) -> t
     """Forward and backward of every micro-batch; `call(module, xs)` runs the forward (the dry run
     gives each micro-batch its own parent module for torch's memory trackers); `phase(name)`
     marks them for the profiler."""
-    import contextlib
-
     module, n = run.modules[0], plan.num_micro_batches
-    phase = phase or (lambda name: contextlib.nullcontext())
+    phase = phase or (lambda name: _null())
     total = torch.zeros((), device=run.device)
     for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
         with sync_context(module, i == n - 1):
@@ -163,7 +161,8 @@ def steady_step_time(times: list[float], profiled: list[int] = ()) -> float:
     """Median over steps after the tracked warm-up steps (all steps when there are too few),
     leaving out the profiled steps when others remain."""
     steady = times[MEMORY_STEPS:] or times[1:] or times
-    unprofiled = [t for i, t in enumerate(times) if i >= MEMORY_STEPS and i not in set(profiled)]
+    skip = set(profiled)
+    unprofiled = [t for i, t in enumerate(times) if i >= MEMORY_STEPS and i not in skip]
     return statistics.median(unprofiled or steady)
 
 

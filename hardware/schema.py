@@ -11,6 +11,8 @@ from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from hardware.errors import HardwareError
+
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (costmodel.plan.Plan.stack)
 
@@ -239,6 +241,16 @@ class Cluster(_Sourced):
         if eff is self.gpu.efficiency:
             return self
         return self.model_copy(update={"gpu": self.gpu.model_copy(update={"efficiency": eff})})
+
+    def resized(self, n_gpus: int) -> "Cluster":
+        """This cluster with `n_gpus` GPUs: whole nodes of its kind, or one node of `n_gpus`."""
+        per_node = self.gpus_per_node
+        if n_gpus % per_node == 0:
+            return self.model_copy(update={"n_nodes": n_gpus // per_node})
+        if n_gpus < per_node:
+            return self.model_copy(update={"n_nodes": 1, "node": self.node.model_copy(update={"gpus_per_node": n_gpus})})
+        raise HardwareError("n_gpus", f"{n_gpus} GPUs do not fill whole nodes of {per_node}",
+                            f"use a multiple of {per_node}")
 
     def guess_warning(self) -> str:
         """The line that heads every prediction made on a placeholder profile ("" otherwise)."""

@@ -91,7 +91,7 @@ def with_checkpointing(plan_: Plan, workload: Workload, cluster: Cluster, mtbf_h
         return plan_
     from costmodel.goodput import checkpoint_advice
 
-    cluster = cluster.model_copy(update={"n_nodes": max(1, plan_.n_gpus // cluster.gpus_per_node)})
+    cluster = cluster.resized(plan_.n_gpus)
     advice = checkpoint_advice(workload.params, cluster, plan_.estimate.step_time_s,
                                dtype="fp32" if plan_.dtype == "fp32" else "bf16", mtbf_hours=mtbf_hours)
     return plan_.model_copy(update={"checkpointing": advice})
