@@ -93,11 +93,11 @@ def bus_bw(group: Group, cluster: Cluster) -> float:
     return min(inside, group.per_node * nic_bw(cluster, group.nodes))
 
 
-def _ring(nbytes: float, group: Group, cluster: Cluster, passes: int) -> float:
+def _ring(nbytes: float, group: Group, cluster: Cluster, passes: float) -> float:
     """`passes` = 2 for all-reduce (reduce-scatter then all-gather), 1 for either alone."""
     n, nodes = group.size, group.nodes
     steps = passes * (n - 1)
-    inter = passes * (nodes - 1) if nodes > 1 else 0
+    inter = passes * (nodes - 1) if nodes > 1 else 0.0
     traffic = passes * (n - 1) / n * nbytes / bus_bw(group, cluster)
     return min(p.launch_us * 1e-6 + ((steps - inter) * p.intra_step_us + inter * p.inter_step_us) * 1e-6
                + traffic / p.bandwidth_fraction for p in ring_protocols(cluster))
@@ -114,22 +114,36 @@ def _tree_all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
                + traffic / p.bandwidth_fraction for p in protocols)
 
 
+RING_PASSES = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
+
+
+def ring_passes(kind: str, cluster: Cluster) -> float:
+    """Passes over the data a collective makes: the ring's, unless the profile measured the
+    library doing otherwise (gloo's all-gather and reduce-scatter cost about as much as, and
+    more than, its all-reduce: `parallax calibrate` measures them)."""
+    measured = cluster.collectives.passes if cluster.collectives is not None else {}
+    return measured.get(kind, RING_PASSES[kind])
+
+
 def all_reduce(nbytes: float, group: Group, cluster: Cluster) -> float:
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    return min(_ring(nbytes, group, cluster, 2), _tree_all_reduce(nbytes, group, cluster))
+    return min(_ring(nbytes, group, cluster, ring_passes("all_reduce", cluster)),
+               _tree_all_reduce(nbytes, group, cluster))
 
 
 def all_gather(nbytes: float, group: Group, cluster: Cluster) -> float:
     """`nbytes` is the size of the gathered (full) tensor."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    return _ring(nbytes, group, cluster, 1)
+    return _ring(nbytes, group, cluster, ring_passes("all_gather", cluster))
 
 
 def reduce_scatter(nbytes: float, group: Group, cluster: Cluster) -> float:
     """`nbytes` is the size of the full (unreduced) tensor on each rank."""
-    return all_gather(nbytes, group, cluster)
+    if group.size <= 1 or nbytes <= 0:
+        return 0.0
+    return _ring(nbytes, group, cluster, ring_passes("reduce_scatter", cluster))
 
 
 def bus_bandwidth(kind: str, nbytes: float, group: Group, cluster: Cluster) -> float:

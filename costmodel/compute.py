@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hardware.schema import Cluster
 
 from .collectives import Group, all_gather, all_reduce, all_to_all
+from .memory import state_bytes_per_param
 from .workload import LayerProfile
 
 BACKWARD_FACTOR = 2.0
@@ -156,9 +157,33 @@ def tp_gather_time(layer: LayerProfile, ctx: Context) -> float:
     return all_gather(layer.tp_gather_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
 
 
+def fresh_page_time(tensor_bytes: float, count: float, cluster: Cluster) -> float:
+    """Seconds to map `count` new tensors of `tensor_bytes` each on a host whose allocator hands
+    tensors of at least `fresh_page_min_bytes` back to the OS when freed (glibc's mmap ceiling):
+    each one is page-faulted and zeroed again at `fresh_page_gbps`. Zero under a caching allocator."""
+    gpu = cluster.gpu
+    if gpu.fresh_page_gbps is None or tensor_bytes < (gpu.fresh_page_min_bytes or 0.0):
+        return 0.0
+    return count * tensor_bytes / (gpu.fresh_page_gbps * 1e9)
+
+
+def fresh_tensor_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """(forward, backward) seconds of mapping a layer's large new tensors each micro-batch:
+    the loss's logits and log-probabilities (forward) and their gradients (backward), and the
+    gradient of its largest weight (backward; the embedding's dense table, a tied head's copy)."""
+    split = _split(layer, ctx)
+    per_tensor = layer.act_transient * ctx.micro_batch / 2 / (split if layer.act_transient_tp == "S" else 1)
+    transient = fresh_page_time(per_tensor, 2, ctx.cluster)
+    grad_bytes = state_bytes_per_param(ctx.dtype, ctx.stack)[1]
+    weight = fresh_page_time(layer.largest_weight * grad_bytes / split, 1, ctx.cluster)
+    return transient, transient + weight
+
+
 def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
     gemm, attention, memory = forward_parts(layer, ctx)
-    forward = gemm + attention + memory
+    fresh_forward, fresh_backward = fresh_tensor_times(layer, ctx)
+    compute = gemm + attention + memory
+    forward = compute + fresh_forward
     comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
     if recompute == "full":
@@ -171,7 +196,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         extra, extra_comm = 0.0, 0.0
     return LayerTime(
         forward=forward,
-        backward=BACKWARD_FACTOR * forward + dense_gradient_time(layer, ctx),
+        backward=BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward,
         recompute=extra,
         tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
                  + expert_exchange_time(layer, ctx) + gather + extra_comm),

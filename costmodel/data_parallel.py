@@ -15,7 +15,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compression import plan_reduction_time
-from .compute import LayerTime
+from .compute import LayerTime, fresh_page_time
 from .memory import WEIGHT_BYTES
 from .plan import Plan
 
@@ -80,12 +80,15 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     if plan.zero < 2 or plan.shard_degree == 1:
         return 0.0, 0.0, 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
-    gather = coll.all_gather(nbytes, lay.shard_group, lay.ctx.cluster)
+    cluster = lay.ctx.cluster
+    # FSDP2 gathers into a new flat buffer and copies out into the unsharded parameters' new storage,
+    # and reduce-scatters from a new flat copy of the gradients: on a host allocator, fresh pages each time.
+    gather = coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster)
     if plan.pp > 1:
         m = plan.num_micro_batches
         warm = min(m, plan.pp) if plan.zero >= 3 else 1
         return gather * warm / m, (gather if plan.zero >= 3 else 0.0), 0.0
-    scatter = coll.reduce_scatter(nbytes, lay.shard_group, lay.ctx.cluster)
+    scatter = coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster)
     return gather, (gather if plan.zero >= 3 else 0.0), scatter
 
 

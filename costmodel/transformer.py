@@ -78,6 +78,7 @@ def _block(d: TransformerDims) -> LayerProfile:
         expert_tokens=s * d.top_k / d.n_experts if moe else 0.0,
         expert_dispatch_bytes=float(s * d.top_k * h * b) if moe else 0.0,
         matmul_min_dim=min(h, f),
+        largest_weight=max(h * f, h * h),
         attention_flops=4.0 * s * s * h,
         # two norms and two residual adds (read+write), the MLP activation.
         elementwise_bytes=float(s * h * b * 10 + act_traffic + softmax_traffic),
@@ -98,6 +99,7 @@ def _embedding(d: TransformerDims) -> LayerProfile:
         name="embedding",
         kind="embedding",
         params=params,
+        largest_weight=d.vocab * h,
         matmul_flops=0.0,
         matmul_min_dim=h,
         elementwise_bytes=float(3 * s * h * b),
@@ -116,6 +118,7 @@ def _head(d: TransformerDims) -> LayerProfile:
         name="head",
         kind="head",
         params=(0 if d.tied_embeddings else v * h) + 2 * h,
+        largest_weight=v * h,
         matmul_flops=2.0 * s * h * v,
         matmul_min_dim=h,
         # fp32 upcast and softmax of the logits for the loss.

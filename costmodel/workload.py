@@ -55,6 +55,8 @@ class LayerProfile(BaseModel):
     grad_dense_bytes: float = Field(0.0, ge=0, description="bytes of dense weight gradient a backward materialises "
                                     "whatever the batch (an embedding's [vocab, hidden] table: zero-filled, "
                                     "scattered into, accumulated), per micro-batch")
+    largest_weight: int = Field(0, ge=0, description="elements of the layer's largest weight (a tied one included): "
+                                "its gradient is one tensor that size per backward, which a host allocator maps fresh")
     expert_params: int = Field(0, ge=0, description="mixture-of-experts weights (part of params): the executor "
                                "keeps them whole under TP, every TP rank computing every routed token's experts")
     expert_flops: float = Field(0.0, ge=0, description="FLOPs of the expert GEMMs (part of matmul_flops), per sequence")

@@ -28,11 +28,12 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-from executor.microbench import (DTYPES, OPTIMIZER_TRAFFIC_BYTES, SLOW_DTYPE_FACTOR, _LOCKSTEP, attention_flops,
-                                 collective_in_training, fit_half_dim, link_from_all_reduce, matmul_curve,
+from executor.microbench import (COLLECTIVE_SIZES, DTYPES, OPTIMIZER_TRAFFIC_BYTES, SLOW_DTYPE_FACTOR, _LOCKSTEP,
+                                 attention_flops, collective_in_training, collective_passes, fit_half_dim,
+                                 fresh_page_bytes_per_s, link_from_all_reduce, matmul_curve,
                                  memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
                                  storage_write_bytes_per_s)
-from hardware.schema import GPU, Cluster, Efficiency, Node
+from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol
 
 # ---------------------------------------------------------------- concurrent ranks
 
@@ -68,6 +69,9 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
         dist.barrier()
         res[key] = fn()
 
+    # First, while the heap holds no large free block that a new tensor could reuse, as a training
+    # process's large tensors (beside its live states) mostly find none.
+    lockstep("fresh_pages", lambda: fresh_page_bytes_per_s(device))
     for name, dt in DTYPES.items():
         lockstep(("matmul", name), lambda dt=dt: matmul_curve(dev, dt))
     lockstep("memory", lambda: memory_bandwidth(dev))
@@ -75,6 +79,7 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
     lockstep("optimizer", lambda: optimizer_seconds_per_param(dev))
     if world > 1:
         lockstep("all_reduce", lambda: collective_in_training(dev))
+        lockstep("passes", lambda: collective_passes(dev))
         lockstep("overlap", lambda: overlap_fraction(dev))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -123,6 +128,7 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
         overlap = _merge(results, "overlap")
     else:
         link_bw, latency, overlap = copy_bw, 0.0, 1.0
+    library = measured_library(device, results, latency, when) if ranks > 1 else None
     eff = Efficiency(matmul_max=1.0, matmul_half_dim=fits["fp32"][1], attention=attention, memory_bound=elementwise,
                      intra_node_bw=1.0, inter_node_bw=1.0, optimizer=optimizer, comm_overlap=overlap,
                      sources={k: when for k in ("matmul_max", "matmul_half_dim", "attention", "memory_bound",
@@ -133,7 +139,8 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     gpu = GPU(name=f"calibrated-{device}", peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
               sources={"peak_tflops": when + " (fitted matmul asymptote" + slow_dtype_notes(peak, results) + ")",
                        "hbm_gb": when + " (device memory / ranks)",
-                       "hbm_gbps": when + " (tensor copy)"})
+                       "hbm_gbps": when + " (tensor copy)"} | fresh_page_sources(device, when),
+              **fresh_pages(device, results))
     # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
     oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
@@ -145,11 +152,42 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                 | ({"oversubscription": f"{ranks} ranks x {threads} threads / os.cpu_count() = {cores} cores"}
                    if oversub else {}))
     return Cluster(name=f"calibrated-{device}", gpu=gpu, node=node, n_nodes=1, nic_gbps=link_bw * 8 / 1e9,
-                   nic_latency_us=latency * 1e6, inter_fabric="loopback",
+                   nic_latency_us=latency * 1e6, inter_fabric="loopback", collectives=library,
                    storage_gbps_per_node=storage_write_bytes_per_s() / 1e9,
                    sources={"nic_gbps": when + " (single node: the local all-reduce link)",
                             "nic_latency_us": when + " (single node: the local all-reduce link)",
                             "storage_gbps_per_node": when + " (fsync'd 8 MiB writes in the working directory)"})
+
+
+def measured_library(device: str, results: list[dict], latency: float, when: str) -> Collectives:
+    """The collective library as measured: one protocol of the fitted link latency, and the
+    passes over the data its all-gather and reduce-scatter make beside its all-reduce."""
+    link = Protocol(name="link", launch_us=0.0, intra_step_us=latency * 1e6, inter_step_us=latency * 1e6,
+                    bandwidth_fraction=1.0, sources={k: when + " (all-reduce between compute bursts, fitted)" for k in
+                                                     ("launch_us", "intra_step_us", "inter_step_us",
+                                                      "bandwidth_fraction")})
+    passes = _merge(results, "passes")
+    return Collectives(library="nccl" if device == "cuda" else "gloo", ring=[link], passes=passes,
+                       sources={"passes": when + " (all-gather and reduce-scatter beside an all-reduce of "
+                                f"{COLLECTIVE_SIZES[-1] // 2**20} MiB between compute bursts)"})
+
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc mallopt(3): DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems
+
+
+def fresh_pages(device: str, results: list[dict]) -> dict:
+    """The GPU's fresh-page fields: measured on CPU, absent on CUDA (a caching allocator)."""
+    if device != "cpu":
+        return {}
+    return {"fresh_page_gbps": _merge(results, "fresh_pages") / 1e9, "fresh_page_min_bytes": GLIBC_MMAP_THRESHOLD_MAX}
+
+
+def fresh_page_sources(device: str, when: str) -> dict:
+    if device != "cpu":
+        return {}
+    return {"fresh_page_gbps": when + " (first write of a new 64 MiB tensor beyond a reused one's)",
+            "fresh_page_min_bytes": "glibc mallopt(3): the dynamic mmap threshold stops at "
+                                    "DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit systems"}
 
 
 def slow_dtype_notes(peak: dict[str, float], results: list[dict]) -> str:

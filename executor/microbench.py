@@ -1,8 +1,9 @@
 """The microbenchmarks `parallax calibrate` runs on every rank, and the fits of their results.
 
 Matmul throughput by size (each size grown only while one call stays within its budget),
-copy and elementwise bandwidth, attention, the optimizer step, all-reduce between compute
-bursts and beside compute, and the storage write bandwidth. In lockstep (executor/
+copy and elementwise bandwidth, the cost of a freshly mapped large tensor, attention, the
+optimizer step, all-reduce between compute bursts and beside compute, the passes all-gather
+and reduce-scatter make beside it, and the storage write bandwidth. In lockstep (executor/
 calibrate.py sets `_LOCKSTEP`) every rank times the same thing over the same window.
 """
 from __future__ import annotations
@@ -140,30 +141,58 @@ def _busy(device: str, seconds: float):
     return burst
 
 
-def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7) -> dict[int, float]:
-    """Seconds an all-reduce adds to a compute burst on every rank, by message bytes.
+def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7,
+                           kind: str = "all_reduce") -> dict[int, float]:
+    """Seconds a collective adds to a compute burst on every rank, by message bytes.
 
-    Each iteration computes for ~20 ms on every rank and then all-reduces; the
-    cost is the iteration time minus the burst alone, so it includes waiting
-    for peers that share the cores to be scheduled, as in a training step.
+    Each iteration computes for ~20 ms on every rank and then runs the collective
+    (`kind`: all_reduce, all_gather or reduce_scatter of a full tensor of that many
+    bytes); the cost is the iteration time minus the burst alone, so it includes
+    waiting for peers that share the cores to be scheduled, as in a training step.
     """
     import torch.distributed as dist
 
     burst = _busy(device, 0.02)
     dist.barrier()
     alone = _timeit(burst, device, repeat, window=False)  # timed as the bursts with collectives are
+    world = dist.get_world_size()
     out = {}
     for nbytes in sizes:
-        tensor = torch.ones(nbytes // 4, device=device)
+        full = torch.ones(nbytes // 4 // world * world, device=device)
+        shard = torch.ones(full.numel() // world, device=device)
+        run = {"all_reduce": lambda: dist.all_reduce(full),
+               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
+               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}[kind]
 
         def step():
             burst()
-            dist.all_reduce(tensor)
+            run()
             _sync(device)
 
         dist.barrier()
         out[nbytes] = max(_timeit(step, device, repeat, window=False) - alone, 1e-7)
     return out
+
+
+def collective_passes(device: str, nbytes: int = COLLECTIVE_SIZES[-1]) -> dict[str, float]:
+    """The passes over the data all-gather and reduce-scatter make as the library runs them,
+    from their cost beside an all-reduce's (2 passes) of the same full tensor in training."""
+    all_reduce = collective_in_training(device, (nbytes,), repeat=5)[nbytes]
+    return {kind: 2.0 * collective_in_training(device, (nbytes,), repeat=5, kind=kind)[nbytes] / all_reduce
+            for kind in ("all_gather", "reduce_scatter")}
+
+
+def fresh_page_bytes_per_s(device: str, mbytes: int = 64) -> float | None:
+    """Bytes/s at which a freshly allocated tensor above the host allocator's mmap threshold is
+    first written, beyond a write of a reused one: the page faults and zeroing every step pays
+    for such tensors on CPU. None on CUDA (its caching allocator reuses blocks)."""
+    if device != "cpu":
+        return None
+    n = mbytes * 2 ** 20 // 4
+    kept = torch.empty(n)
+    reused = _timeit(lambda: kept.fill_(1.0), device, repeat=3)
+    fresh = _timeit(lambda: torch.empty(n).fill_(1.0), device, repeat=3)
+    return n * 4 / max(fresh - reused, 1e-6)
 
 
 def overlap_fraction(device: str, nbytes: int = 32 * 2 ** 20) -> float:

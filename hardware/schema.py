@@ -128,6 +128,12 @@ class GPU(_Sourced):
     mtbf_hours: float | None = Field(default=None, gt=0)
     placeholder: bool = Field(False, description="its figures are an order-of-magnitude guess, not a datasheet's "
                               "or a measurement's (the catalog's generic CPU): `parallax calibrate` measures one")
+    fresh_page_gbps: float | None = Field(
+        default=None, gt=0, description="GB/s at which memory the allocator maps fresh is first touched (page "
+        "faults and zeroing), for tensors of at least fresh_page_min_bytes: a host allocator returns those to the "
+        "OS when freed, so every step maps them again. None: a caching allocator (CUDA's) reuses its blocks")
+    fresh_page_min_bytes: float | None = Field(default=None, gt=0, description="the smallest tensor mapped fresh "
+                                               "on every allocation (glibc: its mmap threshold's ceiling)")
 
     @field_validator("peak_tflops")
     @classmethod
@@ -189,6 +195,9 @@ class Collectives(_Sourced):
 
     library: str
     ring: list[Protocol] = Field(min_length=1)
+    passes: dict[Literal["all_reduce", "all_gather", "reduce_scatter"], float] = Field(
+        default_factory=dict, description="traffic passes over the data each collective kind makes as the library "
+        "runs it, where that departs from the ring's (all-reduce 2, all-gather and reduce-scatter 1): measured")
     tree: list[Protocol] = Field(default_factory=list)
     nic_scaling: list[tuple[float, float]] = Field(default_factory=list)
 

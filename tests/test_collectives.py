@@ -92,3 +92,27 @@ def test_unknown_library_names_the_known_ones(tmp_path):
     path = _entry_with(tmp_path, {"library_file": "mpi"})
     with pytest.raises(HardwareError, match="nccl"):
         hardware.load(path)
+
+
+def test_measured_passes_price_the_librarys_all_gather_and_reduce_scatter():
+    """gloo's all-gather and reduce-scatter cost about as much as its all-reduce (calibrate
+    measures the passes): a profile carrying them prices those kinds by them."""
+    cpu = hardware.load("4xcpu")
+    link = hardware.schema.Protocol(name="link", launch_us=0, intra_step_us=cpu.node.link_latency_us,
+                                    inter_step_us=cpu.node.link_latency_us, bandwidth_fraction=1.0,
+                                    sources={k: "test" for k in ("launch_us", "intra_step_us", "inter_step_us",
+                                                                 "bandwidth_fraction")})
+    gloo = cpu.model_copy(update={"collectives": hardware.schema.Collectives(
+        library="gloo", ring=[link], passes={"all_gather": 2.5, "reduce_scatter": 3.0}, sources={"passes": "test"})})
+    nbytes, group = 1e8, coll.Group(4, 4)
+    assert coll.all_gather(nbytes, group, gloo) == pytest.approx(2.5 * coll.all_gather(nbytes, group, cpu))
+    assert coll.reduce_scatter(nbytes, group, gloo) == pytest.approx(3.0 * coll.reduce_scatter(nbytes, group, cpu))
+    assert coll.all_reduce(nbytes, group, gloo) == pytest.approx(coll.all_reduce(nbytes, group, cpu))
+
+
+def test_measured_passes_need_a_source():
+    link = hardware.schema.Protocol(name="link", launch_us=0, intra_step_us=1, inter_step_us=1,
+                                    bandwidth_fraction=1.0, sources={k: "test" for k in (
+                                        "launch_us", "intra_step_us", "inter_step_us", "bandwidth_fraction")})
+    with pytest.raises(ValueError, match="passes"):
+        hardware.schema.Collectives(library="gloo", ring=[link], passes={"all_gather": 2.0})

@@ -193,3 +193,38 @@ def test_cost_is_priced_in_dollars(llama_70b):
     tokens = 64 * 4096
     assert est.usd_per_million_tokens == pytest.approx(est.usd_per_hour / 3600 * est.step_time_s / tokens * 1e6)
     assert math.isfinite(est.usd_per_million_tokens)
+
+
+def _host(cluster, gbps=1.0):
+    """`cluster` with a host allocator that maps tensors of 32 MiB and more fresh at `gbps`."""
+    gpu = cluster.gpu.model_copy(update={"fresh_page_gbps": gbps, "fresh_page_min_bytes": 32 * 2 ** 20})
+    return cluster.model_copy(update={"gpu": gpu})
+
+
+def test_fresh_pages_cost_only_tensors_the_host_allocator_maps_again():
+    from costmodel.compute import fresh_page_time
+    cpu = hardware.load("4xcpu")
+    assert fresh_page_time(1e9, 1, cpu) == 0.0  # no figure: a caching allocator
+    host = _host(cpu)
+    assert fresh_page_time(1e9, 2, host) == pytest.approx(2.0)
+    assert fresh_page_time(16 * 2 ** 20, 1, host) == 0.0  # under the mmap threshold: reused heap
+
+
+def test_fresh_pages_slow_the_embedding_backward_and_fsdp_gathers_on_a_host():
+    """gpt2's [50257, 768] table gradient and a ZeRO-3 unit above the threshold are mapped
+    again every micro-batch on a host; a GPU profile's estimate does not change."""
+    from planner.resolve import resolve_workload
+    workload = resolve_workload("gpt2", seq_len=128, dtype="fp32")
+    embedding = workload.layers[0]
+    assert embedding.largest_weight == 50257 * 768
+    assert workload.layers[-1].largest_weight == 50257 * 768  # the tied head's gradient copy
+    import planner
+    cpu = hardware.load("4xcpu")
+    plan = planner.plan("gpt2", cpu, global_batch=8, seq_len=128, dtype="fp32", fixed=dict(dp=4, zero=3), top_k=1)
+    plain = estimate(workload, plan, cpu)
+    slow = estimate(workload, plan, _host(cpu, gbps=0.5))
+    # the table's two fresh gradients (head, embedding) per micro-batch, the embedding unit's
+    # two gathers of two buffers each and its reduce-scatter's one, at 0.5 GB/s
+    table = 50257 * 768 * 4
+    expected = (2 + 5) * table / 0.5e9 * plan.num_micro_batches
+    assert slow.step_time_s - plain.step_time_s == pytest.approx(expected, rel=0.25)

@@ -194,3 +194,10 @@ def test_storage_write_measurement_is_bounded_and_leaves_nothing(tmp_path):
 
     rate = storage_write_bytes_per_s(str(tmp_path), mbytes=16, budget_s=2.0)
     assert rate > 0 and list(tmp_path.iterdir()) == []
+
+
+def test_fresh_page_rate_is_measured_on_cpu_only():
+    from executor.microbench import fresh_page_bytes_per_s
+    rate = fresh_page_bytes_per_s("cpu", mbytes=40)
+    assert rate is not None and 0 < rate < float("inf")
+    assert fresh_page_bytes_per_s("cuda") is None

@@ -89,8 +89,14 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
         tp_allreduces_bwd=len(colwise), tied_params=_tied_params(og, nodes, layer),
         grad_dense_bytes=float(sum(d["param_bytes"] for _, d in nodes if d["kind"] == "embedding")),
+        largest_weight=max((_weight_elements(d) for _, d in nodes), default=0),
         tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b)
+
+
+def _weight_elements(data: dict) -> int:
+    """Elements of the weights one op reads: its own, and any it shares with an earlier layer."""
+    return int(data["param_count"] + sum(numel for _, numel, _ in data.get("rereads", ())))
 
 
 def _tied_params(og: OpGraph, nodes, layer: str) -> int:
