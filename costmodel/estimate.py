@@ -22,7 +22,7 @@ from .compute import expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
                             weight_gather_time)
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
-                     model_state_bytes, transient_bytes)
+                     model_state_bytes, optimizer_step_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
@@ -90,13 +90,14 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
     return m * slowest + (sum(totals) - slowest) / vpp
 
 
-def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> dict[str, float]:
-    """Memory by category at the rank's peak (`peak_moments`, the largest of its three moments)."""
-    return peak_moments(plan, workload, rank_index, rank)[0]
+def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime, cluster: Cluster) -> dict[str, float]:
+    """Memory by category at the rank's peak (`peak_moments`, the largest of its four moments)."""
+    return peak_moments(plan, workload, rank_index, rank, cluster)[0]
 
 
-def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime) -> tuple[dict, float]:
-    """The rank's memory by category at the largest of its three candidate peaks, as the dry
+def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
+                 cluster: Cluster) -> tuple[dict, float]:
+    """The rank's memory by category at the largest of its four candidate peaks, as the dry
     run measures them:
     - the loss, computed outside every FSDP2 unit between forward and backward: every
       in-flight micro-batch's saved activations and the last layers' temporaries (the loss's
@@ -107,7 +108,8 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     - a block's backward: the saved activations less the head's one micro-batch (freed by
       then), the block's and the next's gathered weights and one block's unsharded gradients,
       the accumulation transient, and the larger of the block's temporaries and a fully
-      recomputed block being rebuilt (one layer at a time).
+      recomputed block being rebuilt (one layer at a time);
+    - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`).
     Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
     FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
@@ -117,6 +119,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
                                     plan.stack)
         states = {k: states[k] + experts[k] for k in states}
+    stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
         states["gradients"] = 0.0
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
@@ -149,8 +152,24 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         moments = [{**m, "buffers": held} for m in moments]
     elif not sharded:
         moments = [{"activations": m["activations"]} for m in moments]
-    peak = max(moments, key=lambda m: sum(m.values()))
-    return {**states, **peak}, saved
+    peak = {**states, **max(moments, key=lambda m: sum(m.values()))}
+    if sum(stepping.values()) > sum(peak.values()):
+        return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
+    return peak, saved
+
+
+def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:
+    """AdamW's temporaries in the rank's step (`memory.optimizer_step_bytes`), over the
+    parameters it owns: a 1/shard_degree share of each under ZeRO (FSDP2's shards; ZeRO-1's
+    owners hold about that share, the largest weight whole)."""
+    largest = 0.0
+    for est in rank.stage_estimates:
+        for layer, _, _ in stage_runs(plan, workload, est.index):
+            largest = max(largest, layer.largest_weight / (plan.tp if layer.tp_shardable else 1))
+    shard = plan.shard_degree if plan.zero >= 1 else 1
+    if plan.zero >= 2:
+        largest /= shard
+    return optimizer_step_bytes(rank.params / shard, largest, cluster.gpu.device_type, plan.stack)
 
 
 def gradients_at_peak(plan: Plan) -> bool:
@@ -227,7 +246,7 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
     }
     stages = []
     for r, rank in enumerate(ranks):
-        memory = rank_memory(plan, workload, r, rank)
+        memory = rank_memory(plan, workload, r, rank, cluster)
         for est in rank.stage_estimates:
             stages.append(est.model_copy(update={"memory_bytes": memory}))
     stages.sort(key=lambda s: s.index)

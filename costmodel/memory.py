@@ -61,6 +61,22 @@ def gathered_weight_bytes(params: float, dtype: str, zero: int, dp: int, stack: 
     return WEIGHT_BYTES[dtype] * params if zero == 2 and dp > 1 and stack != "fused" else 0.0
 
 
+MOMENT_BYTES = 4  # AdamW's moments are fp32 on every stack
+
+
+def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type: str, stack: str = "eager") -> float:
+    """Temporaries torch's AdamW makes during its step, when activations are gone but every
+    gradient is there: on cuda its default foreach path computes sqrt(v) for all the rank's
+    owned parameters at once (one moment's size); on cpu its per-tensor loop makes sqrt(v)
+    and its quotient by the bias correction as two new tensors, one parameter at a time (the
+    largest's, twice). The fused stack's multi-tensor Adam updates in place."""
+    if stack == "fused":
+        return 0.0
+    if device_type == "cpu":
+        return 2 * MOMENT_BYTES * largest_owned
+    return MOMENT_BYTES * owned_params
+
+
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
                      cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of

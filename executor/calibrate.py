@@ -136,7 +136,7 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                      | {"optimizer": when + " (torch.optim.AdamW step)",
                         "comm_overlap": when + " (all-reduce beside matmuls)"})
     memory_gb = _device_memory_gb(device) / ranks
-    gpu = GPU(name=f"calibrated-{device}", peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
+    gpu = GPU(name=f"calibrated-{device}", device_type=device, peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
               sources={"peak_tflops": when + " (fitted matmul asymptote" + slow_dtype_notes(peak, results) + ")",
                        "hbm_gb": when + " (device memory / ranks)",
                        "hbm_gbps": when + " (tensor copy)"} | fresh_page_sources(device, when),

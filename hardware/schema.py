@@ -121,6 +121,9 @@ class Efficiency(_Sourced):
 class GPU(_Sourced):
     unsourced_fields: ClassVar[frozenset[str]] = frozenset({"placeholder"})  # a flag, not a figure
     name: str
+    device_type: Literal["cuda", "cpu"] = Field("cuda", description="the torch device its ranks run on, which "
+                                                "sets torch's defaults (AdamW's foreach path on cuda, its "
+                                                "per-tensor loop on cpu)")
     peak_tflops: dict[Dtype, float]
     hbm_gb: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0, description="HBM bandwidth, GB/s")

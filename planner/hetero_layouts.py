@@ -148,7 +148,7 @@ def _pipeline_split(workload, mixed, *, order, tp, dp, mb, zero, policy, global_
     balance, stage_rows = [], []
     for g in order:
         idx = [i for i, x in enumerate(stage_group) if x is g]
-        mems = [sum(rank_memory(plan, workload, i, ranks[i]).values()) for i in idx]
+        mems = [sum(rank_memory(plan, workload, i, ranks[i], g).values()) for i in idx]
         if max(mems) > capacity_bytes(g, reserve):
             return None
         busy = max(m * ranks[i].per_micro_batch for i in idx)
@@ -222,7 +222,7 @@ def _data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtyp
     balance = []
     for (g, _, ranks), mg, dpg in zip(per_group, ms, dp_of):
         plan_g = base.model_copy(update={"global_batch": dp * mb * mg})
-        mems = [sum(rank_memory(plan_g, workload, r, ranks[r]).values()) for r in range(pp)]
+        mems = [sum(rank_memory(plan_g, workload, r, ranks[r], g).values()) for r in range(pp)]
         if max(mems) > capacity_bytes(g, reserve):
             return None
         busy = mg * max(r.per_micro_batch for r in ranks)

@@ -228,3 +228,24 @@ def test_fresh_pages_slow_the_embedding_backward_and_fsdp_gathers_on_a_host():
     table = 50257 * 768 * 4
     expected = (2 + 5) * table / 0.5e9 * plan.num_micro_batches
     assert slow.step_time_s - plain.step_time_s == pytest.approx(expected, rel=0.25)
+
+
+def test_optimizer_step_is_a_memory_moment_torchs_adamw_sets():
+    """torch's AdamW makes sqrt(v) and its quotient per tensor on cpu (twice the largest
+    weight) and sqrt(v) for every owned weight at once on cuda (foreach); the fused stack's
+    multi-tensor Adam makes none."""
+    from costmodel.memory import optimizer_step_bytes
+    assert optimizer_step_bytes(1e6, 5e5, "cpu") == 2 * 4 * 5e5
+    assert optimizer_step_bytes(1e6, 5e5, "cuda") == 4 * 1e6
+    assert optimizer_step_bytes(1e6, 5e5, "cuda", stack="fused") == 0.0
+
+
+def test_a_cpu_pipeline_stage_holding_the_tied_head_peaks_in_its_optimizer_step():
+    import planner
+    cpu = hardware.load("4xcpu")
+    plan = planner.plan("gpt2", cpu, global_batch=8, seq_len=128, dtype="fp32",
+                        fixed=dict(pp=4, dp=1, tp=1, schedule="1f1b", micro_batch=1), top_k=1)
+    last = plan.estimate.stages[-1].memory_bytes
+    states = last["weights"] + last["gradients"] + last["optimizer"]
+    assert last["activations"] == pytest.approx(2 * 4 * 50257 * 768)  # the head's copy of the table, twice
+    assert sum(last.values()) == pytest.approx(states + 2 * 4 * 50257 * 768)

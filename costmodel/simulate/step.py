@@ -59,7 +59,7 @@ def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: 
     cluster = cluster.for_stack(plan.stack)
     lay, rank_times = price_ranks(workload, plan, cluster)
     pricer = Pricer(plan, workload, lay)
-    peaks = [peak_moments(plan, workload, r, rank_times[r]) for r in range(plan.pp)]
+    peaks = [peak_moments(plan, workload, r, rank_times[r], cluster) for r in range(plan.pp)]
     # each rank's transient at its peak moment (a rebuilt block, the loss's temporaries), while its ops run
     transients = [max(0.0, memory["activations"] - saved) for memory, saved in peaks]
     spec = _engine_input(plan, pricer, lay, bucket_bytes, transients)
