@@ -2,9 +2,10 @@
 
 Each op class runs at an achievable fraction of peak kept in the hardware
 data: GEMMs at `matmul_max * d / (d + matmul_half_dim)` where `d` is the
-smallest GEMM dimension after the TP split (small GEMMs under-fill the
-chip), the attention core at `attention`, and memory-bound ops at
-`memory_bound` of HBM bandwidth. Backward costs twice the forward (two
+smallest GEMM dimension (small GEMMs under-fill the chip): the weights'
+after the TP split, or a micro-batch's tokens, which TP never splits; the
+attention core at `attention`, and memory-bound ops at `memory_bound` of
+HBM bandwidth. Backward costs twice the forward (two
 GEMMs per forward GEMM). Recomputation re-runs the forward (full) or the
 attention core and its softmax (selective), and TP collectives of a
 recomputed forward run again.
@@ -38,6 +39,7 @@ class Context:
     ep: int = 1
     ep_group: Group | None = None
     stack: str = "eager"  # the kernel stack (Plan.stack): compile and fused run pointwise chains fused
+    seq_len: int | None = None  # tokens per sequence: with micro_batch, the GEMMs' token dimension (None: not known)
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,8 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     dense = layer.matmul_flops - layer.expert_flops
     if dense:
         min_dim = max(1.0, layer.matmul_min_dim / t)
+        if ctx.seq_len is not None:  # TP splits the weights, never the tokens: short sequences set the size
+            min_dim = min(min_dim, max(1.0, ctx.seq_len * b))
         gemm = dense * b / t / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
     if layer.expert_flops:  # every TP rank runs the experts whole, at the tokens each expert gets
         min_dim = max(1.0, min(layer.matmul_min_dim, layer.expert_tokens * b))

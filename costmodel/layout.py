@@ -63,7 +63,8 @@ def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) ->
     ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank,
                   tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
                   cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
-                  ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster), stack=plan.stack)
+                  ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster), stack=plan.stack,
+                  seq_len=workload.seq_len if workload is not None else None)
     return Layout(
         ctx=ctx,
         dp_group=coll.group_of(plan.data_parallel, plan.tp, cluster),

@@ -25,7 +25,8 @@ class LayerProfile(BaseModel):
     kind: LayerKind
     params: int = Field(ge=0)
     matmul_flops: float = Field(ge=0, description="forward GEMM FLOPs")
-    matmul_min_dim: int = Field(ge=1, description="smallest GEMM dimension at tp=1 (sets GEMM efficiency)")
+    matmul_min_dim: int = Field(ge=1, description="smallest GEMM weight dimension at tp=1 (with a micro-batch's "
+                                "tokens, sets GEMM efficiency)")
     attention_flops: float = Field(0.0, ge=0, description="forward FLOPs of the s^2 attention core")
     elementwise_bytes: float = Field(0.0, ge=0, description="forward memory-bound traffic (norms, activations, softmax)")
     act_sp_whole: float = Field(0.0, ge=0, description="saved bytes per sequence that sequence parallelism under "

@@ -249,3 +249,21 @@ def test_a_cpu_pipeline_stage_holding_the_tied_head_peaks_in_its_optimizer_step(
     states = last["weights"] + last["gradients"] + last["optimizer"]
     assert last["activations"] == pytest.approx(2 * 4 * 50257 * 768)  # the head's copy of the table, twice
     assert sum(last.values()) == pytest.approx(states + 2 * 4 * 50257 * 768)
+
+
+def test_tp_splits_the_weights_gemm_dimension_never_the_tokens():
+    """A short micro-batch's tokens set a GEMM's size; TP shrinks only the weights' side."""
+    from costmodel.compute import Context, gemm_efficiency, forward_parts
+    from costmodel.transformer import TransformerDims, transformer_workload
+    cpu = hardware.load("4xcpu")
+    block = transformer_workload(TransformerDims(name="t", n_layers=1, hidden=768, heads=12, vocab=1000,
+                                                 seq_len=64, ffn_hidden=3072)).layers[1]
+    kw = dict(cluster=cpu, dtype="fp32", sp=False, tp_group=coll.Group(1, 1))
+    one = Context(tp=1, micro_batch=1, seq_len=64, **kw)
+    four = Context(tp=4, micro_batch=1, seq_len=64, **kw)
+    g1, g4 = forward_parts(block, one)[0], forward_parts(block, four)[0]
+    # both GEMMs are 64 tokens wide (768/4 = 192 > 64): a quarter of the FLOPs at the same efficiency
+    assert g4 == pytest.approx(g1 / 4)
+    unknown = Context(tp=1, micro_batch=1, **kw)
+    assert forward_parts(block, unknown)[0] < g1  # 768 wide when the tokens are not known
+    assert gemm_efficiency(one, 64) < gemm_efficiency(one, 768)

@@ -57,7 +57,8 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
             attention += data["flops"]
         elif data["kind"] in ("linear", "matmul"):
             matmul += data["flops"]
-            smallest = min([og.seq_len * b, *(int(x) for x in (data["weight_dims"] or ()))])
+            # the weights' smallest dimension: the tokens' is the cost model's (micro-batch x sequence)
+            smallest = min([int(x) for x in (data["weight_dims"] or ())] or [og.seq_len * b])
             flops_per_dim += data["flops"] / max(1, smallest)
         elif data["kind"] in ("elementwise", "embedding"):
             elementwise += data["bytes"]
