@@ -14,7 +14,7 @@ import time
 from rich.console import Console
 
 from parallax_cli.hetero_cmd import balance_table
-from planner.hetero import plan_hetero
+from planner.mixed.search import plan_hetero
 
 # Llama-2-13B (HF meta-llama/Llama-2-13b-hf config): the "13B model" of the comparison.
 LLAMA_2_13B = {"model_type": "llama", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from parallax_cli import app, emit
-from planner.hetero import HeteroPlan, plan_hetero
+from planner.mixed.search import HeteroPlan, plan_hetero
 
 console = Console()
 if console.width < 130:

@@ -4,7 +4,7 @@ Both accept a model in any form tracing understands (built-in name,
 HuggingFace config, ONNX path, nn.Module with example inputs, or a ready
 `Workload`) and hardware as a spec string or a `Cluster`. One door for every
 cluster: a mixed spec (`16xa100-80g+8xh100-sxm`) is planned by the
-mixed-cluster search (`planner.hetero`), any other by the uniform one.
+mixed-cluster search (`planner.mixed`), any other by the uniform one.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
          target_gap: float = TARGET_GAP, mtbf_hours: float | None = None):
     """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
     on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
-    subset's plan, as a `planner.hetero_plan.HeteroPlan`."""
+    subset's plan, as a `planner.mixed.plan.HeteroPlan`."""
     if not is_mixed(hw):
         return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                             fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,
@@ -45,7 +45,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
     for field, value in unsupported.items():
         if value:
             raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
-    from planner.hetero import plan_hetero
+    from planner.mixed.search import plan_hetero
 
     return plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype or "bf16", time_limit_s=time_limit_s,
                        memory_reserve=memory_reserve)

@@ -1,4 +1,4 @@
-"""Mixed-GPU clusters: hardware.mixed and planner.hetero."""
+"""Mixed-GPU clusters: hardware.mixed and planner.mixed."""
 from __future__ import annotations
 
 import pytest
@@ -6,8 +6,8 @@ import pytest
 from costmodel import TransformerDims, transformer_workload
 from hardware.errors import HardwareError
 from hardware.mixed import load_mixed
-from planner.hetero import plan_hetero
-from planner.hetero_layouts import hetero_candidates
+from planner.mixed.search import plan_hetero
+from planner.mixed.layouts import hetero_candidates
 
 SPEC = "8xa100-80g+8xh100-sxm"
 

@@ -34,8 +34,8 @@ from hardware.mixed import MixedCluster, load_mixed
 
 from planner.resolve import model_name, resolve_workload
 from planner.uniform import plan_uniform
-from planner.hetero_layouts import capacity_bytes, hetero_candidates
-from planner.hetero_plan import GroupBalance, HeteroPlan
+from planner.mixed.layouts import capacity_bytes, hetero_candidates
+from planner.mixed.plan import GroupBalance, HeteroPlan
 
 
 def _layout_str(plan: Plan) -> str:

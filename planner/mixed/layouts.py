@@ -2,7 +2,7 @@
 per-layer and per-stage terms, each stage on its own group's GPU profile: the pipeline
 split (stages assigned to groups, every group order tried, block counts balanced per
 stage) and the data split (whole replicas per group, the global batch split unevenly).
-`planner.hetero` compares them with the single-group plans.
+`planner.mixed.search` compares them with the single-group plans.
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from planner.hetero_plan import GroupBalance, HeteroPlan
+from planner.mixed.plan import GroupBalance, HeteroPlan
 
 MICRO_BATCHES = (1, 2, 4)
 POLICIES = ("none", "selective", "full")
