@@ -16,13 +16,12 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time
-from .memory import WEIGHT_BYTES
+from .memory import OPTIMIZER_TRAFFIC_BYTES, WEIGHT_BYTES, state_bytes_per_param
+from .offload import host_copy_time, host_optimizer_seconds_per_param
 from .plan import Plan
 
 if TYPE_CHECKING:
     from .layout import Layout, RankTime
-
-OPTIMIZER_TRAFFIC_BYTES = 28  # per owned parameter: read grad+states+weights, write states+weights
 
 
 def layer_params_on_rank(layer, tp: int, ep: int = 1) -> float:
@@ -77,18 +76,23 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     (pp of the m, the first rank's count), ZeRO-2 once per step, and the reduce-scatter
     is once per step (`dp_time`). The bytes do not shrink as dp grows; the ring's
     latency grows with it."""
-    if plan.zero < 2 or plan.shard_degree == 1:
+    if not plan.gathers_weights:
         return 0.0, 0.0, 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
     cluster = lay.ctx.cluster
+    # Offloaded (costmodel/offload.py): the fp32 shard comes from the host before each gather, and the
+    # reduced gradient shard goes back after each reduce-scatter.
+    shard = params * state_bytes_per_param(plan.dtype, plan.stack)[0] / plan.shard_degree
     # FSDP2 gathers into a new flat buffer and copies out into the unsharded parameters' new storage,
     # and reduce-scatters from a new flat copy of the gradients: on a host allocator, fresh pages each time.
-    gather = coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster)
+    gather = (coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster)
+              + host_copy_time(shard, plan, cluster))
     if plan.pp > 1:
         m = plan.num_micro_batches
         warm = min(m, plan.pp) if plan.zero >= 3 else 1
-        return gather * warm / m, (gather if plan.zero >= 3 else 0.0), 0.0
-    scatter = coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster)
+        return gather * warm / m, (gather if plan.zero >= 3 else 0.0), host_copy_time(shard, plan, cluster) / m
+    scatter = (coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster)
+               + host_copy_time(shard, plan, cluster))
     return gather, (gather if plan.zero >= 3 else 0.0), scatter
 
 
@@ -112,7 +116,7 @@ def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
     each pass has no earlier layer to run beside (forward: its first layer; backward:
     its last), and its last reduce-scatter (the first layer's) drains after the compute.
     `sharded_exposed` hid them behind their own layer, so the hidden part comes back."""
-    if plan.zero < 2 or plan.shard_degree == 1:
+    if not plan.gathers_weights:
         return 0.0
     overlap = overlap_fraction(lay.ctx.cluster)
     (first, _, _), (last, _, _) = runs[0], runs[-1]
@@ -175,7 +179,10 @@ def reduction_copy_passes(plan: Plan) -> float:
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """The step's seconds per parameter a rank holds: the optimizer over its owned share,
-    plus the reduction's gradient copies (the solver's linear model uses the same number)."""
+    plus the reduction's gradient copies (the solver's linear model uses the same number);
+    offloaded, AdamW on the host (costmodel/offload.py)."""
+    if plan.offload:
+        return host_optimizer_seconds_per_param(plan, cluster)
     gpu = cluster.gpu
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound

@@ -24,6 +24,7 @@ from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
                      model_state_bytes, optimizer_step_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
+from .offload import device_state_bytes, host_copy_seconds, host_memory_per_node, states_on_host
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
@@ -119,6 +120,8 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
                                     plan.stack)
         states = {k: states[k] + experts[k] for k in states}
+    if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
+        states = device_state_bytes(rank.params, plan)
     stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
         states["gradients"] = 0.0
@@ -139,7 +142,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
             if policy == "full":
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
     saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
-    sharded = held_zero(plan) >= 3 and plan.shard_degree > 1
+    sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
     moments = [
         ({"activations": saved + end_temporaries, "buffers": 0.0}),
@@ -162,6 +165,8 @@ def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, c
     """AdamW's temporaries in the rank's step (`memory.optimizer_step_bytes`), over the
     parameters it owns: a 1/shard_degree share of each under ZeRO (FSDP2's shards; ZeRO-1's
     owners hold about that share, the largest weight whole)."""
+    if states_on_host(plan, cluster):
+        return 0.0
     largest = 0.0
     for est in rank.stage_estimates:
         for layer, _, _ in stage_runs(plan, workload, est.index):
@@ -250,7 +255,13 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
         for est in rank.stage_estimates:
             stages.append(est.model_copy(update={"memory_bytes": memory}))
     stages.sort(key=lambda s: s.index)
-    return _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
+    est = _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
+    if not plan.offload:
+        return est
+    host = host_memory_per_node([r.params for r in ranks], plan, cluster) if states_on_host(plan, cluster) else 0.0
+    return est.model_copy(update={
+        "host_memory_bytes": host, "host_copy_s": host_copy_seconds(crit.params, plan, cluster),
+        "host_memory_capacity_bytes": cluster.node.host_memory_gb * 1e9 * (1 - memory_reserve)})
 
 
 def _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve) -> Estimate:

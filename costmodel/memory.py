@@ -62,6 +62,7 @@ def gathered_weight_bytes(params: float, dtype: str, zero: int, dp: int, stack: 
 
 
 MOMENT_BYTES = 4  # AdamW's moments are fp32 on every stack
+OPTIMIZER_TRAFFIC_BYTES = 28  # AdamW per owned parameter: read grad+states+weights, write states+weights
 
 
 def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type: str, stack: str = "eager") -> float:

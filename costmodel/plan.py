@@ -77,13 +77,17 @@ class Estimate(BaseModel):
     mfu: float
     peak_memory_bytes: float
     memory_capacity_bytes: float
+    host_memory_bytes: float = Field(0.0, description="offloaded states in one node's host memory")
+    host_memory_capacity_bytes: float | None = Field(None, description="the node's host memory (offload only)")
+    host_copy_s: float = Field(0.0, description="host<->device shard copies per step before overlap (offload)")
     stages: list[StageEstimate]
     usd_per_hour: float | None = None
     usd_per_million_tokens: float | None = None
 
     @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_capacity_bytes
+        host = self.host_memory_capacity_bytes
+        return self.peak_memory_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
 
 
 class SolverReport(BaseModel):
@@ -121,6 +125,9 @@ class Plan(BaseModel):
                          "weights, what `parallax run` executes), compile (torch.compile), fused (Megatron-LM / "
                          "Transformer Engine: bf16 weights, fp32 masters in the optimizer)")
     zero: int = Field(0, ge=0, le=3)
+    offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy (zero 2/3): the sharded fp32 weights, their "
+                          "gradients and AdamW's state live in host memory and the optimizer steps on the host's "
+                          "cores; each gather copies a shard to the device and each reduce-scatter one back")
     dp_shard: int | None = Field(None, ge=1, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
                                  "this many dp ranks, replicate across the dp/dp_shard groups (None: shard over all dp)")
     micro_batch: int = Field(ge=1)
@@ -160,6 +167,12 @@ class Plan(BaseModel):
         if self.zero == 0:
             return 1
         return self.dp_shard if self.dp_shard is not None and self.zero >= 2 else self.data_parallel
+
+    @property
+    def gathers_weights(self) -> bool:
+        """Whether FSDP2 units gather their weights before use (ZeRO-2/3): sharded over more than
+        one rank, or offloaded (copied from the host even when one rank holds them whole)."""
+        return self.zero >= 2 and (self.shard_degree > 1 or self.offload)
 
     @property
     def dp_replicate(self) -> int:
@@ -225,7 +238,7 @@ class Plan(BaseModel):
                  f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f" v{self.vpp}" if self.vpp > 1 else ""))
-        parts.append(f"z{self.zero}")
+        parts.append(f"z{self.zero}" + ("+offload" if self.offload else ""))
         if self.hsdp_label:
             parts.append(f"({self.hsdp_label})")
         parts.append(f"mb{self.micro_batch}")

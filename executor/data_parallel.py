@@ -1,7 +1,7 @@
 """Data parallelism and ZeRO on the "dp" mesh dimension.
 
 zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
-re-gathered for backward; zero 2: FSDP2 keeping the gathered parameters from
+re-gathered for backward (offloaded: those shards in host memory, `offload_policy`); zero 2: FSDP2 keeping the gathered parameters from
 forward to backward; zero 1: replicated parameters with the optimizer state
 sharded by parameter ownership (executor/optimizer.py); zero 0: replicated parameters. Blocks are
 sharded one by one so that only one block's parameters are gathered at a time.
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from costmodel.plan import Plan
@@ -33,7 +33,7 @@ from planner.executable import uses_ddp
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
     """Wrap or shard `module` over the dp dimension; a no-op when dp == 1. `seed` (the run's) seeds
     the compression hooks' randomness (stochastic rounding, PowerSGD)."""
-    if plan.data_parallel == 1:
+    if plan.data_parallel == 1 and not plan.offload:
         return module
     if plan.compression != "none":
         from executor.compression import check_compression
@@ -46,12 +46,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
             dp_mesh = hsdp_mesh(mesh, plan)
         if plan.ep > 1:
             expert_units(module, mesh, plan, reshard)
-        policy = mixed_precision(plan)
+        kw = dict(reshard_after_forward=reshard, mp_policy=mixed_precision(plan), offload_policy=offload_policy(plan))
         for name in lmap.block_names:
             block = get_or_none(module, name)
             if block is not None and any(True for _ in block.parameters()):
-                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, mp_policy=policy)
+                fully_shard(block, mesh=dp_mesh, **kw)
+        fully_shard(module, mesh=dp_mesh, **kw)
         return module
     if not uses_ddp(plan):
         from torch.distributed._composable.replicate_with_fsdp import replicate
@@ -80,6 +80,14 @@ def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
         return MixedPrecisionPolicy()
     half = torch.float16 if plan.dtype == "fp16" else torch.bfloat16
     return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half)
+
+
+def offload_policy(plan: Plan) -> OffloadPolicy:
+    """FSDP2's CPUOffloadPolicy for offloaded plans: sharded states on the host, the optimizer
+    stepping there. Pinned staging buffers need CUDA; on CPU ranks the same path runs unpinned."""
+    if not plan.offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
 def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool | None) -> None:

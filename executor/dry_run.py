@@ -120,6 +120,9 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
                               predicted=predicted, predicted_peak=sum(predicted.values()), capacity=capacity))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
+    if plan.offload:
+        notes.append("offload: the dry run's fake tensors share one memory with the host, so the offloaded weights, "
+                     "gradients and AdamW state are measured beside the device's; the prediction holds them on the host")
     return DryRun(plan, out, replay, notes)
 
 

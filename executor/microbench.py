@@ -15,16 +15,16 @@ import time
 import torch
 import torch.nn.functional as F
 
-MATMUL_SIZES = (256, 512, 1024, 2048)
+MATMUL_SIZES = (64, 128, 256, 512, 1024, 2048)  # the GEMM's smallest dimension
+MATMUL_WIDE = 1024  # its other two dimensions on cpu (4x on cuda, which a 1024-wide GEMM does not fill)
 # A matmul size is not grown to when one call of it would take longer than this (predicted from the
-# size below, time ~ d^3): on a CPU without native bf16 units a 2048^3 bf16 matmul takes ~28 s; the
+# size below, time ~ d): on a CPU without native bf16 units a 2048^3 bf16 matmul takes ~28 s; the
 # curve is fitted from what was measured.
 MATMUL_CALL_BUDGET_S = 1.0
 SLOW_DTYPE_FACTOR = 10  # a dtype this many times slower than fp32 is flagged in the profile's sources
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 COLLECTIVE_SIZES = (2 ** 16, 2 ** 20, 8 * 2 ** 20, 32 * 2 ** 20)
 OPTIMIZER_PARAMS = 4 * 2 ** 20  # per tensor, four tensors
-OPTIMIZER_TRAFFIC_BYTES = 28  # the cost model's fused-AdamW traffic per parameter (costmodel.estimate)
 
 
 def _sync(device: str) -> None:
@@ -73,16 +73,20 @@ def _timeit(fn, device: str, repeat: int = 5, window: bool = True) -> float:
 
 def matmul_curve(device: str, dtype: torch.dtype, sizes=MATMUL_SIZES,
                  call_budget_s: float = MATMUL_CALL_BUDGET_S) -> dict[int, float]:
-    """FLOP/s of a square d x d x d matmul, by d, from the smallest size up; the next size is
-    skipped (and every larger one) when one call of it would exceed `call_budget_s` on the
-    slowest rank."""
+    """FLOP/s of a (d x D) @ (D x D) matmul by its smallest dimension d, from the smallest up:
+    the cost model sizes a GEMM by its smallest dimension (a micro-batch's tokens, or a
+    TP-split weight's), the other two large (D: MATMUL_WIDE on cpu, 4x on cuda). The next
+    size is skipped (and every larger one) when one call would exceed `call_budget_s` on
+    the slowest rank."""
+    wide = MATMUL_WIDE * (4 if device.startswith("cuda") else 1)
     out: dict[int, float] = {}
     ordered = sorted(sizes)
     for d, bigger in zip(ordered, [*ordered[1:], None]):
-        a, b = (torch.randn(d, d, device=device, dtype=dtype) for _ in range(2))
+        a = torch.randn(d, wide, device=device, dtype=dtype)
+        b = torch.randn(wide, wide, device=device, dtype=dtype)
         call = _agree(_timeit(lambda: a @ b, device))
-        out[d] = 2 * d ** 3 / call
-        if bigger is not None and call * (bigger / d) ** 3 > call_budget_s:
+        out[d] = 2 * d * wide * wide / call
+        if bigger is not None and call * bigger / d > call_budget_s:
             break
     return out
 
@@ -160,9 +164,12 @@ def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7,
     for nbytes in sizes:
         full = torch.ones(nbytes // 4 // world * world, device=device)
         shard = torch.ones(full.numel() // world, device=device)
+        # torch 2.13 renamed the single-tensor forms (the old names warn)
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         run = {"all_reduce": lambda: dist.all_reduce(full),
-               "all_gather": lambda: dist.all_gather_into_tensor(full, shard),
-               "reduce_scatter": lambda: dist.reduce_scatter_tensor(shard, full)}[kind]
+               "all_gather": lambda: gather(full, shard),
+               "reduce_scatter": lambda: scatter(shard, full)}[kind]
 
         def step():
             burst()

@@ -165,6 +165,11 @@ class Node(_Sourced):
     fabric: IntraFabric
     link_gbps: float = Field(gt=0, description="per-GPU unidirectional intra-node bandwidth, GB/s")
     link_latency_us: float = Field(ge=0)
+    host_link_gbps: float | None = Field(None, gt=0, description="per-GPU host<->device bandwidth one way, GB/s "
+                                         "(PCIe, or NVLink-C2C on Grace Hopper): what offloaded states cross")
+    host_memory_gb: float | None = Field(None, gt=0, description="host memory per node, GB: offloaded states' room")
+    host_memory_gbps: float | None = Field(None, gt=0, description="host memory bandwidth per node, GB/s: what the "
+                                           "host optimizer step of offloaded states runs at")
     oversubscription: float | None = Field(
         default=None, ge=1,
         description="threads the node's ranks run / the cores they share, when above 1 (CPU ranks time-sliced on "

@@ -71,6 +71,7 @@ class LayoutFields:
     cp: int = 1
     ep: int = 1
     stack: str = "eager"
+    offload: bool = False
 
     @property
     def data_parallel(self) -> int:
@@ -94,7 +95,7 @@ def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int |
     """The first reason the executor cannot run `fields` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
     checks = (_stack_problem, _tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _zero_problem,
-              _compression_problem, _seq_problem)
+              _offload_problem, _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
@@ -227,6 +228,19 @@ def _zero_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
         valid = [d for d in range(1, ranks + 1) if ranks % d == 0]
         return PlanError("dp_shard", f"dp_shard={shard} (hybrid sharding) needs zero 2 or 3 and a divisor of dp*cp={ranks}",
                          f"use zero 3 with dp_shard in {valid}")
+    return None
+
+
+def _offload_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """Offload is FSDP2's CPUOffloadPolicy: sharded states, so ZeRO-2/3; expert units
+    (their own FSDP2 meshes) are not offloaded."""
+    if not getattr(f, "offload", False):
+        return None
+    if f.zero < 2:
+        return PlanError("offload", f"offload moves FSDP2's sharded states to the host; zero={f.zero} has none",
+                         "use zero 2 or 3 with offload")
+    if getattr(f, "ep", 1) > 1:
+        return PlanError("offload", "expert-parallel units are not offloaded", "use ep=1 with offload")
     return None
 
 

@@ -13,7 +13,7 @@ def _layout_line(plan: Plan) -> str:
     sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
     return (
         f"dp={plan.dp}{f' ({plan.hsdp_label})' if plan.hsdp_label else ''}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
-        f"pp={plan.pp} zero={plan.zero} "
+        f"pp={plan.pp} zero={plan.zero}{' +offload' if plan.offload else ''} "
         f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
         + (f" stack={plan.stack} (priced, not run)" if plan.stack != "eager" else "")
@@ -73,6 +73,8 @@ def headline(plan: Plan) -> str:
         )
         if est.usd_per_million_tokens is not None:
             lines.append(f"cost ${est.usd_per_hour:,.2f}/hour, ${est.usd_per_million_tokens:.3f} per 1M tokens")
+        if plan.offload:
+            lines.append(offload_line(plan))
     if plan.solver:
         s = plan.solver
         lines.append(f"solver: {s.status}, {s.layouts_considered} layouts, {s.layouts_solved} solved with CP-SAT, "
@@ -81,6 +83,16 @@ def headline(plan: Plan) -> str:
         lines.append(plan.checkpointing.line())
     lines += plan.notes
     return "\n".join(lines)
+
+
+def offload_line(plan: Plan) -> str:
+    """Where the offloaded states live and what crossing to them costs per step."""
+    est = plan.estimate
+    host = (f"{est.host_memory_bytes / 1e9:,.0f} of {est.host_memory_capacity_bytes / 1e9:,.0f} GB host memory per node"
+            if est.host_memory_bytes else "states in the ranks' own (host) memory")
+    return (f"offload: {host}; host<->device copies {est.host_copy_s:.2f} s per step before overlap "
+            f"({est.host_copy_s / est.step_time_s:.1%} of the step), AdamW on the host "
+            f"{est.breakdown_s.get('optimizer', 0.0):.2f} s")
 
 
 def alternatives_table(plan: Plan) -> Table:

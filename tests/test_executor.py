@@ -30,7 +30,7 @@ PARAM_ATOL = 2e-4
 
 
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
-              recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1) -> Plan:
+              recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1, offload=False) -> Plan:
     """A plan with evenly cut stages over the expanded layer list (embedding, 4 blocks, head)."""
     n_stages = pp * vpp
     bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
@@ -38,7 +38,7 @@ def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, 
     micro = micro_batch or GLOBAL_BATCH // (dp * max(pp, 1) * (2 if pp > 1 else 1))
     return Plan(model=model, hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
                 sp=sp, zero=zero, micro_batch=max(micro, 1), schedule=schedule, vpp=vpp, stages=stages,
-                dp_shard=dp_shard, cp=cp, ep=ep)
+                dp_shard=dp_shard, cp=cp, ep=ep, offload=offload)
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]], out_dir: str) -> None:
@@ -153,6 +153,10 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         # expert parallel composed: inside pipeline stages, beside TP (experts whole per TP rank), over CP ranks
         "ep_pp": dict(dp=2, ep=2, pp=2), "ep_pp_zero1": dict(dp=2, ep=2, pp=2, zero=1),
         "ep_tp": dict(dp=2, ep=2, tp=2), "ep_cp": dict(dp=2, cp=2, ep=4),
+        # offload: FSDP2's CPUOffloadPolicy (unpinned on CPU), over dp, over one rank beside TP or pipelines
+        "zero3_offload": dict(dp=2, zero=3, offload=True), "zero2_offload": dict(dp=2, zero=2, offload=True),
+        "tp_offload": dict(tp=2, zero=3, offload=True), "pp_offload": dict(pp=2, zero=3, offload=True),
+        "zero3_offload_accumulate": dict(dp=2, zero=3, offload=True, micro_batch=GLOBAL_BATCH // 4),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -183,6 +187,11 @@ def test_hf_llama_two_ranks_matches_single_process():
 def test_hf_mixtral_expert_parallel_matches_single_process():
     _check_all(2, _cases("hf-mixtral-tiny", ("dp", "ep")))
     _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1", "ep_zero3", "ep_pp", "ep_pp_zero1", "ep_tp", "ep_cp")))
+
+
+def test_offloaded_layouts_match_single_process():
+    _check_all(2, _cases("reference-tiny", ("zero3_offload", "zero2_offload", "tp_offload", "pp_offload",
+                                            "zero3_offload_accumulate")))
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():

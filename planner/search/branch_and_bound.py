@@ -76,7 +76,7 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
     whose states alone overflow are counted in `dropped` instead."""
     entries, times, per_rank = [], LayerTimes(), {}
     for layout in layouts(workload, cluster, global_batch, fixed):
-        if _states_overflow(workload, layout, dtype, capacity, per_rank):
+        if _states_overflow(workload, layout, dtype, capacity, per_rank, cluster):
             if dropped is not None:
                 dropped.append(layout)
             continue
@@ -88,11 +88,14 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
     return entries
 
 
-def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict) -> bool:
+def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict,
+                     cluster: Cluster) -> bool:
     """Whether the average pipeline rank's weights and optimizer states alone exceed
     one GPU (the fullest rank holds at least the average; experts priced at the dense
     per-parameter figure, which shards over more ranks): such a layout's bound is inf, so it
-    is dropped before its coefficients are built."""
+    is dropped before its coefficients are built. Offloaded states are on the host."""
+    if layout.offload and cluster.gpu.device_type != "cpu":
+        return False
     key = (layout.tp, layout.ep)
     if key not in per_rank:
         per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)

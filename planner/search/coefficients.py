@@ -14,6 +14,7 @@ from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, o
                                      sharded_exposed, weight_gather_time)
 from costmodel.estimate import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
 from costmodel.layout import layout_of
+from costmodel.offload import device_state_bytes, states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
                               in_flight_micro_batches, model_state_bytes, transient_bytes)
 from costmodel.plan import Plan
@@ -138,6 +139,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
             coeff[id(layer)] = _layer(layer, plan, lay, times)
     block = coeff[id(layers[first])]
     states = model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if states_on_host(plan, cluster):  # offloaded: what stays on the device (costmodel/offload.py)
+        states = device_state_bytes(1.0, plan)
     per_param = (sum(states.values()) - (0.0 if gradients_at_peak(plan) else states["gradients"])
                  + gathered_weight_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack))
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
@@ -198,7 +201,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     kw = activation_keywords(plan, 0.0)
     S = plan.n_virtual_stages
     ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
-    sharded = held_zero(plan) >= 3 and plan.shard_degree > 1
+    sharded = held_zero(plan) >= 3 and plan.gathers_weights
 
     def largest(layers: list[LayerProfile]) -> float:
         tied = lambda l: l.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0  # noqa: E731
@@ -222,7 +225,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
 def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,
                  times: LayerTimes) -> tuple:
     """`StageModelData.fills`: (single stage, first, middle, last)."""
-    if plan.zero < 2 or plan.shard_degree == 1:
+    if not plan.gathers_weights:
         return (0.0, 0.0, 0.0, 0.0)
 
     def fill(a: LayerProfile, b: LayerProfile) -> float:

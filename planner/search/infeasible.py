@@ -60,11 +60,16 @@ def infeasibility_report(workload: Workload, cluster: Cluster, *, global_batch, 
     min_gpus = smallest_fitting_count(workload, cluster, fixed=fixed, **kwargs)
     need = least.estimate.peak_memory_bytes / GIB
     more = f"at least {min_gpus}x{cluster.gpu.name} would fit" if min_gpus else "no cluster up to 1024x larger fits"
+    message = (f"{workload.name} does not fit on {cluster.spec()}: the leanest layout needs {need:.1f} GiB per GPU "
+               f"and {capacity / GIB:.1f} GiB is usable; {binding} ({peak[binding] / GIB:.1f} GiB) dominates")
+    est = least.estimate
+    if need <= capacity / GIB and est.host_memory_capacity_bytes is not None:  # it fits the GPUs, not the hosts
+        binding = "host_memory"
+        message = (f"{workload.name} does not fit on {cluster.spec()}: offloaded ({need:.1f} GiB per GPU), its states "
+                   f"need {est.host_memory_bytes / 1e9:.0f} GB of host memory per node and "
+                   f"{est.host_memory_capacity_bytes / 1e9:.0f} GB is usable (node.host_memory_gb)")
     return {
-        "message": (
-            f"{workload.name} does not fit on {cluster.spec()}: the leanest layout needs {need:.1f} GiB per GPU "
-            f"and {capacity / GIB:.1f} GiB is usable; {binding} ({peak[binding] / GIB:.1f} GiB) dominates"
-        ),
+        "message": message,
         "hint": more,
         "min_memory_gib": need,
         "usable_gib": capacity / GIB,

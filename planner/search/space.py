@@ -22,7 +22,7 @@ from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_w
 
 STACKS = ("eager", "compile", "fused")  # costmodel.plan.Stack; only planner.executable.EXECUTED_STACKS run
 PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression",
-            "stack")
+            "stack", "offload")
 MAX_MICRO_BATCH = 16
 VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
 CP_CHOICES = (2, 4, 8, 16)
@@ -68,6 +68,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
         "zero": (0, 1, 2, 3),
         "compression": COMPRESSION,
         "stack": STACKS,
+        "offload": (False, True),
     }
     allowed = fixed.get("compression")
     if isinstance(allowed, (tuple, list, set, frozenset)):  # a set of allowed methods (--allow-compression)
@@ -90,6 +91,14 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
                         f"({workload.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
     if fixed.get("sp") and facts.n_experts:
         raise moe_sp_problem(facts)
+    if fixed.get("offload"):
+        problem = layout_problem(LayoutFields(dp=1, tp=1, pp=1, zero=fixed.get("zero", 3), ep=fixed.get("ep", 1),
+                                              offload=True), facts, workload.seq_len)
+        if problem is not None:
+            raise problem
+        if not host_priced(cluster):
+            raise PlanError("offload", f"{cluster.spec()} has no host figures (node.host_link_gbps, host_memory_gb, "
+                            "host_memory_gbps) to price offload by", "add them to the profile, or unpin offload")
     if fixed.get("cp", 1) != 1:
         problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
         if problem is not None:
@@ -159,8 +168,8 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
                                                 vpp=vpp, dp_shard=shard, cp=cp, ep=ep, stack=fixed.get("stack", "eager"))
                                 if _honours(layout, fixed):
-                                    for method in compression_choices(layout, fixed):
-                                        offered = replace(layout, compression=method)
+                                    for method, offload in _method_offload(layout, cluster, fixed):
+                                        offered = replace(layout, compression=method, offload=offload)
                                         # a pinned stack the executor does not run is still priced (a what-if)
                                         runnable = replace(offered, stack="eager")
                                         if layout_problem(runnable, facts, workload.seq_len, m) is None:
@@ -193,6 +202,8 @@ def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict, cp: int = 1) -
     only the once-per-step all-reduce crosses nodes (or a pinned dp_shard)."""
     if dp == 1 and cp == 1:
         yield 0, None
+        if host_priced(cluster):  # one rank's states on the host: FSDP2 over one rank (offload_choices)
+            yield 3, None
         return
     for zero in (0, 1, 2, 3):
         yield zero, None
@@ -215,11 +226,35 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
     return tuple(m for m in pinned if m == "none" or hookable) or ("none",)
 
 
+def host_priced(cluster: Cluster) -> bool:
+    """Whether the profile has the host figures offload is priced by (its link, memory, bandwidth)."""
+    node = cluster.node
+    return None not in (node.host_link_gbps, node.host_memory_gb, node.host_memory_gbps)
+
+
+def offload_choices(layout: Layout, cluster: Cluster, fixed: dict) -> tuple[bool, ...]:
+    """Offload beside every ZeRO-2/3 layout where the profile prices the host, and as the only
+    choice of a single rank's ZeRO-3 (without it that layout is plain dp=1); the estimate
+    keeps it only where it wins (nothing else fits, or the memory it frees buys a faster layout)."""
+    if layout.zero < 2 or not host_priced(cluster) or (layout.stack != "eager" and "offload" not in fixed):
+        choices: tuple[bool, ...] = (False,)  # other stacks' offload (Megatron's, DeepSpeed's) is priced only when pinned
+    else:
+        choices = (True,) if layout.data_parallel == 1 else (False, True)
+    return tuple(c for c in choices if c == fixed.get("offload", c))
+
+
+def _method_offload(layout: Layout, cluster: Cluster, fixed: dict):
+    for method in compression_choices(layout, fixed):
+        for offload in offload_choices(layout, cluster, fixed):
+            yield method, offload
+
+
 def _honours(layout: Layout, fixed: dict) -> bool:
     def value_of(key):  # a dp_shard of all dp is plain sharding
         return (layout.dp_shard or layout.dp * layout.cp) if key == "dp_shard" else getattr(layout, key)
 
-    return all(value_of(key) == value for key, value in fixed.items() if key not in ("recompute", "compression"))
+    return all(value_of(key) == value for key, value in fixed.items()
+               if key not in ("recompute", "compression", "offload"))
 
 
 def recompute_choices(fixed: dict | None) -> tuple[str, ...]:

@@ -1,0 +1,104 @@
+"""Offloaded states (FSDP2's CPUOffloadPolicy): what they cost in time and where they live.
+
+Under offload a rank's sharded fp32 weights, their gradients and AdamW's state sit in
+host memory. Every all-gather first copies the rank's shard of the unit to the device,
+every reduce-scatter copies the reduced shard back, and the optimizer steps on the host
+over the shard, reading and writing the states at the host's memory bandwidth (a node's
+bandwidth shared by its ranks, which step at the same moment). The copies run on the
+collectives' stream and hide as they do; the host step follows the backward and is not
+hidden. On a CPU profile the device is the host: the states stay in the one memory the
+ranks measure, and a copy runs at the memory's own bandwidth.
+"""
+from __future__ import annotations
+
+from hardware.errors import PlanError
+from hardware.schema import Cluster
+
+from .memory import WEIGHT_BYTES, model_state_bytes
+from .plan import Plan
+
+def host_bandwidths(cluster: Cluster) -> tuple[float, float]:
+    """(host<->device bytes/s per GPU, host memory bytes/s per rank)."""
+    node = cluster.node
+    if node.host_link_gbps is None or node.host_memory_gbps is None or node.host_memory_gb is None:
+        raise PlanError("offload", f"{cluster.spec()} has no host figures (node.host_link_gbps, host_memory_gb, "
+                        "host_memory_gbps) to price offload by", "add them to the profile, or plan without offload")
+    return node.host_link_gbps * 1e9, node.host_memory_gbps * 1e9 / node.gpus_per_node
+
+
+def host_copy_time(nbytes: float, plan: Plan, cluster: Cluster) -> float:
+    """One copy between host and device of an offloaded shard (nothing without offload)."""
+    if not plan.offload or nbytes <= 0:
+        return 0.0
+    return nbytes / host_bandwidths(cluster)[0]
+
+
+# torch's AdamW on CPU tensors is its per-tensor loop (no foreach or fused CPU path by default), eight
+# passes per parameter, fp32 bytes read + written: weight decay 4+4, lerp of the first moment 8+4,
+# mul and addcmul of the second 4+4 and 8+4, sqrt, divide and add of the denominator 4+4 each, and
+# addcdiv into the weight 12+4: 80 bytes, against the fused kernel's 28 (OPTIMIZER_TRAFFIC_BYTES).
+# Calibrated CPUs measure their AdamW at 0.31-0.48 of the 28-byte bound, i.e. 58-90 bytes.
+HOST_ADAMW_TRAFFIC_BYTES = 80
+
+
+def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
+    """AdamW on the host, per parameter a rank holds (it steps its 1/shard_degree share)."""
+    return HOST_ADAMW_TRAFFIC_BYTES / plan.shard_degree / host_bandwidths(cluster)[1]
+
+
+def device_state_bytes(params: float, plan: Plan) -> dict[str, float]:
+    """What of an offloaded rank's states stays on the device: pipelined, FSDP2 keeps a stage's
+    weights gathered and its gradients unsharded (both in the compute dtype) from the first
+    micro-batch to the step's one reduce-scatter; otherwise nothing beyond the units' gather
+    buffers, which the peak moments count."""
+    if plan.pp == 1:
+        return {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
+    unsharded = WEIGHT_BYTES[plan.dtype] * params
+    return {"weights": unsharded, "gradients": unsharded, "optimizer": 0.0}
+
+
+def states_on_host(plan: Plan, cluster: Cluster) -> bool:
+    """Whether offloaded states leave the device's memory: not on a CPU profile, whose device is the host."""
+    return plan.offload and cluster.gpu.device_type != "cpu"
+
+
+def host_state_bytes(params: float, plan: Plan) -> float:
+    """A rank's offloaded weights, gradients and AdamW state in host memory."""
+    if not plan.offload:
+        return 0.0
+    return sum(model_state_bytes(params, plan.dtype, 3, plan.shard_degree, plan.stack).values())
+
+
+def host_memory_per_node(rank_params: list[float], plan: Plan, cluster: Cluster) -> float:
+    """Host bytes a node's ranks hold: each pipeline rank's states, times the ranks per node doing
+    its share (every node holds whole pipelines' worth, or its part of one)."""
+    if not plan.offload:
+        return 0.0
+    per_stage = [host_state_bytes(p, plan) for p in rank_params]
+    ranks_per_node = cluster.gpus_per_node
+    per_pp_rank = plan.n_gpus // plan.pp  # ranks that hold each pipeline rank's states
+    if per_pp_rank >= ranks_per_node:
+        return max(per_stage) * ranks_per_node
+    stages_per_node = max(1, ranks_per_node // per_pp_rank)
+    return max(sum(per_stage[i:i + stages_per_node]) for i in range(0, plan.pp, stages_per_node)) * per_pp_rank
+
+
+def host_copies_per_step(plan: Plan) -> tuple[float, float]:
+    """(shard copies to the device, shard copies back) of each offloaded layer per step: one per
+    gather and per reduce-scatter, as `data_parallel.sharded_collectives` counts them (pipelined,
+    ZeRO-3 gathers for the warm-up forwards and every backward, the gradients leave once)."""
+    m = plan.num_micro_batches
+    zero3 = plan.zero >= 3
+    if plan.pp > 1:
+        return (min(m, plan.pp) if zero3 else 1) + (m if zero3 else 0), 1.0
+    return m * (2 if zero3 else 1), float(m)
+
+
+def host_copy_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """Seconds per step a rank holding `params` parameters spends copying shards to and from the
+    host, before any overlap with compute (the plan's host-traffic share)."""
+    if not plan.offload:
+        return 0.0
+    shard = model_state_bytes(params, plan.dtype, 0, 1, plan.stack)["weights"] / plan.shard_degree
+    to_device, back = host_copies_per_step(plan)
+    return (to_device + back) * host_copy_time(shard, plan, cluster)
