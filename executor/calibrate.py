@@ -146,18 +146,30 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
     oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
     node = Node(gpus_per_node=ranks, fabric="pcie", link_gbps=link_bw / 1e9, link_latency_us=latency * 1e6,
-                oversubscription=oversub,
+                oversubscription=oversub, **host_figures(device, copy_bw, memory_gb * ranks, ranks, when),
                 sources={"gpus_per_node": f"ranks used by parallax calibrate ({setting})",
                          "link_gbps": when + " (all-reduce between compute bursts, fitted)",
                          "link_latency_us": when + " (all-reduce between compute bursts, fitted)"}
                 | ({"oversubscription": f"{ranks} ranks x {threads} threads / os.cpu_count() = {cores} cores"}
-                   if oversub else {}))
+                   if oversub else {}) | host_figures(device, copy_bw, memory_gb * ranks, ranks, when, sources=True))
     return Cluster(name=f"calibrated-{device}", gpu=gpu, node=node, n_nodes=1, nic_gbps=link_bw * 8 / 1e9,
                    nic_latency_us=latency * 1e6, inter_fabric="loopback", collectives=library,
                    storage_gbps_per_node=storage_write_bytes_per_s() / 1e9,
                    sources={"nic_gbps": when + " (single node: the local all-reduce link)",
                             "nic_latency_us": when + " (single node: the local all-reduce link)",
                             "storage_gbps_per_node": when + " (fsync'd 8 MiB writes in the working directory)"})
+
+
+def host_figures(device: str, copy_bw: float, memory_gb: float, ranks: int, when: str, sources: bool = False) -> dict:
+    """The node's host figures (offload's), or their sources: on CPU ranks the device is the host,
+    so a copy to it runs at the measured copy bandwidth. A GPU's host link is not measured here."""
+    if device != "cpu":
+        return {}
+    if sources:
+        return {k: when + " (CPU ranks: the host is the device; " + how + ")" for k, how in
+                (("host_link_gbps", "tensor copy"), ("host_memory_gb", "the machine's memory"),
+                 ("host_memory_gbps", "tensor copy x ranks"))}
+    return {"host_link_gbps": copy_bw / 1e9, "host_memory_gb": memory_gb, "host_memory_gbps": copy_bw * ranks / 1e9}
 
 
 def measured_library(device: str, results: list[dict], latency: float, when: str) -> Collectives:
