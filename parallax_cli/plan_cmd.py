@@ -19,9 +19,10 @@ from planner.summary import render
 console = Console()
 
 
-def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None, stack=None) -> dict:
+def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None, stack=None,
+          offload=None) -> dict:
     values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp,
-                  cp=cp, dp_shard=dp_shard, ep=ep, stack=stack)
+                  cp=cp, dp_shard=dp_shard, ep=ep, stack=stack, offload=offload)
     return {k: v for k, v in values.items() if v is not None}
 
 
@@ -57,6 +58,8 @@ def plan_command(
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
     stack: Optional[str] = typer.Option(None, "--stack", help="kernel stack priced: eager (default, what `parallax run` "
                                         "executes), compile or fused (Megatron-LM/TE; priced, not run)"),
+    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="pin offload (FSDP2's "
+                                           "CPUOffloadPolicy: ZeRO-2/3 states in host memory); default: searched"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
@@ -71,7 +74,7 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
-    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack)
+    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack, offload)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command
         from parallax_cli.hetero_cmd import print_hetero
 
@@ -118,6 +121,7 @@ def estimate_command(
     cp: int = typer.Option(1, "--cp", help="context parallel degree"),
     ep: int = typer.Option(1, "--ep", help="expert parallel degree"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
+    offload: bool = typer.Option(False, "--offload", help="ZeRO-2/3 states in host memory (FSDP2 CPUOffloadPolicy)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Price one given layout (from flags or --plan FILE) without searching."""
@@ -133,7 +137,7 @@ def estimate_command(
             raise PlanError("pp", f"pp*vpp = {pp * vpp} stages exceed the {workload.n_blocks} blocks", f"use pp <= {workload.n_blocks}")
         given = Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=seq_len, dtype=dtype, dp=dp,
                      tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp, cp=cp, ep=ep,
-                     dp_shard=dp_shard, stages=uniform_stages(kinds, pp * vpp, recompute))
+                     dp_shard=dp_shard, offload=offload, stages=uniform_stages(kinds, pp * vpp, recompute))
     priced = given.model_copy(update={"estimate": estimate(model, given, cluster)})
     if as_json:
         print(priced.to_json())

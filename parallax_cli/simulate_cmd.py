@@ -53,8 +53,7 @@ def fit_plan(plan: Plan, workload, cluster) -> tuple[Plan, list[str]]:
 
 
 def sim_table(sim, est) -> Table:
-    table = Table(title=f"{sim.plan.model} on {sim.plan.hardware}: dp{sim.plan.dp} tp{sim.plan.tp} pp{sim.plan.pp} "
-                        f"{sim.plan.schedule} (m={sim.plan.num_micro_batches})")
+    table = Table(title=f"{sim.plan.model} on {sim.plan.hardware}: {sim.plan.layout_tag} (m={sim.plan.num_micro_batches})")
     for col in ("", "simulated", "estimate"):
         table.add_column(col, justify="left" if not col else "right")
     table.add_row("step time (s)", f"{sim.step_time_s:.4g}", f"{est.step_time_s:.4g}")
@@ -67,6 +66,9 @@ def sim_table(sim, est) -> Table:
     table.add_row("MFU", f"{sim.mfu:.1%}", f"{est.mfu:.1%}")
     table.add_row("peak memory (GiB)", f"{sim.peak_memory_bytes / 2**30:.2f} (rank {sim.peak_memory_rank} "
                   f"at {sim.peak_memory_time_s:.3g} s)", f"{est.peak_memory_bytes / 2**30:.2f}")
+    if sim.plan.offload:
+        table.add_row("offload: host memory per node (GB)", "", f"{est.host_memory_bytes / 1e9:,.0f}")
+        table.add_row("offload: host<->device copies (s)", "", f"{est.host_copy_s:.3g}")
     return table
 
 

@@ -58,6 +58,12 @@ def _sim_table(sim: "SimResult") -> str:
              ("peak memory", f"{sim.peak_memory_bytes / 2**30:.1f} GiB on rank {sim.peak_memory_rank} "
                              f"at {sim.peak_memory_time_s:.3g} s")]
     cells += [(f"exposed {k}", f"{v:.4g} s") for k, v in sim.exposed_comm_s.items()]
+    cells.insert(0, ("layout", sim.plan.layout_tag))
+    if sim.plan.offload and sim.plan.estimate is not None:
+        est = sim.plan.estimate
+        cells.append(("offload", f"{est.host_memory_bytes / 1e9:,.0f} GB host memory per node; host<->device copies "
+                                 f"{est.host_copy_s:.3g} s per step before overlap; AdamW on the host "
+                                 f"{sim.breakdown_s.get('optimizer', 0.0):.3g} s"))
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in cells) + "</table>"
 
 
