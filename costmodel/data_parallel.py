@@ -143,9 +143,12 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
     nbytes = params * WEIGHT_BYTES[plan.dtype]
+    # FSDP2's replicate (TP or pipelined ranks) reduces the stage as one unit from a new flat copy of
+    # its gradients: on a host allocator, fresh pages every step (DDP's buckets persist)
+    flat = 0.0 if plan.reduces_through_ddp else fresh_page_time(nbytes, 1, lay.ctx.cluster)
     if plan.zero == 0:
-        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
-    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
+        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster) + flat
+    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster) + flat
 
 
 def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
