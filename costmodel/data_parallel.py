@@ -183,15 +183,14 @@ def reduction_copy_passes(plan: Plan) -> float:
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """The step's seconds per parameter a rank holds: the optimizer over its owned share,
     plus the reduction's gradient copies (the solver's linear model uses the same number);
-    offloaded, AdamW on the host (costmodel/offload.py)."""
-    if plan.offload:
-        return host_optimizer_seconds_per_param(plan, cluster)
+    offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+    copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype] / bandwidth
+    if plan.offload:
+        return host_optimizer_seconds_per_param(plan, cluster) + copies
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
-    owned = 1 / plan.shard_degree
-    copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype]
-    return (owned * OPTIMIZER_TRAFFIC_BYTES / speed + copies) / bandwidth
+    return OPTIMIZER_TRAFFIC_BYTES / plan.shard_degree / speed / bandwidth + copies
 
 
 def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:

@@ -27,14 +27,19 @@ def llama_70b():
 def test_a_model_that_fits_only_offloaded_is_planned_offloaded(llama_70b):
     """llama-3-70b's 16 bytes of states per parameter (1.13 TB) overflow eight 40 GB A100s; with
     2 TB of host memory (a DGX A100's option) offloaded ZeRO-3 fits, host traffic priced."""
-    plan = planner.plan(llama_70b, _with_host_memory("8xa100-40g", 2048), global_batch=64, seq_len=4096, top_k=1)
+    plan = planner.plan(llama_70b, _with_host_memory("8xa100-40g", 2048), global_batch=64, seq_len=4096, top_k=1,
+                        fixed=dict(dp=8))
     est = plan.estimate
     assert plan.offload and plan.zero >= 2 and est.fits
     assert est.host_memory_bytes == pytest.approx(16 * llama_70b.params, rel=0.01)
     assert 0 < est.host_copy_s < est.step_time_s
     owned = llama_70b.params / plan.shard_degree
     host_per_rank = 409.6e9 / 8
-    assert est.breakdown_s["optimizer"] == pytest.approx(HOST_ADAMW_TRAFFIC_BYTES * owned / host_per_rank, rel=0.05)
+    # the host AdamW, and FSDP2's gradient copies on the GPU beside it (6 passes of 2 bytes)
+    gpu = hardware.load("8xa100-40g").gpu
+    copies = 6 * 2 * llama_70b.params / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+    assert est.breakdown_s["optimizer"] == pytest.approx(HOST_ADAMW_TRAFFIC_BYTES * owned / host_per_rank + copies,
+                                                         rel=0.02)
     state_free = max(s.memory_bytes["weights"] + s.memory_bytes["optimizer"] for s in est.stages)
     assert state_free == 0.0  # no states on the GPUs
 
