@@ -125,6 +125,10 @@ class Plan(BaseModel):
                          "weights, what `parallax run` executes), compile (torch.compile), fused (Megatron-LM / "
                          "Transformer Engine: bf16 weights, fp32 masters in the optimizer)")
     zero: int = Field(0, ge=0, le=3)
+    dp_micro_batches: list[int] | None = Field(
+        None, description="micro-batches each data-parallel replica runs per step, when the shares are uneven (a "
+        "mixed cluster's faster GPUs take more); their sum times micro_batch is the global batch, and the "
+        "gradient average is weighted by tokens. None: global_batch / (dp * micro_batch) each")
     offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy (zero 2/3): the sharded fp32 weights, their "
                           "gradients and AdamW's state live in host memory and the optimizer steps on the host's "
                           "cores; each gather copies a shard to the device and each reduce-scatter one back")
@@ -181,7 +185,18 @@ class Plan(BaseModel):
 
     @property
     def num_micro_batches(self) -> int:
+        """Micro-batches per step of the busiest replica (every replica's, when the shares are even)."""
+        if self.dp_micro_batches:
+            return max(self.dp_micro_batches)
         return self.global_batch // (self.dp * self.micro_batch)
+
+    def micro_batches_of(self, replica: int) -> int:
+        """The micro-batches data-parallel replica `replica` runs per step."""
+        return self.dp_micro_batches[replica] if self.dp_micro_batches else self.num_micro_batches
+
+    def first_sequence_of(self, replica: int) -> int:
+        """Where replica `replica`'s contiguous share of the global batch starts."""
+        return self.micro_batch * sum(self.micro_batches_of(r) for r in range(replica))
 
     @property
     def n_virtual_stages(self) -> int:
@@ -195,9 +210,19 @@ class Plan(BaseModel):
         go through FSDP2, as ZeRO-2/3 do."""
         return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
 
+    def _check_uneven_shares(self) -> None:
+        shares = self.dp_micro_batches
+        if len(shares) != self.dp or min(shares) < 1:
+            raise ValueError(f"dp_micro_batches needs one positive count per replica (dp={self.dp}), got {shares}")
+        if sum(shares) * self.micro_batch != self.global_batch:
+            raise ValueError(f"dp_micro_batches {shares} x micro_batch {self.micro_batch} = "
+                             f"{sum(shares) * self.micro_batch} sequences, not the global batch {self.global_batch}")
+
     @model_validator(mode="after")
     def _consistent_layout(self):
-        if self.global_batch % (self.dp * self.micro_batch):
+        if self.dp_micro_batches is not None:
+            self._check_uneven_shares()
+        elif self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global_batch {self.global_batch} is not divisible by dp*micro_batch "
                 f"= {self.dp}*{self.micro_batch}"

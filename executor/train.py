@@ -28,9 +28,9 @@ def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.T
     targets; under context parallelism (dp_rank = replica * cp + cp rank) its two sequence chunks."""
     from executor.context_parallel import shard_sequence
 
-    per_rank = plan.global_batch // plan.dp
     replica, cp_rank = divmod(dp_rank, plan.cp)
-    rows = tokens[replica * per_rank:(replica + 1) * per_rank]
+    first = plan.first_sequence_of(replica)
+    rows = tokens[first:first + plan.micro_batch * plan.micro_batches_of(replica)]
     x, y = rows[:, :-1], rows[:, 1:]
     if plan.cp > 1:
         x, y = shard_sequence(x, plan.cp, cp_rank), shard_sequence(y, plan.cp, cp_rank)
@@ -49,11 +49,16 @@ def precision(plan: Plan, device: torch.device):
                                               "fp8": torch.bfloat16}[plan.dtype])
 
 
-def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None) -> torch.Tensor:
-    """Forward and backward of every micro-batch; `call(module, xs)` runs the forward (the dry run
-    gives each micro-batch its own parent module for torch's memory trackers); `phase(name)`
-    marks them for the profiler."""
-    module, n = run.modules[0], plan.num_micro_batches
+def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None, replica: int = 0) -> torch.Tensor:
+    """Forward and backward of every micro-batch of this data-parallel `replica`; `call(module, xs)`
+    runs the forward (the dry run gives each micro-batch its own parent module for torch's memory
+    trackers); `phase(name)` marks them for the profiler.
+
+    Each micro-batch's mean loss is weighted by its share of the global batch times dp
+    (1/m when every replica runs m): the data-parallel average of the gradients is then the
+    token-weighted mean over the whole batch, however unevenly the replicas share it."""
+    module, n = run.modules[0], plan.micro_batches_of(replica)
+    weight = plan.dp * plan.micro_batch / plan.global_batch
     phase = phase or (lambda name: _null())
     total = torch.zeros((), device=run.device)
     for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
@@ -61,8 +66,8 @@ def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None) -> t
             with phase("forward"):
                 loss = lm_loss(call(module, xs) if call else module(xs), ys)
             with phase("backward"):
-                (loss / n).backward()
-        total += loss.detach() / n
+                (loss * weight).backward()
+        total += loss.detach() * weight
     return total
 
 
@@ -131,7 +136,7 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
 def _forward_backward(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase):
     with precision(plan, run.device):
         if run.schedule is None:
-            return _plain_step(run, plan, x, y, phase=phase)
+            return _plain_step(run, plan, x, y, phase=phase, replica=at["dp"] // plan.cp)
         with phase("pipeline"):  # torch's schedules mark each action (forward/backward of micro-batch i)
             return _pipeline_step(run, plan, x, y, at["pp"])
 

@@ -95,7 +95,7 @@ def layout_problem(fields, facts: ModelFacts, seq_len: int, micro_batches: int |
     """The first reason the executor cannot run `fields` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
     checks = (_stack_problem, _tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _zero_problem,
-              _offload_problem, _compression_problem, _seq_problem)
+              _offload_problem, _shares_problem, _compression_problem, _seq_problem)
     for check in checks:
         problem = check(fields, facts, seq_len)
         if problem is not None:
@@ -241,6 +241,16 @@ def _offload_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
                          "use zero 2 or 3 with offload")
     if getattr(f, "ep", 1) > 1:
         return PlanError("offload", "expert-parallel units are not offloaded", "use ep=1 with offload")
+    return None
+
+
+def _shares_problem(f, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """Uneven data-parallel shares: each replica runs its own micro-batch count and the gradients
+    reduce once per step, which DDP's one bucketed all-reduce allows; FSDP2 reduces per
+    micro-batch, and pipeline schedules run one count on every stage."""
+    if getattr(f, "dp_micro_batches", None) and not uses_ddp(f):
+        return PlanError("dp_micro_batches", "uneven data-parallel shares run on DDP's path: dp > 1 with zero 0 "
+                         "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")
     return None
 
 

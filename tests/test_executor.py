@@ -30,15 +30,16 @@ PARAM_ATOL = 2e-4
 
 
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
-              recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1, offload=False) -> Plan:
+              recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1, offload=False, dp_micro_batches=None,
+              bounds=None) -> Plan:
     """A plan with evenly cut stages over the expanded layer list (embedding, 4 blocks, head)."""
     n_stages = pp * vpp
-    bounds = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
+    bounds = bounds or [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     stages = [{"start": a, "end": b, "recompute": [recompute] * (b - a)} for a, b in zip(bounds, bounds[1:])]
     micro = micro_batch or GLOBAL_BATCH // (dp * max(pp, 1) * (2 if pp > 1 else 1))
     return Plan(model=model, hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
                 sp=sp, zero=zero, micro_batch=max(micro, 1), schedule=schedule, vpp=vpp, stages=stages,
-                dp_shard=dp_shard, cp=cp, ep=ep, offload=offload)
+                dp_shard=dp_shard, cp=cp, ep=ep, offload=offload, dp_micro_batches=dp_micro_batches)
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]], out_dir: str) -> None:
@@ -157,6 +158,11 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "zero3_offload": dict(dp=2, zero=3, offload=True), "zero2_offload": dict(dp=2, zero=2, offload=True),
         "tp_offload": dict(tp=2, zero=3, offload=True), "pp_offload": dict(pp=2, zero=3, offload=True),
         "zero3_offload_accumulate": dict(dp=2, zero=3, offload=True, micro_batch=GLOBAL_BATCH // 4),
+        # a mixed cluster's shapes: 2+2 replicas running 1 and 3 micro-batches a step (the faster pair
+        # takes three quarters of the batch), and a pipeline whose stages hold 1 and 3 of the 4 blocks
+        "uneven_shares": dict(dp=4, micro_batch=1, dp_micro_batches=[1, 1, 3, 3]),
+        "uneven_shares_zero1": dict(dp=4, zero=1, micro_batch=1, dp_micro_batches=[1, 1, 3, 3]),
+        "stage_split_1_3": dict(pp=2, dp=2, bounds=[0, 2, 6]),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -192,6 +198,11 @@ def test_hf_mixtral_expert_parallel_matches_single_process():
 def test_offloaded_layouts_match_single_process():
     _check_all(2, _cases("reference-tiny", ("zero3_offload", "zero2_offload", "tp_offload", "pp_offload",
                                             "zero3_offload_accumulate")))
+
+
+def test_mixed_cluster_shapes_match_single_process():
+    """Uneven data-parallel shares (token-weighted gradient average) and an uneven stage split."""
+    _check_all(4, _cases("reference-tiny", ("uneven_shares", "uneven_shares_zero1", "stage_split_1_3")))
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():
