@@ -20,7 +20,8 @@ from hardware.schema import Cluster, Stack
 
 from .goodput import CheckpointAdvice
 
-SCHEMA_VERSION = 4  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack
+SCHEMA_VERSION = 5  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
+# 5: offload, dp_micro_batches
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -104,7 +105,7 @@ class SolverReport(BaseModel):
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = SCHEMA_VERSION
     model: str
     hardware: str
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "

@@ -76,11 +76,27 @@ def load_plan(path):
     from costmodel.plan import Plan
     from hardware.errors import PlanError
 
+    text = path.read_text()
     try:
-        return Plan.from_json(path.read_text())
+        return Plan.from_json(text)
     except ValidationError as error:
+        mixed = _mixed_mode(text)
+        if mixed:  # a mixed-cluster plan: the search's report, not yet a Plan the other commands take
+            raise PlanError("plan", f"{path} is a mixed-cluster plan ({mixed}); estimate, simulate, dry-run and run "
+                            "take single-GPU-type plans so far", "plan one group with --hw COUNTxGPU, or read the "
+                            "mixed plan's balance from `parallax plan`") from None
         raise PlanError("plan", f"{path} is not a valid plan: {_one_line(error)}",
                         "write one with `parallax plan ... --out FILE`") from None
+
+
+def _mixed_mode(text: str) -> str | None:
+    import json
+
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    return data.get("mode") if isinstance(data, dict) and "balance" in data else None
 
 
 def emit(result, out, as_json: bool) -> bool:

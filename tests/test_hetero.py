@@ -77,3 +77,16 @@ def test_plan_is_the_one_door_for_mixed_clusters(gpt_3b, capsys):
     assert main(["plan", "llama-160m", "--hw", SPEC, "--global-batch", "64", "--seq-len", "1024", "--tp", "2"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: fixed:") and "\n" not in err
+
+
+def test_a_written_mixed_plan_is_refused_by_name_not_by_schema(tmp_path, capsys):
+    """The mixed search's file is not yet a Plan the other commands take: they say so in one line."""
+    from parallax_cli import main
+
+    out = tmp_path / "mixed.json"
+    assert main(["plan", "llama-160m", "--hw", SPEC, "--global-batch", "64", "--seq-len", "1024", "--time-limit", "1",
+                 "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["simulate", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: plan:") and "mixed-cluster plan" in err and "\n" not in err
