@@ -17,6 +17,7 @@ from hardware.schema import Cluster
 from .memory import WEIGHT_BYTES, model_state_bytes
 from .plan import Plan
 
+
 def host_bandwidths(cluster: Cluster) -> tuple[float, float]:
     """(host<->device bytes/s per GPU, host memory bytes/s per rank)."""
     node = cluster.node
