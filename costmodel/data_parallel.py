@@ -82,18 +82,40 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     cluster = lay.ctx.cluster
     # Offloaded (costmodel/offload.py): the fp32 shard comes from the host before each gather, and the
     # reduced gradient shard goes back after each reduce-scatter.
-    shard = params * state_bytes_per_param(plan.dtype, plan.stack)[0] / plan.shard_degree
+    copy = host_copy_time(offloaded_shard_bytes(params, plan), plan, cluster)
     # FSDP2 gathers into a new flat buffer and copies out into the unsharded parameters' new storage,
     # and reduce-scatters from a new flat copy of the gradients: on a host allocator, fresh pages each time.
-    gather = (coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster)
-              + host_copy_time(shard, plan, cluster))
+    gather = coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster) + copy
+    scatter = copy if plan.pp > 1 else (  # pipelined, the reduce-scatter itself is dp_time's
+        coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster) + copy)
+    forward, backward, handoffs = sharded_passes(plan)
+    return gather * forward, gather * backward, scatter * handoffs
+
+
+def sharded_passes(plan: Plan) -> tuple[float, float, float]:
+    """Per micro-batch, how often each FSDP2 unit gathers for forward, gathers for backward and
+    hands its reduced gradients over (reduce-scatter, or the offloaded copy back). Pipelined,
+    ZeRO-3 gathers for the warm-up forwards (pp of the m) and every backward, ZeRO-2 once per
+    step, and the gradients leave once per step."""
+    zero3 = 1.0 if plan.zero >= 3 else 0.0
     if plan.pp > 1:
         m = plan.num_micro_batches
-        warm = min(m, plan.pp) if plan.zero >= 3 else 1
-        return gather * warm / m, (gather if plan.zero >= 3 else 0.0), host_copy_time(shard, plan, cluster) / m
-    scatter = (coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster)
-               + host_copy_time(shard, plan, cluster))
-    return gather, (gather if plan.zero >= 3 else 0.0), scatter
+        return (min(m, plan.pp) if plan.zero >= 3 else 1) / m, zero3, 1 / m
+    return 1.0, zero3, 1.0
+
+
+def offloaded_shard_bytes(params: float, plan: Plan) -> float:
+    """A rank's shard of `params` weights as the host holds them (the master precision)."""
+    return params * state_bytes_per_param(plan.dtype, plan.stack)[0] / plan.shard_degree
+
+
+def host_copy_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """Seconds per step a rank holding `params` parameters spends copying shards to and from the
+    host, before any overlap with compute (the plan's host-traffic share)."""
+    if not plan.offload:
+        return 0.0
+    copies = plan.num_micro_batches * sum(sharded_passes(plan))
+    return copies * host_copy_time(offloaded_shard_bytes(params, plan), plan, cluster)
 
 
 def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:

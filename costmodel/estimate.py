@@ -19,12 +19,12 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
-from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, layer_params_on_rank, optimizer_time, prefetch_fill, sharded_exposed,
-                            weight_gather_time)
+from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
+                            optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
                      model_state_bytes, optimizer_step_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
-from .offload import device_state_bytes, host_copy_seconds, host_memory_per_node, states_on_host
+from .offload import device_state_bytes, host_memory_per_node, states_on_host
 from .plan import Estimate, Plan, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan

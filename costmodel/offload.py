@@ -18,10 +18,16 @@ from .memory import WEIGHT_BYTES, model_state_bytes
 from .plan import Plan
 
 
+def host_priced(cluster: Cluster) -> bool:
+    """Whether the profile has the host figures offload is priced by (its link, memory, bandwidth)."""
+    node = cluster.node
+    return None not in (node.host_link_gbps, node.host_memory_gb, node.host_memory_gbps)
+
+
 def host_bandwidths(cluster: Cluster) -> tuple[float, float]:
     """(host<->device bytes/s per GPU, host memory bytes/s per rank)."""
     node = cluster.node
-    if node.host_link_gbps is None or node.host_memory_gbps is None or node.host_memory_gb is None:
+    if not host_priced(cluster):
         raise PlanError("offload", f"{cluster.spec()} has no host figures (node.host_link_gbps, host_memory_gb, "
                         "host_memory_gbps) to price offload by", "add them to the profile, or plan without offload")
     return node.host_link_gbps * 1e9, node.host_memory_gbps * 1e9 / node.gpus_per_node
@@ -59,7 +65,8 @@ def device_state_bytes(params: float, plan: Plan) -> dict[str, float]:
 
 
 def states_on_host(plan: Plan, cluster: Cluster) -> bool:
-    """Whether offloaded states leave the device's memory: not on a CPU profile, whose device is the host."""
+    """Whether offloaded states leave the device's memory: not on a CPU profile, whose device is the host.
+    (`plan` may be any layout with an `offload` field, as the search's layouts.)"""
     return plan.offload and cluster.gpu.device_type != "cpu"
 
 
@@ -82,24 +89,3 @@ def host_memory_per_node(rank_params: list[float], plan: Plan, cluster: Cluster)
         return max(per_stage) * ranks_per_node
     stages_per_node = max(1, ranks_per_node // per_pp_rank)
     return max(sum(per_stage[i:i + stages_per_node]) for i in range(0, plan.pp, stages_per_node)) * per_pp_rank
-
-
-def host_copies_per_step(plan: Plan) -> tuple[float, float]:
-    """(shard copies to the device, shard copies back) of each offloaded layer per step: one per
-    gather and per reduce-scatter, as `data_parallel.sharded_collectives` counts them (pipelined,
-    ZeRO-3 gathers for the warm-up forwards and every backward, the gradients leave once)."""
-    m = plan.num_micro_batches
-    zero3 = plan.zero >= 3
-    if plan.pp > 1:
-        return (min(m, plan.pp) if zero3 else 1) + (m if zero3 else 0), 1.0
-    return m * (2 if zero3 else 1), float(m)
-
-
-def host_copy_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
-    """Seconds per step a rank holding `params` parameters spends copying shards to and from the
-    host, before any overlap with compute (the plan's host-traffic share)."""
-    if not plan.offload:
-        return 0.0
-    shard = model_state_bytes(params, plan.dtype, 0, 1, plan.stack)["weights"] / plan.shard_degree
-    to_device, back = host_copies_per_step(plan)
-    return (to_device + back) * host_copy_time(shard, plan, cluster)

@@ -80,7 +80,7 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
     lockstep("optimizer", lambda: optimizer_seconds_per_param(dev))
     if world > 1:
         lockstep("all_reduce", lambda: collective_in_training(dev))
-        lockstep("passes", lambda: collective_passes(dev))
+        lockstep("passes", lambda: collective_passes(dev, res["all_reduce"]))
         lockstep("overlap", lambda: overlap_fraction(dev))
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
@@ -137,21 +137,22 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                      | {"optimizer": when + " (torch.optim.AdamW step)",
                         "comm_overlap": when + " (all-reduce beside matmuls)"})
     memory_gb = _device_memory_gb(device) / ranks
+    fresh, fresh_sources = fresh_pages(device, results, when)
     gpu = GPU(name=f"calibrated-{device}", device_type=device, peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
               sources={"peak_tflops": when + " (fitted matmul asymptote" + slow_dtype_notes(peak, results) + ")",
                        "hbm_gb": when + " (device memory / ranks)",
-                       "hbm_gbps": when + " (tensor copy)"} | fresh_page_sources(device, when),
-              **fresh_pages(device, results))
+                       "hbm_gbps": when + " (tensor copy)"} | fresh_sources, **fresh)
     # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
     oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
+    host, host_sources = host_figures(device, copy_bw, memory_gb * ranks, ranks, when)
     node = Node(gpus_per_node=ranks, fabric="pcie", link_gbps=link_bw / 1e9, link_latency_us=latency * 1e6,
-                oversubscription=oversub, **host_figures(device, copy_bw, memory_gb * ranks, ranks, when),
+                oversubscription=oversub, **host,
                 sources={"gpus_per_node": f"ranks used by parallax calibrate ({setting})",
                          "link_gbps": when + " (all-reduce between compute bursts, fitted)",
                          "link_latency_us": when + " (all-reduce between compute bursts, fitted)"}
                 | ({"oversubscription": f"{ranks} ranks x {threads} threads / os.cpu_count() = {cores} cores"}
-                   if oversub else {}) | host_figures(device, copy_bw, memory_gb * ranks, ranks, when, sources=True))
+                   if oversub else {}) | host_sources)
     return Cluster(name=f"calibrated-{device}", gpu=gpu, node=node, n_nodes=1, nic_gbps=link_bw * 8 / 1e9,
                    nic_latency_us=latency * 1e6, inter_fabric="loopback", collectives=library,
                    storage_gbps_per_node=storage_write_bytes_per_s() / 1e9,
@@ -160,16 +161,15 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                             "storage_gbps_per_node": when + " (fsync'd 8 MiB writes in the working directory)"})
 
 
-def host_figures(device: str, copy_bw: float, memory_gb: float, ranks: int, when: str, sources: bool = False) -> dict:
-    """The node's host figures (offload's), or their sources: on CPU ranks the device is the host,
+def host_figures(device: str, copy_bw: float, memory_gb: float, ranks: int, when: str) -> tuple[dict, dict]:
+    """The node's host figures (offload's) and their sources: on CPU ranks the device is the host,
     so a copy to it runs at the measured copy bandwidth. A GPU's host link is not measured here."""
     if device != "cpu":
-        return {}
-    if sources:
-        return {k: when + " (CPU ranks: the host is the device; " + how + ")" for k, how in
-                (("host_link_gbps", "tensor copy"), ("host_memory_gb", "the machine's memory"),
-                 ("host_memory_gbps", "tensor copy x ranks"))}
-    return {"host_link_gbps": copy_bw / 1e9, "host_memory_gb": memory_gb, "host_memory_gbps": copy_bw * ranks / 1e9}
+        return {}, {}
+    how = {"host_link_gbps": (copy_bw / 1e9, "tensor copy"), "host_memory_gb": (memory_gb, "the machine's memory"),
+           "host_memory_gbps": (copy_bw * ranks / 1e9, "tensor copy x ranks")}
+    return ({k: v for k, (v, _) in how.items()},
+            {k: when + " (CPU ranks: the host is the device; " + text + ")" for k, (_, text) in how.items()})
 
 
 def measured_library(device: str, results: list[dict], latency: float, when: str) -> Collectives:
@@ -188,19 +188,14 @@ def measured_library(device: str, results: list[dict], latency: float, when: str
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc mallopt(3): DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems
 
 
-def fresh_pages(device: str, results: list[dict]) -> dict:
-    """The GPU's fresh-page fields: measured on CPU, absent on CUDA (a caching allocator)."""
+def fresh_pages(device: str, results: list[dict], when: str) -> tuple[dict, dict]:
+    """The GPU's fresh-page fields and their sources: measured on CPU, absent on CUDA (a caching allocator)."""
     if device != "cpu":
-        return {}
-    return {"fresh_page_gbps": _merge(results, "fresh_pages") / 1e9, "fresh_page_min_bytes": GLIBC_MMAP_THRESHOLD_MAX}
-
-
-def fresh_page_sources(device: str, when: str) -> dict:
-    if device != "cpu":
-        return {}
-    return {"fresh_page_gbps": when + " (first write of a new 64 MiB tensor beyond a reused one's)",
-            "fresh_page_min_bytes": "glibc mallopt(3): the dynamic mmap threshold stops at "
-                                    "DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit systems"}
+        return {}, {}
+    return ({"fresh_page_gbps": _merge(results, "fresh_pages") / 1e9, "fresh_page_min_bytes": GLIBC_MMAP_THRESHOLD_MAX},
+            {"fresh_page_gbps": when + " (first write of a new 64 MiB tensor beyond a reused one's)",
+             "fresh_page_min_bytes": "glibc mallopt(3): the dynamic mmap threshold stops at "
+                                     "DEFAULT_MMAP_THRESHOLD_MAX, 32 MiB on 64-bit systems"})
 
 
 def slow_dtype_notes(peak: dict[str, float], results: list[dict]) -> str:

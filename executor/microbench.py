@@ -160,13 +160,13 @@ def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7,
     dist.barrier()
     alone = _timeit(burst, device, repeat, window=False)  # timed as the bursts with collectives are
     world = dist.get_world_size()
+    # torch 2.13 renamed the single-tensor forms (the old names warn)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
     out = {}
     for nbytes in sizes:
         full = torch.ones(nbytes // 4 // world * world, device=device)
         shard = torch.ones(full.numel() // world, device=device)
-        # torch 2.13 renamed the single-tensor forms (the old names warn)
-        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
         run = {"all_reduce": lambda: dist.all_reduce(full),
                "all_gather": lambda: gather(full, shard),
                "reduce_scatter": lambda: scatter(shard, full)}[kind]
@@ -181,11 +181,12 @@ def collective_in_training(device: str, sizes=COLLECTIVE_SIZES, repeat: int = 7,
     return out
 
 
-def collective_passes(device: str, nbytes: int = COLLECTIVE_SIZES[-1]) -> dict[str, float]:
+def collective_passes(device: str, all_reduce: dict[int, float]) -> dict[str, float]:
     """The passes over the data all-gather and reduce-scatter make as the library runs them,
-    from their cost beside an all-reduce's (2 passes) of the same full tensor in training."""
-    all_reduce = collective_in_training(device, (nbytes,), repeat=5)[nbytes]
-    return {kind: 2.0 * collective_in_training(device, (nbytes,), repeat=5, kind=kind)[nbytes] / all_reduce
+    from their cost beside the all-reduce's (2 passes) of the same full tensor in training
+    (`all_reduce`: `collective_in_training`'s curve; its largest size is used)."""
+    nbytes = max(all_reduce)
+    return {kind: 2.0 * collective_in_training(device, (nbytes,), repeat=5, kind=kind)[nbytes] / all_reduce[nbytes]
             for kind in ("all_gather", "reduce_scatter")}
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from costmodel.data_parallel import held_zero, layer_params_on_rank
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
+from costmodel.offload import states_on_host
 from costmodel.plan import Plan, SolverReport, StagePlan
 from costmodel.workload import Workload
 from hardware.schema import Cluster
@@ -94,7 +95,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     one GPU (the fullest rank holds at least the average; experts priced at the dense
     per-parameter figure, which shards over more ranks): such a layout's bound is inf, so it
     is dropped before its coefficients are built. Offloaded states are on the host."""
-    if layout.offload and cluster.gpu.device_type != "cpu":
+    if states_on_host(layout, cluster):
         return False
     key = (layout.tp, layout.ep)
     if key not in per_rank:

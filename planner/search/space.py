@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Iterator
 
+from costmodel.offload import host_bandwidths, host_priced
 from costmodel.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
@@ -96,9 +97,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
                                               offload=True), facts, workload.seq_len)
         if problem is not None:
             raise problem
-        if not host_priced(cluster):
-            raise PlanError("offload", f"{cluster.spec()} has no host figures (node.host_link_gbps, host_memory_gb, "
-                            "host_memory_gbps) to price offload by", "add them to the profile, or unpin offload")
+        host_bandwidths(cluster)  # the typed error naming the host figures a profile lacks
     if fixed.get("cp", 1) != 1:
         problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
         if problem is not None:
@@ -224,12 +223,6 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
         return (pinned,)
     hookable = uses_ddp(layout) and layout.zero == 0
     return tuple(m for m in pinned if m == "none" or hookable) or ("none",)
-
-
-def host_priced(cluster: Cluster) -> bool:
-    """Whether the profile has the host figures offload is priced by (its link, memory, bandwidth)."""
-    node = cluster.node
-    return None not in (node.host_link_gbps, node.host_memory_gb, node.host_memory_gbps)
 
 
 def offload_choices(layout: Layout, cluster: Cluster, fixed: dict) -> tuple[bool, ...]:
