@@ -223,7 +223,13 @@ def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layou
     return lay, ranks
 
 
-def estimate(workload: Workload, plan: Plan, cluster: Cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+def estimate(workload: Workload, plan: Plan, cluster, *, memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
+    """The plan's step on `cluster`: a `Cluster`, or the `MixedCluster` a plan with groups was made for
+    (`costmodel.mixed`)."""
+    if plan.groups or not isinstance(cluster, Cluster):
+        from .mixed import estimate_mixed, mixed_cluster_of
+
+        return estimate_mixed(workload, plan, mixed_cluster_of(plan, cluster), memory_reserve)
     cluster = cluster.for_stack(plan.stack)
     lay, ranks = price_ranks(workload, plan, cluster)
     return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)

@@ -19,9 +19,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from hardware.schema import Cluster, Stack
 
 from .goodput import CheckpointAdvice
+from .plan_groups import GroupEstimate, GroupShare, check_groups, split_of
 
-SCHEMA_VERSION = 5  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
-# 5: offload, dp_micro_batches
+SCHEMA_VERSION = 6  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
+# 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups
 
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["gpipe", "1f1b", "interleaved"]
@@ -82,13 +83,15 @@ class Estimate(BaseModel):
     host_memory_capacity_bytes: float | None = Field(None, description="the node's host memory (offload only)")
     host_copy_s: float = Field(0.0, description="host<->device shard copies per step before overlap (offload)")
     stages: list[StageEstimate]
+    groups: list[GroupEstimate] = Field(default_factory=list, description="a mixed-cluster plan: each GPU group's share")
     usd_per_hour: float | None = None
     usd_per_million_tokens: float | None = None
 
     @property
     def fits(self) -> bool:
         host = self.host_memory_capacity_bytes
-        return self.peak_memory_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
+        return (self.peak_memory_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
+                and all(g.fits for g in self.groups))
 
 
 class SolverReport(BaseModel):
@@ -105,7 +108,7 @@ class SolverReport(BaseModel):
 class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4, 5] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5, 6] = SCHEMA_VERSION
     model: str
     hardware: str
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
@@ -130,6 +133,9 @@ class Plan(BaseModel):
         None, description="micro-batches each data-parallel replica runs per step, when the shares are uneven (a "
         "mixed cluster's faster GPUs take more); their sum times micro_batch is the global batch, and the "
         "gradient average is weighted by tokens. None: global_batch / (dp * micro_batch) each")
+    groups: list[GroupShare] | None = Field(
+        None, description="a mixed-GPU cluster: which stages and replicas each GPU group holds (`hardware` is then "
+        "the mixed spec, e.g. 16xa100-80g+8xh100-sxm); None: one GPU type")
     offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy (zero 2/3): the sharded fp32 weights, their "
                           "gradients and AdamW's state live in host memory and the optimizer steps on the host's "
                           "cores; each gather copies a shard to the device and each reduce-scatter one back")
@@ -223,6 +229,8 @@ class Plan(BaseModel):
     def _consistent_layout(self):
         if self.dp_micro_batches is not None:
             self._check_uneven_shares()
+        if self.groups is not None:
+            check_groups(self.groups, self.pp, self.dp, self.cp)
         elif self.global_batch % (self.dp * self.micro_batch):
             raise ValueError(
                 f"global_batch {self.global_batch} is not divisible by dp*micro_batch "
@@ -276,8 +284,18 @@ class Plan(BaseModel):
             parts.append(self.stack)
         return " ".join(parts)
 
-    def cluster(self) -> Cluster:
-        """The hardware the plan was made for: its embedded profile, else its catalog spec."""
+    @property
+    def split(self) -> str:
+        """How a mixed-cluster plan shares the work: "data" or "pipeline" ("" on one GPU type)."""
+        return split_of(self.groups, self.pp) if self.groups else ""
+
+    def cluster(self):
+        """The hardware the plan was made for: its embedded profile, else its catalog spec; a
+        `hardware.mixed.MixedCluster` of its groups for a mixed-cluster plan."""
+        if self.groups:
+            from hardware.mixed import load_mixed
+
+            return load_mixed([g.cluster() for g in self.groups])
         if self.hardware_profile is not None:
             return self.hardware_profile
         import hardware

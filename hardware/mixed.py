@@ -46,6 +46,10 @@ class MixedCluster(BaseModel):
     def spec(self) -> str:
         return "+".join(g.spec() for g in self.groups)
 
+    def guess_warning(self) -> str:
+        """The groups' placeholder warnings, one line ("" when every group is measured or sourced)."""
+        return " ".join(w for w in (g.guess_warning() for g in self.groups) if w)
+
     def slowest(self, dtype: str = "bf16") -> Cluster:
         return min(self.groups, key=lambda g: gpu_speed(g.gpu, dtype))
 

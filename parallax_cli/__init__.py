@@ -81,10 +81,9 @@ def load_plan(path):
         return Plan.from_json(text)
     except ValidationError as error:
         mixed = _mixed_mode(text)
-        if mixed:  # a mixed-cluster plan: the search's report, not yet a Plan the other commands take
-            raise PlanError("plan", f"{path} is a mixed-cluster plan ({mixed}); estimate, simulate, dry-run and run "
-                            "take single-GPU-type plans so far", "plan one group with --hw COUNTxGPU, or read the "
-                            "mixed plan's balance from `parallax plan`") from None
+        if mixed:  # the report an older Parallax's mixed search wrote, before mixed plans were Plans
+            raise PlanError("plan", f"{path} is an older mixed-cluster report ({mixed}), not a plan",
+                            "plan the mixed cluster again with `parallax plan MODEL --hw A+B --out FILE`") from None
         raise PlanError("plan", f"{path} is not a valid plan: {_one_line(error)}",
                         "write one with `parallax plan ... --out FILE`") from None
 

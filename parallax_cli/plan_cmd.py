@@ -75,15 +75,13 @@ def plan_command(
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
     fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack, offload)
-    if is_mixed(hw):  # one door: a mixed cluster goes through the same command
-        from parallax_cli.hetero_cmd import print_hetero
-
+    if is_mixed(hw):  # one door: a mixed cluster goes through the same command and prints the same way
         with _progress() as progress:
             progress.add_task(f"planning {model} on the mixed cluster {hw}", total=None)
             result = plan(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                           fixed=fixed or None, time_limit_s=time_limit, allow_compression=allow_compression,
                           price_per_gpu_hour=price)
-        print_hetero(result, out, as_json)
+        print_plan(result, model, out, as_json)
         return
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
@@ -94,6 +92,11 @@ def plan_command(
         result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                       fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression,
                       target_gap=gap, mtbf_hours=mtbf_hours)
+    print_plan(result, model, out, as_json)
+
+
+def print_plan(result: Plan, model: str, out: Path | None, as_json: bool) -> None:
+    """The plan (named as the user named its model) to --out, as JSON, or as tables."""
     result = result.model_copy(update={"model": model, "alternatives": [a.model_copy(update={"model": model}) for a in result.alternatives]})
     if not emit(result, out, as_json):
         console.print(render(result))

@@ -34,7 +34,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
          target_gap: float = TARGET_GAP, mtbf_hours: float | None = None):
     """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
     on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
-    subset's plan, as a `planner.mixed.plan.HeteroPlan`."""
+    subset's plan (`planner.mixed.search.plan_mixed`), a Plan whose groups place it."""
     if not is_mixed(hw):
         return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                             fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,
@@ -45,9 +45,9 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
     for field, value in unsupported.items():
         if value:
             raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
-    from planner.mixed.search import plan_hetero
+    from planner.mixed.search import plan_mixed
 
-    return plan_hetero(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype or "bf16", time_limit_s=time_limit_s,
+    return plan_mixed(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype or "bf16", time_limit_s=time_limit_s,
                        memory_reserve=memory_reserve)
 
 

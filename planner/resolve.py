@@ -15,9 +15,14 @@ from hardware.schema import Cluster
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
-def resolve_hardware(hw: str | Cluster, **overrides) -> Cluster:
-    if isinstance(hw, Cluster) and not any(v is not None for v in overrides.values()):
+def resolve_hardware(hw, **overrides):
+    """A `Cluster`, or a `hardware.mixed.MixedCluster` for a mixed spec ("16xa100-80g+8xh100-sxm")."""
+    from hardware.mixed import MixedCluster, load_mixed
+
+    if isinstance(hw, (Cluster, MixedCluster)) and not any(v is not None for v in overrides.values()):
         return hw
+    if isinstance(hw, str) and "+" in hw:
+        return load_mixed(hw)
     return hardware.load(hw, **overrides)
 
 

@@ -14,10 +14,17 @@ def _layout_line(plan: Plan) -> str:
     return (
         f"dp={plan.dp}{f' ({plan.hsdp_label})' if plan.hsdp_label else ''}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
         f"pp={plan.pp} zero={plan.zero}{' +offload' if plan.offload else ''} "
-        f"micro_batch={plan.micro_batch} x {plan.num_micro_batches} schedule={sched}"
+        f"micro_batch={plan.micro_batch} x {_micro_batches(plan)} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
         + (f" stack={plan.stack} (priced, not run)" if plan.stack != "eager" else "")
     )
+
+
+def _micro_batches(plan: Plan) -> str:
+    """Micro-batches per replica: one count, or each distinct share ("3/5") when they differ."""
+    if not plan.dp_micro_batches:
+        return str(plan.num_micro_batches)
+    return "/".join(str(m) for m in sorted(set(plan.dp_micro_batches)))
 
 
 def _policy_counts(recompute: list[str]) -> str:
@@ -97,16 +104,38 @@ def offload_line(plan: Plan) -> str:
 
 def alternatives_table(plan: Plan) -> Table:
     table = Table(title="Alternatives")
-    for col in ("layout", "step s", "tokens/s", "MFU", "memory GiB"):
+    mixed = bool(plan.groups)
+    for col in (("on",) if mixed else ()) + ("layout", "step s", "tokens/s", "MFU", "memory GiB"):
         table.add_column(col)
     for alt in plan.alternatives:
         e = alt.estimate
-        table.add_row(_layout_line(alt), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}", f"{e.peak_memory_bytes / GIB:.1f}")
+        where = (f"{alt.split} split" if alt.split else f"{alt.hardware} alone",) if mixed else ()
+        table.add_row(*where, _layout_line(alt), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
+                      f"{e.peak_memory_bytes / GIB:.1f}")
+    return table
+
+
+def _span(values: list[int]) -> str:
+    return f"{values[0]}-{values[-1]}" if len(values) > 1 else str(values[0])
+
+
+def groups_table(plan: Plan) -> Table:
+    """A mixed-cluster plan's share per GPU group: its ranks, stages, blocks, micro-batches and memory."""
+    table = Table(title=f"GPU groups ({plan.split} split)")
+    for col in ("group", "ranks", "stages", "blocks/stage", "replicas", "micro-batches", "per-mb ms", "busy s", "idle",
+                "GiB"):
+        table.add_column(col, justify="left" if col in ("group", "ranks", "stages", "blocks/stage") else "right")
+    for g in plan.estimate.groups:
+        table.add_row(g.group, g.ranks, _span(g.stages), ",".join(map(str, g.blocks_per_stage)),
+                      str(g.replicas), str(g.micro_batches), f"{g.per_micro_batch_s * 1e3:.1f}", f"{g.busy_s:.2f}",
+                      f"{g.idle_fraction:.0%}", f"{g.peak_memory_bytes / GIB:.1f}/{g.memory_capacity_bytes / GIB:.0f}")
     return table
 
 
 def render(plan: Plan) -> Group:
     parts = [headline(plan)]
+    if plan.estimate and plan.estimate.groups:
+        parts.append(groups_table(plan))
     if plan.estimate:
         parts += [stage_table(plan), breakdown_table(plan)]
     if plan.alternatives:

@@ -1,99 +1,90 @@
-"""The heterogeneity-aware layouts of a mixed-GPU cluster, priced with the cost model's own
-per-layer and per-stage terms, each stage on its own group's GPU profile: the pipeline
-split (stages assigned to groups, every group order tried, block counts balanced per
-stage) and the data split (whole replicas per group, the global batch split unevenly).
-`planner.mixed.search` compares them with the single-group plans.
+"""The heterogeneity-aware layouts of a mixed-GPU cluster, as Plans with groups.
+
+Every layout is a `Plan` whose `groups` place it on the cluster, priced by the one
+estimator (`costmodel.estimate`, which prices each group's ranks on its own GPU) and
+kept only where `planner.executable` says the executor runs it:
+
+* pipeline split: one pipeline runs through the groups in some order; group g holds
+  n_g / (dp * tp) consecutive stages. The blocks per stage start from the exact min-max
+  balance of one checkpointing policy (`pipeline_balance`, binary search over the
+  bottleneck time within each stage's memory); the most promising layouts are then
+  handed to the CP-SAT stage model (`planner.search.solver.StageModel`) with each
+  pipeline rank's coefficients taken on its own group's GPU, which also chooses
+  per-layer checkpointing, starting from that balance.
+* data split: every group holds whole replicas of the same (tp, pp) layout and the
+  global batch is split unevenly (`planner.mixed.shares`, CP-SAT): group g's replicas
+  run m_g micro-batches each, so faster GPUs take more.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from itertools import permutations
-
 
 from costmodel import collectives as coll
 from costmodel.compute import Context, layer_time
-from costmodel.data_parallel import dp_time, optimizer_time
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, p2p_time, pipeline_time, rank_memory, stage_time
-from costmodel.layout import Layout, RankTime
+from costmodel.estimate import estimate, price_ranks
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
-from costmodel.plan import Plan, StagePlan, uniform_stages
+from costmodel.mixed import spanning
+from costmodel.plan import Plan, uniform_stages
+from costmodel.plan_groups import GroupShare
 from costmodel.workload import Workload
+from hardware.errors import HardwareError, PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from planner.mixed.plan import GroupBalance, HeteroPlan
+from planner.executable import facts_of_workload, layout_problem
+from planner.mixed.shares import split_micro_batches
+from planner.search.branch_and_bound import stages_from_counts
 
 MICRO_BATCHES = (1, 2, 4)
 POLICIES = ("none", "selective", "full")
-ZEROS = (0, 1)
-
-
-@dataclass
-class _Eval:
-    step: float
-    plan: HeteroPlan
-
-
-def _lay(cluster: Cluster, tp: int, mb: int, dtype: str, dp: int, m: int, pp_inter_node: bool) -> Layout:
-    ctx = Context(cluster=cluster, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, cluster))
-    dp_group = coll.group_of(dp, tp, cluster)
-    return Layout(ctx=ctx, dp_group=dp_group, pp_inter_node=pp_inter_node, m=m, shard_group=dp_group,
-                  replicate_group=coll.Group(1, 1))
+ZEROS = (0, 1, 2, 3)
 
 
 def capacity_bytes(cluster: Cluster, reserve: float) -> float:
-    return cluster.gpu.hbm_gb * GIB * (1 - reserve)
+    return cluster.gpu.hbm_gb * 2**30 * (1 - reserve)
 
 
-def _exposed_dp(ranks: list[RankTime], plan: Plan, lays: list[Layout]) -> float:
-    """As costmodel.estimate.exposed_dp, each rank on its own group's links."""
-    exposed, slack = 0.0, 0.0
-    for rank, lay in zip(ranks, lays):
-        window = rank.backward + rank.recompute + slack
-        exposed = max(exposed, dp_time(rank.params, plan, lay) - window)
-        slack += rank.backward + rank.recompute
-    return max(0.0, exposed)
+def share(group: Cluster, stages: list[int], replicas: list[int]) -> GroupShare:
+    """The group's part of the plan, its profile embedded unless its spec loads it back."""
+    import hardware
+
+    try:
+        same = hardware.load(group.spec()) == group
+    except HardwareError:
+        same = False
+    return GroupShare(hardware=group.spec(), hardware_profile=None if same else group, stages=stages, replicas=replicas)
 
 
-def _stages_from_counts(workload: Workload, counts: list[int], policy: str) -> list[StagePlan]:
-    kinds = [layer.kind for layer in workload.layers]
-    first = kinds.index("block")
-    bounds, pos = [0], first
-    for c in counts:
-        pos += c
-        bounds.append(pos)
-    bounds[-1] = len(kinds)
-    return [StagePlan(start=a, end=b, recompute=[policy if kinds[i] == "block" else "none" for i in range(a, b)])
-            for a, b in zip(bounds, bounds[1:])]
+def priced(workload: Workload, plan: Plan, mixed: MixedCluster, reserve: float) -> Plan | None:
+    """The plan with its estimate, or None if it does not fit or the executor would refuse it."""
+    if layout_problem(plan, facts_of_workload(workload), workload.seq_len) is not None:
+        return None
+    try:
+        est = estimate(workload, plan, mixed, memory_reserve=reserve)
+    except PlanError:
+        return None
+    return plan.model_copy(update={"estimate": est}) if est.fits else None
 
 
-def _short(cluster: Cluster) -> str:
-    return cluster.spec()
+# --- pipeline split: the single-policy balance CP-SAT starts from -------------------
 
-
-# --- pipeline split ---------------------------------------------------------------
-
-def _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, reserve) -> list[int] | None:
-    """Exact min-max block counts per stage under each stage's memory; None if nothing fits."""
+def pipeline_balance(workload, stage_group, tp, dp, mb, m, zero, policy, dtype, reserve) -> list[int] | None:
+    """Exact min-max block counts per stage (one policy) under each stage's memory; None if nothing fits."""
     layers = workload.layers
     block = next(l for l in layers if l.kind == "block")
-    prefix = [l for l in layers[: layers.index(block)]]
-    suffix = [l for l in layers[max(i for i, l in enumerate(layers) if l.kind == "block") + 1:]]
-    pp = sum(pp_of[id(g)] for g in order)
-    stage_group = [g for g in order for _ in range(pp_of[id(g)])]
+    first = layers.index(block)
+    last = max(i for i, l in enumerate(layers) if l.kind == "block") + 1
+    pp = len(stage_group)
+    state = lambda p: sum(model_state_bytes(p / tp, dtype, zero, dp).values())  # noqa: E731
     t_block, mem_block, extra_t, extra_mem, cap = [], [], [], [], []
-    per_group_t = {}
     for s, g in enumerate(stage_group):
-        if id(g) not in per_group_t:
-            ctx = Context(cluster=g, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, g))
-            per_group_t[id(g)] = (ctx, layer_time(block, ctx, policy).total)
-        ctx, tb = per_group_t[id(g)]
+        ctx = Context(cluster=g, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, g),
+                      seq_len=workload.seq_len)
         inflight = in_flight_micro_batches("1f1b", s, pp, 1, m)
-        ends = (prefix if s == 0 else []) + (suffix if s == pp - 1 else [])
-        t_block.append(tb)
+        ends = (layers[:first] if s == 0 else []) + (layers[last:] if s == pp - 1 else [])
+        t_block.append(layer_time(block, ctx, policy).total)
         extra_t.append(sum(layer_time(l, ctx, "none").total for l in ends))
-        state = lambda p: sum(model_state_bytes(p / tp, dtype, zero, dp).values())  # noqa: E731
         mem_block.append(state(block.params) + activation_bytes(block, policy, tp=tp, sp=False, micro_batch=mb) * inflight)
         extra_mem.append(sum(state(l.params) + activation_bytes(l, "none", tp=tp, sp=False, micro_batch=mb) * inflight for l in ends))
         cap.append(capacity_bytes(g, reserve))
@@ -106,16 +97,13 @@ def _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, 
         return [min(mem_cap[s], max(0, math.floor((T - extra_t[s]) / t_block[s] + 1e-9))) for s in range(pp)]
 
     candidates = sorted({k * t_block[s] + extra_t[s] for s in range(pp) for k in range(1, min(n, mem_cap[s]) + 1)})
-    lo, hi = 0, len(candidates) - 1
-    if sum(caps(candidates[hi])) < n or min(caps(candidates[hi])) < 1:
+    feasible = lambda c: sum(c) >= n and min(c) >= 1  # noqa: E731
+    if not feasible(caps(candidates[-1])):
         return None
+    lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        c = caps(candidates[mid])
-        if sum(c) >= n and min(c) >= 1:
-            hi = mid
-        else:
-            lo = mid + 1
+        lo, hi = (lo, mid) if feasible(caps(candidates[mid])) else (mid + 1, hi)
     counts = caps(candidates[lo])
     while sum(counts) > n:  # trim the stages whose time is largest, keeping one block each
         s = max((s for s in range(pp) if counts[s] > 1), key=lambda s: counts[s] * t_block[s] + extra_t[s])
@@ -123,156 +111,105 @@ def _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, 
     return counts
 
 
-def _pipeline_split(workload, mixed, *, order, tp, dp, mb, zero, policy, global_batch, dtype, name, reserve) -> _Eval | None:
-    pp_of = {id(g): g.n_gpus // (dp * tp) for g in order}
-    pp = sum(pp_of.values())
-    m = global_batch // (dp * mb)
-    counts = _balance_blocks(workload, order, pp_of, tp, dp, mb, m, zero, policy, dtype, reserve)
+def pipeline_template(workload, mixed, order, *, tp, dp, mb, zero, global_batch, dtype, name) -> Plan:
+    """The pipeline split's layout with even stages (the partition is chosen afterwards)."""
+    per = [g.n_gpus // (dp * tp) for g in order]
+    pp, groups, first = sum(per), [], 0
+    for g, n in zip(order, per):
+        groups.append(share(g, list(range(first, first + n)), list(range(dp))))
+        first += n
+    kinds = [layer.kind for layer in workload.layers]
+    return Plan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
+                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=uniform_stages(kinds, pp), groups=groups)
+
+
+def balanced_pipeline(workload, mixed, template: Plan, order, policy, reserve) -> Plan | None:
+    stage_group = [g for g, s in zip(order, template.groups) for _ in s.stages]
+    counts = pipeline_balance(workload, stage_group, template.tp, template.dp, template.micro_batch,
+                              template.num_micro_batches, template.zero, policy, template.dtype, reserve)
     if counts is None:
         return None
-    stages = _stages_from_counts(workload, counts, policy)
-    plan = Plan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
-                dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=stages)
-    stage_group = [g for g in order for _ in range(pp_of[id(g)])]
-    ranks, lays = [RankTime() for _ in range(pp)], []
-    for i, g in enumerate(stage_group):
-        crosses = i + 1 < pp and stage_group[i + 1] is not g
-        lay = _lay(g, tp, mb, dtype, dp, m, pp_inter_node=dp * tp >= g.gpus_per_node)
-        stage_time(plan, workload, lay, i, ranks[i])
-        if crosses:  # this stage's sends go over the inter-group network
-            last = workload.layers[stages[i].end - 1]
-            ranks[i].pp_comm = p2p_time(last, plan, _lay(mixed.with_network(g), tp, mb, dtype, dp, m, True))
-        lays.append(lay)
-    step = pipeline_time(ranks, m, 1) + _exposed_dp(ranks, plan, lays)
-    step += max(optimizer_time([r], plan, g) for r, g in zip(ranks, stage_group))
-    balance, stage_rows = [], []
-    for g in order:
-        idx = [i for i, x in enumerate(stage_group) if x is g]
-        mems = [sum(rank_memory(plan, workload, i, ranks[i], g).values()) for i in idx]
-        if max(mems) > capacity_bytes(g, reserve):
-            return None
-        busy = max(m * ranks[i].per_micro_batch for i in idx)
-        balance.append(GroupBalance(group=_short(g), gpus=g.n_gpus, stages=f"{idx[0]}-{idx[-1]}",
-                                    blocks_per_stage=[counts[i] for i in idx], replicas=dp, micro_batches=m,
-                                    per_micro_batch_s=max(ranks[i].per_micro_batch for i in idx), busy_s=busy,
-                                    idle_fraction=max(0.0, 1 - busy / step), peak_memory_gib=max(mems) / GIB,
-                                    capacity_gib=capacity_bytes(g, reserve) / GIB))
-    for i, st in enumerate(stages):
-        stage_rows.append({"stage": i, "start": st.start, "end": st.end, "blocks": counts[i], "group": _short(stage_group[i]),
-                           "per_micro_batch_s": ranks[i].per_micro_batch})
-    hp = HeteroPlan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
-                    mode="pipeline-split", tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=policy,
-                    step_time_s=step, tokens_per_s=global_batch * workload.seq_len / step, balance=balance, stages=stage_rows)
-    return _Eval(step, hp)
+    per_policy = [{k: (c if k == policy else 0) for k in POLICIES} for c in counts]
+    return priced(workload, template.model_copy(update={"stages": stages_from_counts(workload, per_policy)}), mixed, reserve)
 
 
-# --- data split -------------------------------------------------------------------
-
-def _split_micro_batches(units: int, dp_of: list[int], times) -> list[int] | None:
-    """m_g >= 1 with sum dp_g * m_g = units minimising max_g times[g](m_g); exact, pruned enumeration."""
-    best, best_m = math.inf, None
-
-    def rec(i: int, left: int, chosen: list[int], worst: float) -> None:
-        nonlocal best, best_m
-        if i == len(dp_of) - 1:
-            if left >= dp_of[i] and left % dp_of[i] == 0:
-                t = max(worst, times[i](left // dp_of[i]))
-                if t < best:
-                    best, best_m = t, chosen + [left // dp_of[i]]
-            return
-        rest = sum(dp_of[i + 1:])
-        for mg in range(1, (left - rest) // dp_of[i] + 1):
-            t = times[i](mg)
-            if max(t, worst) >= best:
-                break
-            rec(i + 1, left - mg * dp_of[i], chosen + [mg], max(t, worst))
-
-    rec(0, units, [], 0.0)
-    return best_m
+def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> list[tuple[Plan, list]]:
+    """Every fitting pipeline split at its best single-policy balance, with the group order."""
+    out = []
+    for tp in tp_choices(workload, mixed):
+        per_tp = [g.n_gpus // tp for g in mixed.groups]
+        for dp in common_divisors(per_tp):
+            if sum(n // dp for n in per_tp) > workload.n_blocks or sum(n // dp for n in per_tp) < 2:
+                continue
+            for mb in MICRO_BATCHES:
+                if global_batch % (dp * mb):
+                    continue
+                for zero in ZEROS:
+                    for order in permutations(mixed.groups):
+                        template = pipeline_template(workload, mixed, order, tp=tp, dp=dp, mb=mb, zero=zero,
+                                                     global_batch=global_batch, dtype=dtype, name=name)
+                        plans = [p for p in (balanced_pipeline(workload, mixed, template, order, k, reserve)
+                                             for k in POLICIES) if p is not None]
+                        if plans:
+                            out.append((min(plans, key=lambda p: p.estimate.step_time_s), list(order)))
+    return out
 
 
-def _data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype, name, reserve) -> _Eval | None:
-    groups = mixed.groups
-    dp_of = [g.n_gpus // (tp * pp) for g in groups]
-    dp = sum(dp_of)
-    units = global_batch // mb
+# --- data split ----------------------------------------------------------------------
+
+def data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype, name, reserve) -> Plan | None:
+    dp_of = [g.n_gpus // (tp * pp) for g in mixed.groups]
+    dp, units = sum(dp_of), global_batch // mb
     if global_batch % mb or units < dp:
         return None
     kinds = [layer.kind for layer in workload.layers]
-    stages = uniform_stages(kinds, pp, policy)
-    base = Plan(model=name, hardware=mixed.spec(), global_batch=dp * mb, seq_len=workload.seq_len, dtype=dtype, dp=dp,
-                tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=stages)
-    per_group = []
-    for g in groups:
-        net = mixed.with_network(g)  # DP traffic crosses groups
-        lay = _lay(net, tp, mb, dtype, dp, 1, pp_inter_node=tp >= g.gpus_per_node)
-        ranks = [RankTime() for _ in range(pp)]
-        for i in range(pp):
-            stage_time(base, workload, lay, i, ranks[i])
-        per_group.append((g, lay, ranks))
-    times = [lambda mg, r=ranks: pipeline_time(r, mg, 1) for _, _, ranks in per_group]
-    ms = _split_micro_batches(units, dp_of, times)
+    alone = Plan(model=name, hardware=mixed.spec(), global_batch=dp * mb, seq_len=workload.seq_len, dtype=dtype, dp=dp,
+                 tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=uniform_stages(kinds, pp, policy))
+    paces = []
+    for g in mixed.groups:
+        try:
+            _, ranks = price_ranks(workload, alone, spanning(mixed, g, alone.n_gpus))
+        except PlanError:
+            return None
+        totals = [r.per_micro_batch for r in ranks]
+        paces.append((max(totals), sum(totals) - max(totals)))  # pipeline time = m * slowest + the rest
+    ms = split_micro_batches(units, dp_of, paces)
     if ms is None:
         return None
-    pipes = [times[i](ms[i]) for i in range(len(groups))]
-    crit = pipes.index(max(pipes))
-    _, lay_c, ranks_c = per_group[crit]
-    step = max(pipes) + _exposed_dp(ranks_c, base, [lay_c] * pp)
-    step += max(optimizer_time(ranks, base, g) for g, _, ranks in per_group)
-    balance = []
-    for (g, _, ranks), mg, dpg in zip(per_group, ms, dp_of):
-        plan_g = base.model_copy(update={"global_batch": dp * mb * mg})
-        mems = [sum(rank_memory(plan_g, workload, r, ranks[r], g).values()) for r in range(pp)]
-        if max(mems) > capacity_bytes(g, reserve):
-            return None
-        busy = mg * max(r.per_micro_batch for r in ranks)
-        balance.append(GroupBalance(group=_short(g), gpus=g.n_gpus, stages=f"0-{pp - 1}",
-                                    blocks_per_stage=[sum(1 for k in kinds[s.start:s.end] if k == "block") for s in stages], replicas=dpg, micro_batches=mg,
-                                    per_micro_batch_s=max(r.per_micro_batch for r in ranks), busy_s=busy,
-                                    idle_fraction=max(0.0, 1 - busy / step), peak_memory_gib=max(mems) / GIB,
-                                    capacity_gib=capacity_bytes(g, reserve) / GIB))
-    hp = HeteroPlan(model=name, hardware=mixed.spec(), global_batch=global_batch, seq_len=workload.seq_len, dtype=dtype,
-                    mode="data-split", tp=tp, pp=pp, dp=dp, micro_batch=mb, zero=zero, recompute=policy, step_time_s=step,
-                    tokens_per_s=global_batch * workload.seq_len / step, balance=balance)
-    return _Eval(step, hp)
+    groups, first = [], 0
+    for g, n in zip(mixed.groups, dp_of):
+        groups.append(share(g, list(range(pp)), list(range(first, first + n))))
+        first += n
+    shares = [m for m, n in zip(ms, dp_of) for _ in range(n)]
+    plan = alone.model_copy(update={"global_batch": global_batch, "groups": groups,
+                                    "dp_micro_batches": shares if len(set(shares)) > 1 else None})
+    return priced(workload, Plan.model_validate(plan.model_dump()), mixed, reserve)
 
 
-# --- search -----------------------------------------------------------------------
+def data_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> list[Plan]:
+    out = []
+    for tp in tp_choices(workload, mixed):
+        per_tp = [g.n_gpus // tp for g in mixed.groups]
+        for pp in common_divisors(per_tp):
+            if pp > workload.n_blocks:
+                continue
+            for mb in MICRO_BATCHES:
+                for zero in ZEROS:
+                    for policy in POLICIES:
+                        plan = data_split(workload, mixed, tp=tp, pp=pp, mb=mb, zero=zero, policy=policy,
+                                          global_batch=global_batch, dtype=dtype, name=name, reserve=reserve)
+                        if plan is not None:
+                            out.append(plan)
+    return out
 
-def _tp_choices(workload: Workload, mixed: MixedCluster) -> list[int]:
+
+def tp_choices(workload: Workload, mixed: MixedCluster) -> list[int]:
     node = min(g.gpus_per_node for g in mixed.groups)
     return [t for t in (1, 2, 4, 8, 16) if t <= node and node % t == 0 and workload.tp_divides(t)]
 
 
-def _common_divisors(values: list[int]) -> list[int]:
+def common_divisors(values: list[int]) -> list[int]:
     g = 0
     for v in values:
         g = math.gcd(g, v)
     return [d for d in range(1, g + 1) if g % d == 0]
-
-
-def hetero_candidates(workload, mixed, *, global_batch, dtype="bf16", name=None, reserve=DEFAULT_MEMORY_RESERVE):
-    """Every priced pipeline-split and data-split layout (fitting ones only)."""
-    name = name or workload.name
-    out = []
-    for tp in _tp_choices(workload, mixed):
-        per_tp = [g.n_gpus // tp for g in mixed.groups]
-        for mb in MICRO_BATCHES:
-            for zero in ZEROS:
-                for policy in POLICIES:
-                    kw = dict(mb=mb, zero=zero, policy=policy, global_batch=global_batch, dtype=dtype, name=name, reserve=reserve)
-                    for pp in _common_divisors(per_tp):
-                        if pp <= workload.n_blocks:
-                            e = _data_split(workload, mixed, tp=tp, pp=pp, **kw)
-                            if e:
-                                out.append(e)
-                    if len(mixed.groups) < 2:
-                        continue
-                    for dp in _common_divisors(per_tp):
-                        if global_batch % (dp * mb) or sum(n // dp for n in per_tp) > workload.n_blocks:
-                            continue
-                        for order in permutations(mixed.groups):
-                            e = _pipeline_split(workload, mixed, order=list(order), tp=tp, dp=dp, **kw)
-                            if e:
-                                out.append(e)
-    return out

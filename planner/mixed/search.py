@@ -1,100 +1,104 @@
-"""Training plans for mixed-GPU clusters (`hardware.mixed.MixedCluster`).
+"""Training plans for mixed-GPU clusters (`hardware.mixed.MixedCluster`), as Plans with groups.
 
-Three kinds of layout are priced with the cost model's own per-layer and
-per-stage terms (`costmodel.compute.layer_time`, `costmodel.estimate.stage_time`,
-`pipeline_time`, `rank_memory`), each stage on its own group's GPU profile:
+The search has the uniform branch and bound's two phases:
 
-* pipeline split: one pipeline runs through the groups; group g hosts
-  n_g / (dp * tp) consecutive stages, and the block counts per stage are the
-  exact min-max balance of the per-stage time (k * block time on that GPU +
-  embedding / head) within each stage's memory (binary search over the
-  bottleneck time; every group order is tried).
-* data split: every group holds whole replicas of the same (tp, pp, stage)
-  layout so gradients line up; the global batch is split unevenly, group g's
-  replicas running m_g micro-batches each, m chosen exactly to minimise the
-  slowest group's pipeline time. The gradient all-reduce crosses groups on the
-  inter-group network.
-* subset: the best plan of one group alone (`planner.plan`), so a mixed
-  cluster never plans slower than its best uniform subset.
+1. every pipeline split (each group order, its blocks at the exact single-policy
+   balance) and every data split (the global batch shared by CP-SAT,
+   `planner.mixed.shares`) is built as a Plan and priced by the estimator;
+2. the most promising pipeline splits go to the CP-SAT stage model with per-rank
+   coefficients (`planner.mixed.refine`), until the time limit; it keeps a refined
+   partition only where the estimator finds it faster, so the search is never slower
+   than phase 1 alone (the side search it replaced).
 
-The comparison baseline is the best uniform plan that ignores the
-difference: `planner.plan` on the cluster seen as n GPUs of the slowest type
-(`MixedCluster.as_uniform`), which is how fast that plan runs on the mixed
-cluster, since equal shares finish at the slowest group's pace.
+Each group alone is also planned by `planner.plan_uniform` (the other GPUs idle), so a
+mixed cluster never plans slower than its best single group. The baseline in the
+notes is the best uniform plan that ignores the difference: `plan_uniform` on the
+cluster seen as n GPUs of the slowest type (`MixedCluster.as_uniform`), the pace equal
+shares run at on the mixed cluster.
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB
-from costmodel.plan import Plan
-from costmodel.workload import Workload
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.plan import Plan, SolverReport
 from hardware.errors import InfeasibleError, PlanError
 from hardware.mixed import MixedCluster, load_mixed
 
+from planner.mixed.layouts import data_splits, pipeline_splits
+from planner.mixed.refine import refine
 from planner.resolve import model_name, resolve_workload
+from planner.search.coefficients import LayerTimes
 from planner.uniform import plan_uniform
-from planner.mixed.layouts import capacity_bytes, hetero_candidates
-from planner.mixed.plan import GroupBalance, HeteroPlan
 
 
-def _layout_str(plan: Plan) -> str:
-    return f"dp={plan.dp} tp={plan.tp} pp={plan.pp} zero={plan.zero} mb={plan.micro_batch}"
-
-
-def plan_hetero(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
-                time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-                compare_uniform: bool = True) -> HeteroPlan:
-    """The fastest heterogeneity-aware plan, with the uniform baseline and single-group subsets for comparison."""
+def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
+               time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+               compare_uniform: bool = True) -> Plan:
+    """The fastest plan for a mixed cluster: a pipeline or data split over its groups, or the
+    best single group's plan; the others priced are its `alternatives`."""
     if not isinstance(global_batch, int) or global_batch <= 0:
         raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 256")
+    start = time.perf_counter()
     mixed = load_mixed(hw)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
     name = model_name(model, workload)
-    cands = hetero_candidates(workload, mixed, global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
-    subsets = {}
-    for g in mixed.groups:
-        try:
-            p = plan_uniform(workload, g, global_batch=global_batch, seq_len=seq_len, dtype=dtype, top_k=1,
-                             time_limit_s=time_limit_s, memory_reserve=memory_reserve)
-        except InfeasibleError:
+    kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
+    pipes = sorted(pipeline_splits(workload, mixed, **kw), key=lambda po: po[0].estimate.step_time_s)
+    datas = data_splits(workload, mixed, **kw)
+    refined, times, budget = [], LayerTimes(), time_limit_s / 2
+    for plan, order in pipes:
+        if time.perf_counter() - start > budget:
+            refined.append(plan)
             continue
-        subsets[g.spec()] = p
-    uniform = None
-    if compare_uniform:
-        try:
-            uniform = plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len,
-                                   dtype=dtype, top_k=1, time_limit_s=time_limit_s, memory_reserve=memory_reserve)
-        except InfeasibleError:
-            uniform = None
-    best = min(cands, key=lambda e: e.step).plan if cands else None
-    best_subset = min(subsets.items(), key=lambda kv: kv[1].estimate.step_time_s) if subsets else None
-    if best_subset and (best is None or best_subset[1].estimate.step_time_s < best.step_time_s):
-        best = _subset_plan(best_subset[0], best_subset[1], mixed, workload, name, memory_reserve)
-    if best is None:
+        refined.append(refine(workload, plan, mixed, order, memory_reserve, times))
+    subsets = _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve)
+    found = refined + datas + subsets
+    if not found:
         raise InfeasibleError("hw", f"{name} fits no layout on {mixed.spec()} at global batch {global_batch}",
                               "add GPUs, lower the batch or the sequence length")
-    notes = [f"{len(cands)} heterogeneity-aware layouts priced; subsets and the uniform baseline planned by planner.plan"]
-    return best.model_copy(update={
-        "uniform_step_time_s": uniform.estimate.step_time_s if uniform else None,
-        "uniform_layout": _layout_str(uniform) if uniform else "does not fit",
-        "subset_step_time_s": {k: v.estimate.step_time_s for k, v in subsets.items()},
-        "layouts_priced": len(cands), "notes": notes})
+    found.sort(key=lambda p: p.estimate.step_time_s)
+    best = found[0]
+    notes = _comparison(best, workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve, compare_uniform)
+    solved = sum(1 for a, b in zip(refined, pipes) if a is not b[0])
+    report = SolverReport(status="mixed", wall_s=time.perf_counter() - start, layouts_considered=len(found),
+                          layouts_solved=solved, gap=0.0,
+                          notes=[f"{len(pipes)} pipeline splits and {len(datas)} data splits priced; CP-SAT improved "
+                                 f"{solved} pipeline partitions; {len(subsets)} single-group plans"])
+    alternatives = [_best_of(found, kind) for kind in ("pipeline", "data", "")]
+    return best.model_copy(update={"solver": report, "notes": [*notes, *best.notes],
+                                   "alternatives": [a for a in alternatives if a is not None and a is not best]})
 
 
-def _subset_plan(spec: str, plan: Plan, mixed: MixedCluster, workload: Workload, name: str, reserve: float) -> HeteroPlan:
-    est = plan.estimate
-    balance = []
-    for g in mixed.groups:
-        used = g.spec() == spec
-        balance.append(GroupBalance(group=g.spec(), gpus=g.n_gpus, stages=f"0-{plan.pp - 1}" if used else "-",
-                                    blocks_per_stage=[sum(1 for l in workload.layers[s.start:s.end] if l.kind == "block") for s in plan.stages] if used else [],
-                                    replicas=plan.dp if used else 0, micro_batches=plan.num_micro_batches if used else 0,
-                                    per_micro_batch_s=0.0, busy_s=est.step_time_s if used else 0.0,
-                                    idle_fraction=0.0 if used else 1.0,
-                                    peak_memory_gib=est.peak_memory_bytes / GIB if used else 0.0,
-                                    capacity_gib=capacity_bytes(g, reserve) / GIB))
-    return HeteroPlan(model=name, hardware=mixed.spec(), global_batch=plan.global_batch, seq_len=plan.seq_len,
-                      dtype=plan.dtype, mode="subset", tp=plan.tp, pp=plan.pp, dp=plan.dp, micro_batch=plan.micro_batch,
-                      zero=plan.zero, recompute="/".join(sorted({p for s in plan.stages for p in s.recompute})),
-                      step_time_s=est.step_time_s, tokens_per_s=est.tokens_per_s, balance=balance)
+def _best_of(found: list[Plan], split: str) -> Plan | None:
+    return next((p for p in found if p.split == split), None)
+
+
+def _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> list[Plan]:
+    out = []
+    for group in mixed.groups:
+        try:
+            out.append(plan_uniform(workload, group, global_batch=global_batch, seq_len=seq_len, dtype=dtype, top_k=1,
+                                    time_limit_s=time_limit_s / 4, memory_reserve=reserve))
+        except InfeasibleError:
+            continue
+    return out
+
+
+def _comparison(best, workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve, compare: bool) -> list[str]:
+    step = best.estimate.step_time_s
+    if best.split:
+        notes = [f"{best.split} split over {mixed.spec()}"]
+    else:
+        notes = [f"{best.hardware} alone is fastest; the other GPUs of {mixed.spec()} stay idle"]
+    if not compare:
+        return notes
+    try:
+        uniform = plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len,
+                               dtype=dtype, top_k=1, time_limit_s=time_limit_s / 4, memory_reserve=reserve)
+    except InfeasibleError:
+        return [*notes, "the uniform plan that ignores the difference does not fit"]
+    theirs = uniform.estimate.step_time_s
+    return [*notes, f"the uniform plan that ignores the difference ({uniform.layout_tag}, everyone at the slowest "
+                    f"GPU's pace): {theirs:.3g} s, {theirs / step:.2f}x this plan's {step:.3g} s"]

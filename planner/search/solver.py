@@ -5,7 +5,7 @@ planner/search/branch_and_bound.py; this model chooses how the B identical block
 over the S = pp * vpp virtual stages and which checkpointing policy each
 block uses. Identical blocks are priced once, so the model is over counts.
 
-Variables
+Variables (on a mixed cluster's pipeline split every coefficient is the rank's own group's)
     n[s][k]   integer, blocks of virtual stage s that use policy k
               (k in none / selective / full)
     full[r]   boolean, pipeline rank r has at least one fully recomputed block
@@ -57,12 +57,16 @@ def _i(x: float, scale: float) -> int:
 
 
 class StageModel:
-    def __init__(self, data: StageModelData, pp: int, vpp: int, m: int) -> None:
-        self.d, self.pp, self.vpp, self.m = data, pp, vpp, m
+    def __init__(self, data: StageModelData | list[StageModelData], pp: int, vpp: int, m: int) -> None:
+        """`data`: the layout's coefficients, or one set per pipeline rank where the ranks sit on
+        different GPUs (a mixed cluster's pipeline split: each rank's block time, memory and
+        capacity are its own group's)."""
+        self.ranks = list(data) if isinstance(data, list) else [data] * pp
+        self.d, self.pp, self.vpp, self.m = self.ranks[0], pp, vpp, m
         self.S = pp * vpp
         self.ub = self._time_upper_bound()
         self.model = cp_model.CpModel()
-        B = data.n_blocks
+        B = self.d.n_blocks
         self.n = [{k: self.model.NewIntVar(0, B, f"n_{s}_{k}") for k in POLICIES} for s in range(self.S)]
         self.add_partition()
         self.R = self.add_time()
@@ -73,12 +77,14 @@ class StageModel:
     def _time_upper_bound(self) -> int:
         """Nanoseconds no rank time, exposed reduction or optimizer step can exceed
         (tight domains keep the objective clear of int64 overflow)."""
-        d = self.d
-        fixed = d.prefix + d.suffix
-        params = d.n_blocks * d.block.params + sum(l.params for l in fixed)
-        seconds = (d.n_blocks * max(d.block.time.values()) + sum(max(l.time.values()) for l in fixed) + d.p2p * self.S
-                   + sum(d.stage_fill(s, self.S) for s in range(self.S)) + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
-        return _i(seconds, NS) + 1
+        def seconds(d: StageModelData) -> float:
+            fixed = d.prefix + d.suffix
+            params = d.n_blocks * d.block.params + sum(l.params for l in fixed)
+            return (d.n_blocks * max(d.block.time.values()) + sum(max(l.time.values()) for l in fixed) + d.p2p * self.S
+                    + sum(d.stage_fill(s, self.S) for s in range(self.S))
+                    + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
+
+        return _i(max(seconds(d) for d in self.ranks), NS) + 1
 
     def _stages_of(self, r: int) -> list[int]:
         return list(range(r, self.S, self.pp))
@@ -86,8 +92,9 @@ class StageModel:
     def _fixed(self, s: int, attr: str, policy: str = "none") -> float:
         """Contribution of the embedding/head layers that sit on stage s (and, for time, the
         stage's unhidden sharded collectives)."""
-        layers = (self.d.prefix if s == 0 else []) + (self.d.suffix if s == self.S - 1 else [])
-        value = self.d.stage_fill(s, self.S) if attr == "time" else 0.0
+        d = self.ranks[s % self.pp]
+        layers = (d.prefix if s == 0 else []) + (d.suffix if s == self.S - 1 else [])
+        value = d.stage_fill(s, self.S) if attr == "time" else 0.0
         for layer in layers:
             field = getattr(layer, attr)
             value += field[policy] if isinstance(field, dict) else field
@@ -105,8 +112,9 @@ class StageModel:
             self.model.Add(sum(stage.values()) >= 1)
 
     def add_time(self):
-        d, R = self.d, []
+        R = []
         for r in range(self.pp):
+            d = self.ranks[r]
             terms = [self.n[s][k] * _i(d.block.time[k], NS) for s in self._stages_of(r) for k in POLICIES]
             fixed = sum(self._fixed(s, "time") + (d.p2p if s < self.S - 1 else 0.0) for s in self._stages_of(r))
             rt = self.model.NewIntVar(0, self.ub, f"R_{r}")
@@ -115,8 +123,8 @@ class StageModel:
         return R
 
     def add_memory(self) -> None:
-        d = self.d
         for r in range(self.pp):
+            d = self.ranks[r]
             inflight = d.in_flight[r]
             act = [self.n[s][k] * _i(d.block.activation[k] * inflight, KIB) for s in self._stages_of(r) for k in POLICIES]
             fixed_act = sum(self._fixed(s, "activation") for s in self._stages_of(r)) * inflight
@@ -134,9 +142,10 @@ class StageModel:
             )
 
     def add_dp_overlap(self):
-        d, E = self.d, self.model.NewIntVar(0, self.ub, "E")
+        E = self.model.NewIntVar(0, self.ub, "E")
         slack = 0
         for r in range(self.pp):
+            d = self.ranks[r]
             window = sum(self.n[s][k] * _i(d.block.backward[k], NS) for s in self._stages_of(r) for k in POLICIES)
             dp = self._blocks(r) * _i(d.block.params * d.dp_seconds_per_param, NS)
             dp_fixed = self._fixed_params(r) * d.dp_seconds_per_param + d.dp_latency
@@ -145,11 +154,11 @@ class StageModel:
         return E
 
     def add_objective(self) -> None:
-        d = self.d
         Rmax = self.model.NewIntVar(0, self.ub, "Rmax")
         self.model.AddMaxEquality(Rmax, self.R)
         opt_per_rank = []
         for r in range(self.pp):
+            d = self.ranks[r]
             o = self.model.NewIntVar(0, self.ub, f"opt_{r}")
             per_block = _i(d.block.params * d.optimizer_seconds_per_param, NS)
             self.model.Add(o == self._blocks(r) * per_block + _i(self._fixed_params(r) * d.optimizer_seconds_per_param, NS))
