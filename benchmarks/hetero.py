@@ -2,9 +2,9 @@
 
     .venv/bin/python benchmarks/hetero.py [--hw 16xa100-80g+8xh100-sxm] [--global-batch 256] [--seq-len 4096]
 
-Prints, per model, both step times on the same cluster, the best single-group
-subsets, and the per-group balance of the aware plan (cost model figures,
-not measurements).
+Prints, per model, the aware plan's step on the mixed cluster, the uniform plan's
+(from the plan's notes), the best single group alone, and the per-group share of
+the aware plan (cost model figures, not measurements).
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import time
 
 from rich.console import Console
 
-from parallax_cli.hetero_cmd import balance_table
-from planner.mixed.search import plan_hetero
+import re
+
+from planner.mixed.search import plan_mixed
+from planner.summary import groups_table
 
 # Llama-2-13B (HF meta-llama/Llama-2-13b-hf config): the "13B model" of the comparison.
 LLAMA_2_13B = {"model_type": "llama", "hidden_size": 5120, "num_hidden_layers": 40, "num_attention_heads": 40,
@@ -34,18 +36,22 @@ def main() -> None:
     rows = []
     for name in args.models.split(","):
         start = time.perf_counter()
-        plan = plan_hetero(MODELS[name], args.hw, global_batch=args.global_batch, seq_len=args.seq_len)
+        plan = plan_mixed(MODELS[name], args.hw, global_batch=args.global_batch, seq_len=args.seq_len)
         wall = time.perf_counter() - start
-        console.print(balance_table(plan.model_copy(update={"model": name})))
-        best_subset = min(plan.subset_step_time_s.items(), key=lambda kv: kv[1]) if plan.subset_step_time_s else ("-", float("nan"))
-        rows.append((name, plan.uniform_step_time_s, plan.uniform_layout, best_subset, plan.step_time_s, plan.mode, wall))
+        if plan.groups:
+            console.print(groups_table(plan))
+        uniform = next((float(m.group(1)) for note in plan.notes
+                        for m in [re.search(r"everyone at the slowest GPU's pace\): ([0-9.e+]+) s", note)] if m), None)
+        alone = [a.estimate.step_time_s for a in [plan, *plan.alternatives] if not a.groups]
+        rows.append((name, uniform, min(alone) if alone else None, plan, wall))
     console.print(f"\n{args.hw}, global batch {args.global_batch} x {args.seq_len} tokens, bf16 (predicted step times)")
-    print("| model | uniform plan (slowest pace) | best single group | hetero-aware | mode | speed-up vs uniform | plan wall s |")
+    print("| model | uniform plan (slowest pace) | best single group | aware plan | split | speed-up vs uniform | plan wall s |")
     print("|---|---|---|---|---|---|---|")
-    for name, uni, lay, (sub, sub_t), het, mode, wall in rows:
-        uni_s = f"{uni:.2f} s ({lay})" if uni else "does not fit"
-        print(f"| {name} | {uni_s} | {sub_t:.2f} s ({sub}) | {het:.2f} s | {mode} | "
-              f"{(uni / het if uni else float('nan')):.2f}x | {wall:.1f} |")
+    for name, uni, alone, plan, wall in rows:
+        step = plan.estimate.step_time_s
+        print(f"| {name} | {f'{uni:.2f} s' if uni else 'does not fit'} | {f'{alone:.2f} s' if alone else '-'} | "
+              f"{step:.2f} s ({plan.layout_tag}) | {plan.split or plan.hardware + ' alone'} | "
+              f"{(uni / step if uni else float('nan')):.2f}x | {wall:.1f} |")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,11 @@ from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from .data_parallel import exposed_after_overlap, dp_time, optimizer_time, weight_gather_time
+from .data_parallel import exposed_after_overlap, dp_time, host_copy_seconds, optimizer_time, weight_gather_time
 from .estimate import GIB, _throughput, p2p_time, pipeline_time, rank_memory, stage_time
 from .estimate import estimate as estimate_uniform
 from .layout import RankTime, layout_of
+from .offload import host_memory_per_node, states_on_host
 from .plan import Estimate, Plan
 from .plan_groups import GroupEstimate, GroupShare, rank_ranges, ranks_of
 from .validate import check_dtype
@@ -51,8 +52,6 @@ def group_clusters(plan: Plan, mixed: MixedCluster) -> list[Cluster]:
     if sorted(g.hardware for g in plan.groups) != sorted(by_spec):
         raise PlanError("groups", f"the plan's groups {[g.hardware for g in plan.groups]} are not the cluster's "
                         f"{sorted(by_spec)}", "give the plan the cluster it was made for")
-    if plan.offload:
-        raise PlanError("offload", "is not priced on mixed clusters", "plan the mixed cluster without --offload")
     clusters = [by_spec[g.hardware] for g in plan.groups]
     for share, cluster in zip(plan.groups, clusters):
         need = len(share.stages) * len(share.replicas) * plan.tp
@@ -88,12 +87,23 @@ def spanning(mixed: MixedCluster, group: Cluster, n_gpus: int) -> Cluster:
                                   "node": net.node.model_copy(update={"gpus_per_node": per_node})})
 
 
+def group_alone(plan: Plan, share: GroupShare) -> tuple[Plan, int]:
+    """A data split's group as a uniform plan: every replica at this group's (busiest) micro-batch
+    count, so the data-parallel collectives span the whole cluster; and that count."""
+    m = max(plan.micro_batches_of(r) for r in share.replicas)
+    return plan.model_copy(update={"groups": None, "dp_micro_batches": None,
+                                   "global_batch": plan.dp * plan.micro_batch * m}), m
+
+
+def crossing_layout(plan: Plan, mixed: MixedCluster, cluster: Cluster, workload: Workload):
+    """Where a pipeline send from `cluster`'s group to another group goes: the inter-group network."""
+    return replace(layout_of(plan, spanning(mixed, cluster, plan.n_gpus), workload), pp_inter_node=True)
+
+
 def _data_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     per_group = []
     for share, cluster in zip(plan.groups, clusters):
-        m = max(plan.micro_batches_of(r) for r in share.replicas)
-        alone = plan.model_copy(update={"groups": None, "dp_micro_batches": None,
-                                        "global_batch": plan.dp * plan.micro_batch * m})
+        alone, m = group_alone(plan, share)
         per_group.append((share, m, estimate_uniform(workload, alone, spanning(mixed, cluster, plan.n_gpus),
                                                      memory_reserve=reserve)))
     step = max(est.step_time_s for _, _, est in per_group)
@@ -117,7 +127,7 @@ def _row(plan, share: GroupShare, replicas, m, blocks, per_mb, busy, step, peak,
                          memory_capacity_bytes=capacity)
 
 
-def _pipeline_ranks(workload, plan, mixed, clusters):
+def pipeline_ranks(workload, plan, mixed, clusters):
     """Each pipeline rank priced on its group's GPUs; a send between groups on their network."""
     owner = {s: i for i, share in enumerate(plan.groups) for s in share.stages}
     lays = [layout_of(plan, clusters[owner[r]], workload) for r in range(plan.pp)]
@@ -127,13 +137,13 @@ def _pipeline_ranks(workload, plan, mixed, clusters):
         stage_time(plan, workload, lays[r], index, ranks[r])
         if index + 1 < plan.n_virtual_stages and owner[r] != owner[nxt]:
             last = workload.layers[plan.stages[index].end - 1]
-            across = layout_of(plan, spanning(mixed, clusters[owner[r]], plan.n_gpus), workload)
-            ranks[r].pp_comm += p2p_time(last, plan, replace(across, pp_inter_node=True)) - p2p_time(last, plan, lays[r])
+            across = crossing_layout(plan, mixed, clusters[owner[r]], workload)
+            ranks[r].pp_comm += p2p_time(last, plan, across) - p2p_time(last, plan, lays[r])
     return owner, lays, ranks
 
 
 def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
-    owner, lays, ranks = _pipeline_ranks(workload, plan, mixed, clusters)
+    owner, lays, ranks = pipeline_ranks(workload, plan, mixed, clusters)
     m = plan.num_micro_batches
     pipe = pipeline_time(ranks, m, plan.vpp)
     exposed, slack = 0.0, 0.0
@@ -162,7 +172,23 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
                          max(sum(memory[r].values()) for r in mine), capacity))
     est = _throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
+    if plan.offload:
+        est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))
     return _mixed_throughput(workload, plan, mixed, est, rows)
+
+
+def _host(plan, owner, ranks, clusters, reserve) -> dict:
+    """Offload on a pipeline split: each group's nodes hold their own stages' states; the fullest
+    node beside the smallest host memory, and the slowest rank's copies."""
+    used, capacity, copies = 0.0, None, 0.0
+    for i, cluster in enumerate(clusters):
+        mine = [ranks[r].params for r in range(plan.pp) if owner[r] == i]
+        if states_on_host(plan, cluster):
+            used = max(used, host_memory_per_node(mine, plan, cluster))
+        copies = max(copies, host_copy_seconds(max(mine), plan, cluster))
+        room = cluster.node.host_memory_gb * 1e9 * (1 - reserve) if cluster.node.host_memory_gb else None
+        capacity = room if capacity is None or (room is not None and room < capacity) else capacity
+    return {"host_memory_bytes": used, "host_copy_s": copies, "host_memory_capacity_bytes": capacity}
 
 
 def _mixed_throughput(workload, plan, mixed, est: Estimate, rows: list[GroupEstimate]) -> Estimate:

@@ -110,20 +110,27 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     plan = with_estimate(plan, name, cluster)
     replay = replay_micro_batches(plan)
     short = _shortened(plan, replay)
-    capacity = plan.estimate.memory_capacity_bytes
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
         measured, predicted = _measure_isolated(short, name, rank), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak,
-                              predicted=predicted, predicted_peak=sum(predicted.values()), capacity=capacity))
+                              predicted=predicted, predicted_peak=sum(predicted.values()),
+                              capacity=capacity_of(plan, pp_rank)))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
     if plan.offload:
         notes.append("offload: the dry run's fake tensors share one memory with the host, so the offloaded weights, "
                      "gradients and AdamW state are measured beside the device's; the prediction holds them on the host")
     return DryRun(plan, out, replay, notes)
+
+
+def capacity_of(plan: Plan, pp_rank: int) -> float:
+    """Usable memory of pipeline rank `pp_rank`'s GPUs: its own group's on a mixed cluster (the
+    smallest of the groups holding it), the plan's GPU's otherwise."""
+    groups = [g for g in plan.estimate.groups if pp_rank in g.stages]
+    return min(g.memory_capacity_bytes for g in groups) if groups else plan.estimate.memory_capacity_bytes
 
 
 def build_model_check(name: str) -> None:

@@ -28,6 +28,10 @@ def replan(plan: Plan, world_size: int, layer_kinds: list[str] | None = None) ->
         raise PlanError("nproc", f"must be positive, got {world_size}")
     from planner.trace.models.catalog import list_models
 
+    if plan.groups:
+        raise PlanError("nproc", f"a mixed-cluster plan places its groups on its {plan.n_gpus} ranks; which GPU "
+                        f"types {world_size} ranks would be is unknown", f"resume on {plan.n_gpus} ranks, or plan the "
+                        "cluster that is left with `parallax plan MODEL --hw A+B`")
     if plan.model not in list_models():
         return _keep_model_parallel(plan, world_size, layer_kinds)
     import planner

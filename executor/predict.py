@@ -11,6 +11,7 @@ import torch
 
 from costmodel.plan import Plan
 from hardware.errors import ParallaxError
+from hardware.mixed import MixedCluster
 from planner.trace.models.catalog import list_models
 
 
@@ -43,6 +44,9 @@ def estimate_of(plan: Plan, model_name: str, cluster=None):
     from planner.api import estimate
 
     cluster = cluster if cluster is not None else plan.cluster()
+    if plan.groups and not isinstance(cluster, MixedCluster):
+        # a mixed plan run on one kind of hardware (`--hardware cpu.json`): its layout, every rank that kind
+        plan = plan.model_copy(update={"groups": None, "hardware": cluster.spec()})
     model, inputs = _model_and_inputs(plan, model_name)
     return estimate(model, plan, cluster, example_inputs=inputs)
 

@@ -51,6 +51,10 @@ def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str 
                  max_restarts: int, min_nodes: int | None = None, job_name: str | None = None,
                  python: str | None = None, port: int = RDZV_PORT) -> str:
     """The sbatch script's text for `plan` (saved at `plan_path`, a path every node can read)."""
+    if plan.groups:
+        raise PlanError("plan", "a mixed-cluster plan needs a SLURM heterogeneous job (one component per GPU type), "
+                        "which `launch --slurm` does not write", "start `parallax run` on each node with --nnodes, "
+                        "--node-rank (the groups' nodes in the plan's rank order) and --rdzv-endpoint")
     cluster = plan.cluster()
     per_node = min(cluster.gpus_per_node, plan.n_gpus)
     if plan.n_gpus % per_node:

@@ -13,11 +13,11 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-import hardware
 from costmodel.estimate import estimate
 from costmodel.plan import Plan
 from hardware.errors import ModelError, ParallaxError
 from parallax_cli import app, load_plan
+from planner.resolve import resolve_hardware
 
 
 def load_workload(plan: Plan):
@@ -72,6 +72,21 @@ def sim_table(sim, est) -> Table:
     return table
 
 
+def groups_table(sim) -> Table:
+    """A mixed-cluster plan's simulated step per GPU group: the pipeline ranks it holds, when
+    they finish, and (data split) its own replica's step."""
+    table = Table(title=f"GPU groups ({sim.plan.split} split)")
+    for col in ("group", "pipeline ranks", "busy s", "ends s", "own step s", "peak GiB"):
+        table.add_column(col, justify="left" if col in ("group", "pipeline ranks") else "right")
+    for g in sim.groups:
+        played = g.own or sim
+        ranks = [played.ranks[r] for r in g.pipeline_ranks]
+        table.add_row(g.group, ",".join(map(str, g.pipeline_ranks)), f"{max(r.busy_s for r in ranks):.4g}",
+                      f"{max(r.end_s for r in ranks):.4g}", f"{g.own.step_time_s:.4g}" if g.own else "-",
+                      f"{max(r.peak_memory_bytes for r in ranks) / 2**30:.2f}")
+    return table
+
+
 @app.command("simulate")
 def simulate_command(
     plan_path: Path = typer.Argument(..., help="plan JSON (from `parallax plan` or hand-written)"),
@@ -84,7 +99,7 @@ def simulate_command(
     from costmodel.simulate.step import simulate
 
     plan = load_plan(plan_path)
-    cluster = hardware.load(hw) if hw else plan.cluster()
+    cluster = resolve_hardware(hw) if hw else plan.cluster()
     workload = load_workload(plan)
     plan, notes = fit_plan(plan, workload, cluster)
     sim = simulate(workload, plan, cluster)
@@ -92,6 +107,8 @@ def simulate_command(
     for note in notes + list(plan.notes):
         console.print(f"note: {note}")
     console.print(sim_table(sim, plan.estimate or estimate(workload, plan, cluster)))
+    if sim.groups:
+        console.print(groups_table(sim))
     _write_outputs(sim, plan, cluster, notes, trace, plot, report, console)
 
 
@@ -114,5 +131,8 @@ def _write_outputs(sim, plan, cluster, notes, trace, plot, report, console) -> N
             "Step-time breakdown": png_bytes(breakdown_bars([("simulated", sim.breakdown_s), ("estimate", est.breakdown_s)])),
             "Memory per rank": png_bytes(memory_breakdown(sim, est.memory_capacity_bytes)),
         }
+        for group in sim.groups:  # a data split plays each group's replica on its own GPUs
+            if group.own is not None:
+                plots[f"Pipeline timeline: {group.group}"] = png_bytes(pipeline_timeline(group.own))
         text = html_report(f"Parallax simulation: {plan.model} on {cluster.spec()}", sim=sim, plots=plots, notes=notes)
         console.print(f"report written to {write_report(report, text)}")

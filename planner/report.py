@@ -64,6 +64,11 @@ def _sim_table(sim: "SimResult") -> str:
         cells.append(("offload", f"{est.host_memory_bytes / 1e9:,.0f} GB host memory per node; host<->device copies "
                                  f"{est.host_copy_s:.3g} s per step before overlap; AdamW on the host "
                                  f"{sim.breakdown_s.get('optimizer', 0.0):.3g} s"))
+    for g in sim.groups:  # a mixed-cluster plan: where each GPU group's share went
+        played = g.own or sim
+        ends = max(played.ranks[r].end_s for r in g.pipeline_ranks)
+        cells.append((f"group {g.group}", f"pipeline ranks {','.join(map(str, g.pipeline_ranks))}, done at {ends:.4g} s"
+                                          + (f" (its own replica's step {g.own.step_time_s:.4g} s)" if g.own else "")))
     return "<table>" + "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in cells) + "</table>"
 
 

@@ -29,17 +29,24 @@ GLOBAL_BATCH = 8
 PARAM_ATOL = 2e-4
 
 
+MIXED_DATA_SPLIT = [{"hardware": "2xa100-80g", "stages": [0], "replicas": [0, 1]},
+                    {"hardware": "2xh100-sxm", "stages": [0], "replicas": [2, 3]}]
+MIXED_PIPELINE_SPLIT = [{"hardware": "2xa100-80g", "stages": [0], "replicas": [0, 1]},
+                        {"hardware": "2xh100-sxm", "stages": [1], "replicas": [0, 1]}]
+
+
 def make_plan(model: str, dp=1, tp=1, pp=1, zero=0, sp=False, micro_batch=None, schedule="1f1b", vpp=1,
               recompute="none", n_layers=6, dp_shard=None, cp=1, ep=1, offload=False, dp_micro_batches=None,
-              bounds=None) -> Plan:
+              bounds=None, groups=None) -> Plan:
     """A plan with evenly cut stages over the expanded layer list (embedding, 4 blocks, head)."""
     n_stages = pp * vpp
     bounds = bounds or [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
     stages = [{"start": a, "end": b, "recompute": [recompute] * (b - a)} for a, b in zip(bounds, bounds[1:])]
     micro = micro_batch or GLOBAL_BATCH // (dp * max(pp, 1) * (2 if pp > 1 else 1))
-    return Plan(model=model, hardware="cpu", global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
+    hardware = "+".join(g["hardware"] for g in groups) if groups else "cpu"
+    return Plan(model=model, hardware=hardware, global_batch=GLOBAL_BATCH, seq_len=SEQ, dtype="fp32", dp=dp, tp=tp, pp=pp,
                 sp=sp, zero=zero, micro_batch=max(micro, 1), schedule=schedule, vpp=vpp, stages=stages,
-                dp_shard=dp_shard, cp=cp, ep=ep, offload=offload, dp_micro_batches=dp_micro_batches)
+                dp_shard=dp_shard, cp=cp, ep=ep, offload=offload, dp_micro_batches=dp_micro_batches, groups=groups)
 
 
 def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]], out_dir: str) -> None:
@@ -158,11 +165,12 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "zero3_offload": dict(dp=2, zero=3, offload=True), "zero2_offload": dict(dp=2, zero=2, offload=True),
         "tp_offload": dict(tp=2, zero=3, offload=True), "pp_offload": dict(pp=2, zero=3, offload=True),
         "zero3_offload_accumulate": dict(dp=2, zero=3, offload=True, micro_batch=GLOBAL_BATCH // 4),
-        # a mixed cluster's shapes: 2+2 replicas running 1 and 3 micro-batches a step (the faster pair
-        # takes three quarters of the batch), and a pipeline whose stages hold 1 and 3 of the 4 blocks
-        "uneven_shares": dict(dp=4, micro_batch=1, dp_micro_batches=[1, 1, 3, 3]),
-        "uneven_shares_zero1": dict(dp=4, zero=1, micro_batch=1, dp_micro_batches=[1, 1, 3, 3]),
-        "stage_split_1_3": dict(pp=2, dp=2, bounds=[0, 2, 6]),
+        # mixed-cluster plans (with groups, 2 slower + 2 faster GPUs): 2+2 replicas running 1 and 3
+        # micro-batches a step (the faster pair takes three quarters of the batch), and a pipeline
+        # whose stages hold 1 and 3 of the 4 blocks
+        "uneven_shares": dict(dp=4, micro_batch=1, dp_micro_batches=[1, 1, 3, 3], groups=MIXED_DATA_SPLIT),
+        "uneven_shares_zero1": dict(dp=4, zero=1, micro_batch=1, dp_micro_batches=[1, 1, 3, 3], groups=MIXED_DATA_SPLIT),
+        "stage_split_1_3": dict(pp=2, dp=2, bounds=[0, 2, 6], groups=MIXED_PIPELINE_SPLIT),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 

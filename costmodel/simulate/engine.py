@@ -42,7 +42,7 @@ class EngineInput:
     p2p_bwd: list[float]  # stage s -> s-1
     activation: list[tuple[float, float]]  # (kept, transient) per stage
     buckets: dict[int, list[Bucket]]  # per stage
-    bucket_time: callable
+    bucket_time: callable  # (bytes, virtual stage) -> (seconds, verb)
     pp_stream: str
     dp_stream: str
 
@@ -164,7 +164,7 @@ class Engine:
     def _reduce(self, t: float, r: int, n: int, bucket: Bucket) -> None:
         key = (r, self.s.dp_stream, "dp")
         start = max(self.out.comm_free.get(key, 0.0), t)
-        seconds, verb = self.s.bucket_time(bucket.grad_bytes)
+        seconds, verb = self.s.bucket_time(bucket.grad_bytes, bucket.stage)
         self.out.comm_free[key] = start + seconds
         self.out.dp_end[r] = max(self.out.dp_end[r], start + seconds)
         self.out.events.append(Event(r, self.s.dp_stream, f"{verb} bucket {n} s{bucket.stage}", start, seconds, "dp"))

@@ -150,11 +150,12 @@ def stage_activation(plan: Plan, pricer: Pricer, index: int) -> float:
     return sum(activation_bytes(layer, policy, **kw) for _, layer, policy in pricer.stage_layers(index))
 
 
-def p2p_seconds(plan: Plan, pricer: Pricer, boundary_layer: int) -> float:
-    """One-way send of the activation (or its gradient) at a stage boundary, one micro-batch."""
-    layer = pricer.workload.layers[boundary_layer]
+def p2p_seconds(plan: Plan, workload: Workload, lay: Layout, boundary_layer: int) -> float:
+    """One-way send of the activation (or its gradient) at a stage boundary, one micro-batch,
+    over the links of `lay`."""
+    layer = workload.layers[boundary_layer]
     nbytes = layer.boundary_bytes * plan.micro_batch_per_rank / plan.tp
-    return coll.point_to_point(nbytes, pricer.lay.ctx.cluster, inter_node=pricer.lay.pp_inter_node)
+    return coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
 
 
 def buckets(plan: Plan, pricer: Pricer, index: int, template: OpTemplate, bucket_bytes: float) -> list[Bucket]:

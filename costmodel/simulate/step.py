@@ -30,7 +30,7 @@ from .schedule import rank_orders
 from .stats import RankSim, breakdown, exposed_by_kind, memory_timeline
 from ..workload import Workload
 
-__all__ = ["SimResult", "RankSim", "Event", "simulate"]
+__all__ = ["SimResult", "RankSim", "Event", "GroupTimeline", "simulate", "play"]
 
 
 @dataclass
@@ -48,44 +48,76 @@ class SimResult:
     tokens_per_s: float
     mfu: float
     events: list[Event] = field(repr=False)
+    groups: list["GroupTimeline"] = field(default_factory=list)  # a mixed-cluster plan's groups
 
     @property
     def critical_rank(self) -> int:
         return max(range(len(self.ranks)), key=lambda r: (self.ranks[r].end_s, -r))
 
 
-def simulate(workload: Workload, plan: Plan, cluster: Cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
-    """Simulate one step of `plan`; raises PlanError if the plan does not fit the model or cluster."""
+@dataclass
+class GroupTimeline:
+    """One GPU group of a mixed-cluster plan in the simulated step: the pipeline ranks it holds
+    (a pipeline split: one timeline through every group), or its own replica played on its own
+    GPUs (a data split: one timeline per group, the slowest setting the step)."""
+
+    group: str
+    pipeline_ranks: list[int]
+    own: "SimResult | None" = None
+
+
+def simulate(workload: Workload, plan: Plan, cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
+    """Simulate one step of `plan` on `cluster` (a `Cluster`, or the `MixedCluster` a plan with
+    groups was made for: `costmodel.simulate.mixed`); raises PlanError if the plan does not fit
+    the model or cluster."""
+    if plan.groups or not isinstance(cluster, Cluster):
+        from .mixed import simulate_mixed
+
+        return simulate_mixed(workload, plan, cluster, bucket_bytes)
     cluster = cluster.for_stack(plan.stack)
     lay, rank_times = price_ranks(workload, plan, cluster)
-    pricer = Pricer(plan, workload, lay)
-    peaks = [peak_moments(plan, workload, r, rank_times[r], cluster) for r in range(plan.pp)]
+    return play(workload, plan, [cluster] * plan.pp, [lay] * plan.pp, rank_times, bucket_bytes)
+
+
+def play(workload: Workload, plan: Plan, clusters: list[Cluster], lays: list, rank_times: list[RankTime],
+         bucket_bytes: float, send_lays: list | None = None) -> SimResult:
+    """Run the engine over priced pipeline ranks, rank r on `clusters[r]` with layout `lays[r]`;
+    `send_lays[s]`: the layout virtual stage s's sends cross (default: its rank's)."""
+    pricers = {}
+    for lay in lays:
+        pricers.setdefault(id(lay), Pricer(plan, workload, lay))
+    per_rank = [pricers[id(lay)] for lay in lays]
+    peaks = [peak_moments(plan, workload, r, rank_times[r], clusters[r]) for r in range(plan.pp)]
     # each rank's transient at its peak moment (a rebuilt block, the loss's temporaries), while its ops run
     transients = [max(0.0, memory["activations"] - saved) for memory, saved in peaks]
-    spec = _engine_input(plan, pricer, lay, bucket_bytes, transients)
+    sends = send_lays or [lays[s % plan.pp] for s in range(plan.n_virtual_stages)]
+    spec = _engine_input(plan, per_rank, sends, bucket_bytes, transients)
     out = Engine(spec).run()
-    return _assemble(plan, workload, cluster, lay, rank_times, spec, out, [memory for memory, _ in peaks])
+    return _assemble(plan, workload, clusters, lays, rank_times, spec, out, [memory for memory, _ in peaks])
 
 
-def _engine_input(plan: Plan, pricer: Pricer, lay, bucket_bytes: float, transients: list[float]) -> EngineInput:
-    n = plan.n_virtual_stages
-    templates = {(s, ph): pricer.template(s, ph) for s in range(n) for ph in ("F", "B")}
-    fwd = [p2p_seconds(plan, pricer, plan.stages[s].end - 1) if s < n - 1 else 0.0 for s in range(n)]
+def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: float,
+                  transients: list[float]) -> EngineInput:
+    n, pp = plan.n_virtual_stages, plan.pp
+    templates = {(s, ph): pricers[s % pp].template(s, ph) for s in range(n) for ph in ("F", "B")}
+    fwd = [p2p_seconds(plan, pricers[s % pp].workload, sends[s], plan.stages[s].end - 1) if s < n - 1 else 0.0
+           for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
     if plan.data_parallel > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
-        grads = {s: buckets(plan, pricer, s, templates[(s, "B")], bucket_bytes) for s in range(n)}
+        grads = {s: buckets(plan, pricers[s % pp], s, templates[(s, "B")], bucket_bytes) for s in range(n)}
+    reducers = [_bucket_pricer(plan, pricer.lay) for pricer in pricers]
     return EngineInput(
         n_stages=n,
         orders=rank_orders(plan.schedule, plan.pp, plan.num_micro_batches, plan.vpp),
         templates=templates,
         p2p_fwd=fwd,
         p2p_bwd=bwd,
-        activation=[(stage_activation(plan, pricer, s), transients[s % plan.pp]) for s in range(n)],
+        activation=[(stage_activation(plan, pricers[s % pp], s), transients[s % pp]) for s in range(n)],
         buckets=grads,
-        bucket_time=_bucket_pricer(plan, lay),
-        pp_stream=pricer.pp_stream,
-        dp_stream=pricer.dp_stream,
+        bucket_time=lambda nbytes, stage: reducers[stage % pp](nbytes),
+        pp_stream=pricers[0].pp_stream,
+        dp_stream=pricers[0].dp_stream,
     )
 
 
@@ -152,8 +184,8 @@ def _rank_sim(plan, memory: dict, r, rank_time, spec, out, events, end) -> RankS
     )
 
 
-def _assemble(plan, workload, cluster, lay, rank_times, spec, out, memories) -> SimResult:
-    tails = [_tail(plan, cluster, lay, r, rank_times[r], out) for r in range(plan.pp)]
+def _assemble(plan, workload, clusters, lays, rank_times, spec, out, memories) -> SimResult:
+    tails = [_tail(plan, clusters[r], lays[r], r, rank_times[r], out) for r in range(plan.pp)]
     by_rank: list[list[Event]] = [[] for _ in range(plan.pp)]
     for e in out.events:
         by_rank[e.rank].append(e)
@@ -177,6 +209,6 @@ def _assemble(plan, workload, cluster, lay, rank_times, spec, out, memories) -> 
         peak_memory_rank=peak.rank,
         peak_memory_time_s=peak.peak_memory_time_s,
         tokens_per_s=plan.global_batch * plan.seq_len / step,
-        mfu=model_flops / step / plan.n_gpus / cluster.gpu.peak_flops(plan.dtype),
+        mfu=model_flops / step / plan.n_gpus / clusters[0].gpu.peak_flops(plan.dtype),
         events=out.events,
     )

@@ -155,6 +155,29 @@ def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> l
     return out
 
 
+def placed(workload, mixed, uniform: Plan, reserve) -> list[tuple[Plan, list]]:
+    """A uniform plan (any layout the uniform search offers: sp, offload, interleaving...) laid on
+    the groups as a pipeline split, in every group order where each group holds whole pipeline
+    ranks; priced on the mixed cluster with its even partition, for CP-SAT to rebalance."""
+    per_rank = uniform.n_gpus // uniform.pp
+    if any(g.n_gpus % per_rank for g in mixed.groups) or len(mixed.groups) < 2:
+        return []
+    out = []
+    for order in permutations(mixed.groups):
+        groups, first = [], 0
+        for g in order:
+            n = g.n_gpus // per_rank
+            groups.append(share(g, list(range(first, first + n)), list(range(uniform.dp))))
+            first += n
+        plan = uniform.model_copy(update={"hardware": mixed.spec(), "hardware_profile": None, "groups": groups,
+                                          "estimate": None, "alternatives": [], "solver": None, "notes": [],
+                                          "checkpointing": None})
+        plan = priced(workload, Plan.model_validate(plan.model_dump()), mixed, reserve)
+        if plan is not None:
+            out.append((plan, list(order)))
+    return out
+
+
 # --- data split ----------------------------------------------------------------------
 
 def data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype, name, reserve) -> Plan | None:

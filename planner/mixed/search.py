@@ -5,6 +5,9 @@ The search has the uniform branch and bound's two phases:
 1. every pipeline split (each group order, its blocks at the exact single-policy
    balance) and every data split (the global batch shared by CP-SAT,
    `planner.mixed.shares`) is built as a Plan and priced by the estimator;
+   The best uniform plan of the cluster seen as its slowest GPU (any layout the uniform
+   search offers) is laid on the groups as a pipeline split too, so every feature of the
+   uniform space reaches mixed clusters;
 2. the most promising pipeline splits go to the CP-SAT stage model with per-rank
    coefficients (`planner.mixed.refine`), until the time limit; it keeps a refined
    partition only where the estimator finds it faster, so the search is never slower
@@ -26,7 +29,7 @@ from costmodel.plan import Plan, SolverReport
 from hardware.errors import InfeasibleError, PlanError
 from hardware.mixed import MixedCluster, load_mixed
 
-from planner.mixed.layouts import data_splits, pipeline_splits
+from planner.mixed.layouts import data_splits, pipeline_splits, placed
 from planner.mixed.refine import refine
 from planner.resolve import model_name, resolve_workload
 from planner.search.coefficients import LayerTimes
@@ -45,7 +48,9 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
     name = model_name(model, workload)
     kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
-    pipes = sorted(pipeline_splits(workload, mixed, **kw), key=lambda po: po[0].estimate.step_time_s)
+    uniform = _uniform(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None
+    seeds = placed(workload, mixed, uniform, memory_reserve) if uniform is not None else []
+    pipes = sorted(pipeline_splits(workload, mixed, **kw) + seeds, key=lambda po: po[0].estimate.step_time_s)
     datas = data_splits(workload, mixed, **kw)
     refined, times, budget = [], LayerTimes(), time_limit_s / 2
     for plan, order in pipes:
@@ -60,11 +65,12 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
                               "add GPUs, lower the batch or the sequence length")
     found.sort(key=lambda p: p.estimate.step_time_s)
     best = found[0]
-    notes = _comparison(best, workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve, compare_uniform)
+    notes = _comparison(best, mixed, uniform, compare_uniform)
     solved = sum(1 for a, b in zip(refined, pipes) if a is not b[0])
     report = SolverReport(status="mixed", wall_s=time.perf_counter() - start, layouts_considered=len(found),
                           layouts_solved=solved, gap=0.0,
-                          notes=[f"{len(pipes)} pipeline splits and {len(datas)} data splits priced; CP-SAT improved "
+                          notes=[f"{len(pipes)} pipeline splits ({len(seeds)} of them the uniform plan laid on the "
+                                 f"groups) and {len(datas)} data splits priced; CP-SAT improved "
                                  f"{solved} pipeline partitions; {len(subsets)} single-group plans"])
     alternatives = [_best_of(found, kind) for kind in ("pipeline", "data", "")]
     return best.model_copy(update={"solver": report, "notes": [*notes, *best.notes],
@@ -86,7 +92,16 @@ def _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserv
     return out
 
 
-def _comparison(best, workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve, compare: bool) -> list[str]:
+def _uniform(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> Plan | None:
+    """The best uniform plan of the cluster seen as n GPUs of the slowest type."""
+    try:
+        return plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                            top_k=1, time_limit_s=time_limit_s / 4, memory_reserve=reserve)
+    except InfeasibleError:
+        return None
+
+
+def _comparison(best: Plan, mixed: MixedCluster, uniform: Plan | None, compare: bool) -> list[str]:
     step = best.estimate.step_time_s
     if best.split:
         notes = [f"{best.split} split over {mixed.spec()}"]
@@ -94,10 +109,7 @@ def _comparison(best, workload, mixed, global_batch, seq_len, dtype, time_limit_
         notes = [f"{best.hardware} alone is fastest; the other GPUs of {mixed.spec()} stay idle"]
     if not compare:
         return notes
-    try:
-        uniform = plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len,
-                               dtype=dtype, top_k=1, time_limit_s=time_limit_s / 4, memory_reserve=reserve)
-    except InfeasibleError:
+    if uniform is None:
         return [*notes, "the uniform plan that ignores the difference does not fit"]
     theirs = uniform.estimate.step_time_s
     return [*notes, f"the uniform plan that ignores the difference ({uniform.layout_tag}, everyone at the slowest "
