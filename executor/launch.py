@@ -146,7 +146,20 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         report = report.model_copy(update={"notes": [replanned, *report.notes]})
     ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
     report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
-    return report.with_prediction(*predict(ran, model, cluster))
+    step, peak, note = predict(ran, model, cluster)
+    return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+
+
+def _elsewhere(plan: Plan, device: str, cluster) -> str:
+    """The note that says a GPU plan ran on this CPU, so its prediction is not of this machine."""
+    if cluster is not None or device != "cpu":
+        return ""
+    planned = plan.cluster()
+    gpus = [g.gpu for g in planned.groups] if plan.groups else [planned.gpu]
+    if all(gpu.device_type == "cpu" for gpu in gpus):
+        return ""
+    return (f"predicted for {plan.hardware}, not this CPU: pass --hardware PROFILE (from `parallax calibrate`) "
+            "to predict this machine")
 
 
 def layer_kinds(module) -> list[str]:
