@@ -21,6 +21,9 @@ from .memory import state_bytes_per_param
 from .workload import LayerProfile
 
 BACKWARD_FACTOR = 2.0
+# A fused attention kernel keeps no scores: its backward recomputes them, five s^2 GEMMs to the
+# forward's two (FlashAttention, Dao et al. 2022, sec. 3.1; torch's sdpa_backward_flop_count).
+FUSED_ATTENTION_BACKWARD = 2.5
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         extra, extra_comm = 0.0, 0.0
     return LayerTime(
         forward=forward,
-        backward=BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward,
+        backward=(BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward
+                  + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
         recompute=extra,
         tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
                  + expert_exchange_time(layer, ctx) + gather + extra_comm),

@@ -16,6 +16,28 @@ from pydantic import BaseModel, ConfigDict, Field
 LayerKind = Literal["embedding", "block", "head", "other"]
 
 
+class AttentionCall(BaseModel):
+    """A layer's `scaled_dot_product_attention` calls as torch's kernel choice sees them: the
+    shapes, dtype, mask, dropout and memory layout its eligibility rules read."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    heads: int = Field(ge=1)
+    kv_heads: int = Field(ge=1)
+    head_dim: int = Field(ge=1)
+    value_dim: int = Field(ge=1)
+    q_len: int = Field(ge=1)
+    kv_len: int = Field(ge=1)
+    dtype: Literal["float32", "float64", "bfloat16", "float16"]
+    mask: Literal["none", "causal", "bool", "float"] = Field(description="no mask, is_causal, or an explicit mask")
+    dropout: bool
+    gqa: bool = Field(False, description="enable_gqa: fewer key/value heads than query heads")
+    layout: Literal["bshd", "packed", "other"] = Field(
+        "other", description="the query/key/value strides: [b, s, h, d] transposed (what cuDNN takes), one packed "
+        "QKV projection, or anything else")
+    count: int = Field(1, ge=1, description="calls per layer")
+
+
 class LayerProfile(BaseModel):
     """One layer's forward work, parameters and saved activations, per sequence."""
 
@@ -67,6 +89,12 @@ class LayerProfile(BaseModel):
                                  "(the M of its GEMMs)")
     tied_params: int = Field(0, ge=0, description="parameters shared with an earlier layer (a tied LM head), "
                              "counted there; a pipeline stage holding this layer keeps its own copy of them")
+    attention: AttentionCall | None = Field(None, description="its scaled_dot_product_attention calls, if any")
+    attention_path: Literal["fused", "math"] | None = Field(
+        None, description="how this profile runs them: one fused kernel (flash, memory-efficient, cuDNN, the CPU's "
+        "flash loop: no scores kept) or torch's math path (scores materialised, softmaxed, dropped out, saved)")
+    other_path: "LayerProfile | None" = Field(None, description="the same layer on the other attention path, for "
+                                              "the device whose kernel choice needs it (`costmodel.attention`)")
 
 
 class Segment(BaseModel):
@@ -91,6 +119,8 @@ class Workload(BaseModel):
     flash_attention: bool = True
     n_experts: int = Field(0, ge=0, description="experts per mixture-of-experts layer (0: dense)")
     max_seq_len: int | None = Field(None, description="longest sequence the model takes (learned positions), if any")
+    attention_backend: str | None = Field(None, description="the attention kernel its layers are priced with, once "
+                                          "chosen for a device (`costmodel.attention.for_device`); None: as traced")
 
     @cached_property
     def layers(self) -> list[LayerProfile]:

@@ -61,6 +61,8 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
     for sub in model.modules():  # dropout would make ranks and the reference diverge
         if isinstance(sub, nn.Dropout):
             sub.p = 0.0
+        elif isinstance(sub, nn.MultiheadAttention):  # its attention dropout is a float, not a module
+            sub.dropout = 0.0
     return model
 
 

@@ -31,12 +31,12 @@ def _model_and_inputs(plan: Plan, model_name: str):
     return model, None if isinstance(model, str) else (torch.zeros(1, plan.seq_len, dtype=torch.long),)
 
 
-def workload_of(plan: Plan, model_name: str):
-    """The traced workload of the model the workers build, as the planner prices it."""
+def workload_of(plan: Plan, model_name: str, cluster=None):
+    """The traced workload of the model the workers build, as the planner prices it on `cluster`."""
     from planner.resolve import resolve_workload
 
     model, inputs = _model_and_inputs(plan, model_name)
-    return resolve_workload(model, seq_len=plan.seq_len, dtype=plan.dtype, example_inputs=inputs)
+    return resolve_workload(model, seq_len=plan.seq_len, dtype=plan.dtype, example_inputs=inputs, cluster=cluster)
 
 
 def estimate_of(plan: Plan, model_name: str, cluster=None):

@@ -22,7 +22,8 @@ def profile_report(folder: str | Path, plan: Plan, model_name: str, cluster=None
     if not traces:
         return [f"profile: no profiled step was recorded in {folder}"]
     try:
-        sim = simulate(workload_of(plan, model_name), plan, cluster if cluster is not None else plan.cluster())
+        hardware = cluster if cluster is not None else plan.cluster()
+        sim = simulate(workload_of(plan, model_name, hardware), plan, hardware)
     except ParallaxError as error:
         return [f"profile: rank traces in {folder}; no predicted timeline: {error}"]
     cp = plan.cp > 1

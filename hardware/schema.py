@@ -124,6 +124,10 @@ class GPU(_Sourced):
     device_type: Literal["cuda", "cpu"] = Field("cuda", description="the torch device its ranks run on, which "
                                                 "sets torch's defaults (AdamW's foreach path on cuda, its "
                                                 "per-tensor loop on cpu)")
+    arch: str | None = Field(None, pattern=r"^(sm\d{2,3}|gfx\d{3,4}[a-z]?)$", description="the GPU architecture "
+                             "torch's kernel choices look at: CUDA's sm<major><minor> (sm80 for A100) or ROCm's "
+                             "gfx target (gfx942 for MI300X); None on a CPU. It decides which scaled-dot-product-"
+                             "attention kernel runs (`costmodel.attention`)")
     peak_tflops: dict[Dtype, float]
     hbm_gb: float = Field(gt=0)
     hbm_gbps: float = Field(gt=0, description="HBM bandwidth, GB/s")

@@ -20,14 +20,17 @@ from parallax_cli import app, load_plan
 from planner.resolve import resolve_hardware
 
 
-def load_workload(plan: Plan):
-    """The plan's model as a Workload, through the planner's tracing front end."""
+def load_workload(plan: Plan, cluster):
+    """The plan's model as a Workload, through the planner's tracing front end, its attention
+    as `cluster` runs it."""
     try:
         from planner.trace.workload_for import workload_for
     except ImportError as error:
         raise ModelError("model", f"cannot build the workload of {plan.model!r}: planner.trace.workload_for is unavailable ({error})",
                          "install the full planner") from None
-    return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0]
+    from planner.resolve import for_hardware
+
+    return for_hardware(workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0], cluster)
 
 
 def fit_plan(plan: Plan, workload, cluster) -> tuple[Plan, list[str]]:
@@ -100,7 +103,7 @@ def simulate_command(
 
     plan = load_plan(plan_path)
     cluster = resolve_hardware(hw) if hw else plan.cluster()
-    workload = load_workload(plan)
+    workload = load_workload(plan, cluster)
     plan, notes = fit_plan(plan, workload, cluster)
     sim = simulate(workload, plan, cluster)
     console = Console(width=160)

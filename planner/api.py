@@ -55,5 +55,6 @@ def estimate(model: Any, plan_: Plan, hw: str | Cluster | None = None, *, exampl
              memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> Estimate:
     """Price a given plan (hand-written or solved) without searching."""
     cluster = resolve_hardware(hw) if hw is not None else plan_.cluster()
-    workload = resolve_workload(model, seq_len=plan_.seq_len, dtype=plan_.dtype, example_inputs=example_inputs)
+    workload = resolve_workload(model, seq_len=plan_.seq_len, dtype=plan_.dtype, example_inputs=example_inputs,
+                                cluster=cluster)
     return price_plan(workload, plan_, cluster, memory_reserve=memory_reserve)

@@ -223,7 +223,7 @@ def plan_inference(
     _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     check_dtype(dtype, cluster)
-    workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype)
+    workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve)
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms)

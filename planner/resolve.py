@@ -26,7 +26,23 @@ def resolve_hardware(hw, **overrides):
     return hardware.load(hw, **overrides)
 
 
-def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
+def resolve_workload(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None, cluster=None) -> Workload:
+    """The model's Workload; with `cluster`, its attention on the path that hardware runs
+    (`costmodel.attention.for_device`)."""
+    workload = _traced(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
+    return for_hardware(workload, cluster) if cluster is not None else workload
+
+
+def for_hardware(workload: Workload, cluster) -> Workload:
+    """`workload` priced as `cluster`'s GPUs run its attention (each group's, on a mixed cluster)."""
+    from costmodel.attention import for_device
+    from hardware.mixed import MixedCluster
+
+    gpus = [g.gpu for g in cluster.groups] if isinstance(cluster, MixedCluster) else [cluster.gpu]
+    return for_device(workload, gpus)
+
+
+def _traced(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
     if isinstance(model, Workload):
         return model
     from planner.trace.workload_for import workload_for

@@ -12,6 +12,7 @@ from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
 
+from costmodel.attention import backend_note
 from planner.resolve import check_inputs, model_name, resolve_hardware, resolve_workload
 from planner.search.branch_and_bound import TARGET_GAP, search
 from planner.search.infeasible import infeasibility_report
@@ -55,7 +56,8 @@ def plan_uniform(
     if allow_compression and "compression" not in fixed:
         fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
     check_dtype(dtype, cluster)
-    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs, cluster=cluster)
+    why = "; ".join(filter(None, [why, backend_note(workload, cluster.gpu.name)]))
     check_pins(fixed, workload, cluster)
     name = model_name(model, workload)
     clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]

@@ -45,7 +45,7 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
         raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 256")
     start = time.perf_counter()
     mixed = load_mixed(hw)
-    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, cluster=mixed)
     name = model_name(model, workload)
     kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
     uniform = _uniform(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None

@@ -56,6 +56,8 @@ class OpGraph:
     module_types: dict[str, str] = field(default_factory=dict)
     tp_split_modules: set[str] = field(default_factory=set)  # what the executor's TP splits
     meta: dict[str, Any] = field(default_factory=dict)
+    attention_calls: list[dict] = field(default_factory=list)  # scaled_dot_product_attention calls, traced order
+    math_path: "OpGraph | None" = None  # the same model traced with those calls on torch's math path
 
     def warn_once(self, message: str) -> None:
         """Record a problem once on the graph and once through `warnings`."""

@@ -201,6 +201,14 @@ def _default_loss(output: Any, tokens: torch.Tensor | None) -> torch.Tensor:
     return logits.float().sum()
 
 
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor as an uninitialised CPU one of its shape (a factory's module built on the
+    meta device), so that its fake copy sits on the device the example inputs do."""
+    if t.device.type != "meta":
+        return t
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, requires_grad=t.requires_grad)
+
+
 def _fake_state(module: torch.nn.Module, fake_mode: FakeTensorMode, dtype: torch.dtype) -> tuple[dict, dict]:
     """Fake copies of the parameters/buffers (ties kept), cast to the trace dtype."""
     fakes: dict[int, torch.Tensor] = {}
@@ -208,7 +216,8 @@ def _fake_state(module: torch.nn.Module, fake_mode: FakeTensorMode, dtype: torch
 
     def fake(t: torch.Tensor, grad: bool) -> torch.Tensor:
         if id(t) not in fakes:
-            f = t if isinstance(t, FakeTensor) else fake_mode.from_tensor(t)
+            src = t if isinstance(t, FakeTensor) else _on_cpu(t)
+            f = src if isinstance(src, FakeTensor) else fake_mode.from_tensor(src)
             if f.is_floating_point() and f.dtype != dtype:
                 f = f.to(dtype)
             fakes[id(t)] = f.detach().requires_grad_(grad) if grad and not f.requires_grad else f
@@ -233,15 +242,27 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     tensors are replaced by fake ones, so nothing is computed or allocated.
     `call_kwargs` are extra non-tensor forward arguments (e.g. use_cache=False);
     `loss_fn(output, tokens)` makes the scalar that backward starts from.
-    Raises `ModelError` naming the module and op when tracing fails.
+    Scaled-dot-product attention is traced as one fused kernel; a module that calls
+    it is traced again with the calls on torch's math path (`OpGraph.math_path`,
+    see `planner.trace.attention`). Raises `ModelError` naming the module and op
+    when tracing fails.
     """
+    args = (module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs)
+    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
+    og = _trace_once(*args, fake_mode, "fused")
+    if og.attention_calls:
+        og.math_path = _trace_once(*args, fake_mode, "math")
+    return og
+
+
+def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs, fake_mode, path) -> OpGraph:
+    from planner.trace.attention import sdpa_as
     from planner.trace.blocks import analyse
 
-    fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     state, names = _fake_state(module, fake_mode, DTYPES.get(dtype, torch.bfloat16))
     with fake_mode:
-        inputs = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) else t
-                  for t in (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)]
+        inputs = [_fake_input(fake_mode, t) for t in
+                  (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)]
     first = next((t for t in inputs if isinstance(t, torch.Tensor)), None)
     seq = seq_len or (int(first.shape[1]) if first is not None and first.dim() >= 2 else 1)
     batch = int(first.shape[0]) if first is not None and first.dim() >= 1 else 1
@@ -252,8 +273,10 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
         if isinstance(t, torch.Tensor):
             tracer.add_input(t, f"input:{keys[i] if keys else i}")
     handles = tracer.hook(module)
+    record = lambda call: og.attention_calls.append({**call, "first_node": og.graph.number_of_nodes()})  # noqa: E731
     try:
-        _run(module, state, inputs, keys, tracer, fake_mode, loss_fn or _default_loss, call_kwargs or {})
+        with sdpa_as(path, record):
+            _run(module, state, inputs, keys, tracer, fake_mode, loss_fn or _default_loss, call_kwargs or {})
     except ModelError:
         raise
     except Exception as error:  # noqa: BLE001 - any torch failure becomes one line
@@ -263,6 +286,16 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
             handle.remove()
     analyse(og)
     return og
+
+
+def _fake_input(fake_mode: FakeTensorMode, value):
+    """A fake copy of an example input, on the CPU: a module built on the meta device traces
+    beside inputs made anywhere."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, FakeTensor):
+        return value
+    if value.device.type == "meta":  # made under fake_mode: a fake CPU tensor, nothing allocated
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype)
+    return fake_mode.from_tensor(value.to("cpu"))
 
 
 def _run(module, state, inputs, keys, tracer, fake_mode, loss_fn, extra) -> None:

@@ -20,7 +20,7 @@ Conventions:
 """
 from __future__ import annotations
 
-from costmodel.workload import LayerProfile, Segment, Workload
+from costmodel.workload import AttentionCall, LayerProfile, Segment, Workload
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
 from planner.trace.saved import sp_whole_bytes, transient
@@ -158,6 +158,41 @@ def _counts(og: OpGraph, n_blocks: int | dict[str, int] | None) -> dict[str, int
     return counts
 
 
+def _calls_in(og: OpGraph, layer: str) -> list[dict]:
+    """The attention calls made in `layer`: those whose first recorded op lies in it."""
+    g = og.graph
+    out = []
+    for call in og.attention_calls:
+        node = call["first_node"]
+        while node < g.number_of_nodes() and g.nodes[node]["kind"] in ("view", "input"):
+            node += 1
+        if node < g.number_of_nodes() and g.nodes[node].get("layer") == layer:
+            out.append(call)
+    return out
+
+
+def _profile(og: OpGraph, layer: str, name: str, kind: str, math_layer: str | None) -> LayerProfile:
+    """The layer's profile with its attention fused, and the math path beside it when it calls SDPA."""
+    fused = layer_profile(og, layer, name, kind)
+    calls = _calls_in(og, layer)
+    if not calls or og.math_path is None or math_layer is None:
+        return fused
+    described = {k: v for k, v in calls[0].items() if k != "first_node"}
+    call = AttentionCall(**described, count=len(calls))
+    math = layer_profile(og.math_path, math_layer, name, kind)
+    return fused.model_copy(update={"attention": call, "attention_path": "fused", "other_path": math.model_copy(
+        update={"attention": call, "attention_path": "math"})})
+
+
+def _math_names(og: OpGraph) -> list[str | None]:
+    """The math-path trace's representative of each block group (same order as og's)."""
+    if og.math_path is None:
+        return [None] * len(og.meta.get("blocks", []))
+    og.math_path.meta.update({k: v for k, v in og.meta.items() if k not in ("blocks", "flash_attention")})
+    reps = [group["rep"] for group in og.math_path.meta.get("blocks", [])]
+    return reps + [None] * (len(og.meta.get("blocks", [])) - len(reps))
+
+
 def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Workload:
     """Segments: embedding, each block group × its depth, other, head.
 
@@ -167,15 +202,17 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     present = {d.get("layer") for _, d in og.nodes()}
     counts = _counts(og, n_blocks)
     segments = []
+    math_reps = _math_names(og)
+    fixed = lambda layer: _profile(og, layer, layer, layer, layer if og.math_path is not None else None)  # noqa: E731
     if "embedding" in present:
-        segments.append(Segment(layer=layer_profile(og, "embedding", "embedding", "embedding")))
+        segments.append(Segment(layer=fixed("embedding")))
     for i, group in enumerate(og.meta.get("blocks", [])):
-        layer = layer_profile(og, group["rep"], group["prefix"], "block")
+        layer = _profile(og, group["rep"], group["prefix"], "block", math_reps[i])
         segments.append(Segment(layer=layer, count=max(1, counts[group["prefix"]])))
         if i == 0 and "other" in present:
-            segments.append(Segment(layer=layer_profile(og, "other", "other", "other")))
+            segments.append(Segment(layer=fixed("other")))
     if "head" in present:
-        segments.append(Segment(layer=layer_profile(og, "head", "head", "head")))
+        segments.append(Segment(layer=fixed("head")))
     meta = og.meta
     return Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
                     heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
