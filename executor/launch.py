@@ -129,7 +129,9 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         # intra-op thread pools do not oversubscribe the cores (torchrun's own default is 1 thread);
         # a caller's OMP_NUM_THREADS is kept. The worker sizes torch's pool from it.
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH")]))
+        # the packages, and the current directory: a plan of `--module pkg.mod:factory` imports it there
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.getcwd(),
+                                                          env.get("PYTHONPATH")]))
         cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, nodes,
                                str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts,
                                seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs,

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from planner.executable import block_container
+
 
 @dataclass(frozen=True)
 class LayerMap:
@@ -35,12 +37,7 @@ class LayerMap:
 
 
 def _block_container(model: nn.Module) -> str:
-    best, size = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > size:
-            kinds = {type(child) for child in module.children()}
-            if len(kinds) == 1:
-                best, size = name, len(module)
+    best = block_container(model)
     if best is None:
         raise ValueError("no ModuleList/ModuleDict of repeated blocks found")
     return best

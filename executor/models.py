@@ -8,7 +8,6 @@ hidden states in.
 """
 from __future__ import annotations
 
-import importlib
 
 import torch
 from torch import nn
@@ -38,12 +37,10 @@ class HFStage(nn.Module):
 def _builder(name: str):
     if name in list_models():
         return lambda: build_module(name)
-    if ":" in name:
-        module, _, attr = name.partition(":")
-        try:
-            return getattr(importlib.import_module(module), attr)
-        except (ImportError, AttributeError) as error:
-            raise ModelError("model", f"cannot import {name!r}: {error}", "use 'package.module:function'") from None
+    if ":" in name:  # a user's factory, imported as `parallax plan --module` did
+        from planner.factory import load_factory
+
+        return load_factory(name, field="model")
     import difflib
 
     close = difflib.get_close_matches(name, list_models(), n=3, cutoff=0.4)

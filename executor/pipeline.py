@@ -49,27 +49,43 @@ def owned_stages(plan: Plan, pp_rank: int) -> list[int]:
     return list(range(pp_rank, plan.n_virtual_stages, plan.pp))
 
 
-def _drop(model: nn.Module, name: str, lmap: LayerMap, hf: bool) -> None:
+def _drop(model: nn.Module, name: str, lmap: LayerMap, stand_in) -> None:
     parent_name, _, attr = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     if isinstance(parent, nn.ModuleDict):
         del parent[attr]
     elif isinstance(parent, nn.ModuleList):
         parent[int(attr)] = Skipped()
-    elif not hf:
-        setattr(parent, attr, None)
     else:
-        old = getattr(parent, attr)
-        setattr(parent, attr, ZeroEmbedding(old.embedding_dim) if isinstance(old, nn.Embedding) else Passthrough())
+        setattr(parent, attr, stand_in(getattr(parent, attr), name))
+
+
+def _stand_in(model: nn.Module, lmap: LayerMap):
+    """What replaces a module another stage owns. The reference GPT checks for None. An HF model
+    calls every module it registered: a zero embedding (positions add nothing), a passthrough
+    otherwise. Any other module is called as its forward was written, so its first embedding
+    (the tokens', which a later stage's input replaces) becomes a passthrough too."""
+    if getattr(model, "drops_to_none", False):
+        return lambda old, name: None
+    tokens = next((n for n in lmap.pre if isinstance(model.get_submodule(n), nn.Embedding)), None)
+    hf = isinstance(model, HFStage)
+
+    def stand_in(old: nn.Module, name: str) -> nn.Module:
+        if isinstance(old, nn.Embedding) and (hf or name != tokens):
+            return ZeroEmbedding(old.embedding_dim)
+        return Passthrough()
+
+    return stand_in
 
 
 def cut(model: nn.Module, lmap: LayerMap, start: int, end: int) -> nn.Module:
     """Strip `model` (in place) down to expanded layers [start, end)."""
     hf = isinstance(model, HFStage)
+    stand_in = _stand_in(model, lmap)
     for layer in range(lmap.n_layers):
         if not start <= layer < end:
             for name in lmap.modules_of(layer):
-                _drop(model, name, lmap, hf)
+                _drop(model, name, lmap, stand_in)
     if hf:
         model.first = start == 0
     return model

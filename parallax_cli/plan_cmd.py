@@ -36,11 +36,16 @@ def _progress() -> Progress:
 
 @app.command("plan")
 def plan_command(
-    model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
+    model: Optional[str] = typer.Argument(None, help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
     hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, a profile file, or a mixed cluster "
                                             "such as 16xa100-80g+8xh100-sxm"),
     global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
-    seq_len: int = typer.Option(..., "--seq-len"),
+    seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (with --module: the "
+                                          "example shape's)"),
+    module: Optional[str] = typer.Option(None, "--module", help="your own module instead of MODEL: "
+                                         "package.module:function returning the nn.Module (built on the meta device)"),
+    example_shape: Optional[str] = typer.Option(None, "--example-shape", help="with --module: the token ids' shape, "
+                                                "batch,sequence (e.g. 1,2048)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16, fp16 or fp8; default bf16, or fp32 on "
                                         "hardware whose bf16 is no faster than its fp32"),
     objective: str = typer.Option("time", "--objective", help="time or cost"),
@@ -75,24 +80,55 @@ def plan_command(
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
     fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack, offload)
+    model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command and prints the same way
         with _progress() as progress:
             progress.add_task(f"planning {model} on the mixed cluster {hw}", total=None)
-            result = plan(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
-                          fixed=fixed or None, time_limit_s=time_limit, allow_compression=allow_compression,
-                          price_per_gpu_hour=price)
+            result = plan(traced or model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
+                          objective=objective, fixed=fixed or None, time_limit_s=time_limit,
+                          allow_compression=allow_compression, price_per_gpu_hour=price)
         print_plan(result, model, out, as_json)
         return
     with _progress() as progress:
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)
-        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype or default_dtype(cluster)[0])
+        workload = traced or resolve_workload(model, seq_len=seq_len, dtype=dtype or default_dtype(cluster)[0])
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                       fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression,
                       target_gap=gap, mtbf_hours=mtbf_hours)
     print_plan(result, model, out, as_json)
+
+
+def _model_door(model: str | None, module: str | None, example_shape: str | None, seq_len: int | None,
+                dtype: str | None):
+    """(the model's name, its traced Workload for --module else None, seq_len): one of MODEL and
+    --module, the sequence length from --example-shape when --seq-len is not given."""
+    if module and model:
+        raise PlanError("--module", f"both MODEL ({model}) and --module ({module}) given", "give one of them")
+    if not module:
+        if model is None:
+            raise PlanError("model", "no model given", "name one (see `parallax models`) or pass --module pkg.mod:factory")
+        if example_shape:
+            raise PlanError("--example-shape", "is for --module", "drop it, or plan a module with --module")
+        if seq_len is None:
+            raise PlanError("--seq-len", "is needed with MODEL", "e.g. --seq-len 4096")
+        return model, None, seq_len
+    import torch
+
+    from planner.factory import build_on_meta, parse_shape
+
+    if example_shape is None:
+        raise PlanError("--example-shape", "is needed with --module", "the token ids' batch,sequence, e.g. 1,2048")
+    shape = parse_shape(example_shape)
+    if seq_len is not None and seq_len != shape[1]:
+        raise PlanError("--seq-len", f"{seq_len} differs from --example-shape's sequence {shape[1]}", "drop --seq-len")
+    with _progress() as progress:
+        progress.add_task(f"tracing {module}", total=None)
+        traced = resolve_workload(build_on_meta(module), seq_len=shape[1], dtype=dtype or "bf16",
+                                  example_inputs=(torch.zeros(shape, dtype=torch.long),))
+    return module, traced, shape[1]
 
 
 def print_plan(result: Plan, model: str, out: Path | None, as_json: bool) -> None:

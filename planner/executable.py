@@ -34,6 +34,19 @@ TP_SPLIT_MODULES = ("Linear", "Embedding")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 
 
+def block_container(model) -> str | None:
+    """Where the executor finds a model's repeated blocks: the largest ModuleList/ModuleDict
+    of same-typed children (its name), or None when there is none to map layers from."""
+    from torch import nn
+
+    best, size = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and len(module) > size:
+            if len({type(child) for child in module.children()}) == 1:
+                best, size = name, len(module)
+    return best
+
+
 def tp_split_classes() -> tuple[type, ...]:
     """The classes of TP_SPLIT_MODULES (torch imported only when asked)."""
     from torch import nn

@@ -213,6 +213,13 @@ def test_mixed_cluster_shapes_match_single_process():
     _check_all(4, _cases("reference-tiny", ("uneven_shares", "uneven_shares_zero1", "stage_split_1_3")))
 
 
+def test_a_users_module_runs_through_its_factory():
+    """`parallax plan --module examples.llama_module:build_tiny` plans a plain-PyTorch module
+    (its blocks take cos and sin beside the hidden states); the executor builds it through the
+    factory and cuts it into stages with stand-ins for what another stage owns."""
+    _check_all(2, _cases("examples.llama_module:build_tiny", ("dp", "pp_gpipe", "zero3")))
+
+
 def test_hf_gpt2_two_ranks_matches_single_process():
     _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac")))
 

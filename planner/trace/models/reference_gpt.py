@@ -80,6 +80,8 @@ class Block(nn.Module):
 class ReferenceGPT(nn.Module):
     """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
 
+    drops_to_none = True  # a pipeline stage sets the modules it does not own to None (see forward)
+
     def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
         super().__init__()
         self.cfg = cfg
