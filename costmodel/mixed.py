@@ -110,8 +110,7 @@ def _data_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     rows = []
     for share, m, est in per_group:
         busy = sum(v for k, v in est.breakdown_s.items() if k not in ("bubble", "dp_comm", "optimizer"))
-        per_mb = max(s.forward_s + s.backward_s for s in est.stages)
-        rows.append(_row(plan, share, len(share.replicas), m, _blocks(workload, plan, share.stages), busy / m if m else per_mb,
+        rows.append(_row(plan, share, len(share.replicas), m, _blocks(workload, plan, share.stages), busy / m,
                          busy, step, est.peak_memory_bytes, est.memory_capacity_bytes))
     crit = max(range(len(per_group)), key=lambda i: per_group[i][2].step_time_s)
     slowest = per_group[crit][2]

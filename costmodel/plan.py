@@ -101,7 +101,8 @@ class SolverReport(BaseModel):
     wall_s: float
     layouts_considered: int
     layouts_solved: int
-    gap: float = Field(description="relative gap between the plan and the solver's proven bound")
+    gap: float | None = Field(description="relative gap between the plan and the solver's proven bound (None: "
+                              "no bound was proven, as for a mixed cluster's search)")
     notes: list[str] = Field(default_factory=list)
 
 

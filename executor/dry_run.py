@@ -168,6 +168,7 @@ def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
     from executor.materialize import materialize_rank
     from executor.mesh import build_mesh
     from executor.models import build_model
+    from planner.trace.hf import masks_as_in_a_real_run
 
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -182,7 +183,7 @@ def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
         # over TP (DeviceMesh._concatenate) stay real tensors, as they must.
         run = materialize_rank(plan, model, mesh)
         peaks = CategoryPeaks()
-        with fake:
+        with fake, masks_as_in_a_real_run():  # HF builds no causal mask in a real run of unpadded sequences
             _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
             with tracker_for(run, peaks):
                 _replay_step(run, plan, hidden)

@@ -85,7 +85,7 @@ def headline(plan: Plan) -> str:
     if plan.solver:
         s = plan.solver
         lines.append(f"solver: {s.status}, {s.layouts_considered} layouts, {s.layouts_solved} solved with CP-SAT, "
-                     f"gap {s.gap:.1%}, {s.wall_s:.1f} s")
+                     f"{'no proven bound' if s.gap is None else f'gap {s.gap:.1%}'}, {s.wall_s:.1f} s")
     if plan.checkpointing:
         lines.append(plan.checkpointing.line())
     lines += plan.notes

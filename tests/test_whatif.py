@@ -133,7 +133,7 @@ def stub_planner(monkeypatch):
     import parallax_cli.simulate_cmd as simulate_cmd
 
     monkeypatch.setattr(planner, "plan", enumerate_plan)
-    monkeypatch.setattr(simulate_cmd, "load_workload", lambda plan: WORKLOADS[plan.model])
+    monkeypatch.setattr(simulate_cmd, "load_workload", lambda plan, cluster: WORKLOADS[plan.model])
 
 
 def test_whatif_cli_prints_a_table_and_writes_files(stub_planner, tmp_path, capsys):

@@ -68,7 +68,7 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
     notes = _comparison(best, mixed, uniform, compare_uniform)
     solved = sum(1 for a, b in zip(refined, pipes) if a is not b[0])
     report = SolverReport(status="mixed", wall_s=time.perf_counter() - start, layouts_considered=len(found),
-                          layouts_solved=solved, gap=0.0,
+                          layouts_solved=solved, gap=None,
                           notes=[f"{len(pipes)} pipeline splits ({len(seeds)} of them the uniform plan laid on the "
                                  f"groups) and {len(datas)} data splits priced; CP-SAT improved "
                                  f"{solved} pipeline partitions; {len(subsets)} single-group plans"])

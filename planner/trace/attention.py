@@ -62,6 +62,10 @@ def _fused(q, k, v, attn_mask, dropout_p, is_causal, scale):
         return None
     if attn_mask is not None and attn_mask.requires_grad:
         attn_mask = attn_mask.detach()
+    if attn_mask is not None and attn_mask.dtype == torch.bool:  # as SDPA does before a fused kernel:
+        # an additive mask in the query's dtype, which the kernel then keeps for its backward
+        attn_mask = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+            attn_mask.logical_not(), float("-inf"))
     return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, is_causal, attn_mask=attn_mask,
                                                             scale=scale)[0]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -104,6 +105,36 @@ def _block_counts(og: OpGraph, config: Any, real: dict[str, int]) -> dict[str, i
     return counts
 
 
+@contextmanager
+def masks_as_in_a_real_run():
+    """HF passes SDPA no mask (is_causal instead) for unpadded, unpacked sequences of equal
+    query and key length, unless it is tracing, and it counts fake tensors as tracing: the
+    trace would price a materialised mask that a real run of such sequences, the executor's
+    included, never builds. Its two decisions are restated for that case (no padding mask,
+    no sliding window; positions 0..s-1, so nothing packed) for the length of the trace."""
+    try:
+        import transformers.masking_utils as masking
+    except ImportError:
+        yield
+        return
+    names = ("_ignore_causal_mask_sdpa", "find_packed_sequence_indices")
+    originals = {name: getattr(masking, name, None) for name in names}
+    if None in originals.values():
+        yield
+        return
+
+    def unpadded(padding_mask, q_length, kv_length, q_offset=0, kv_offset=0, local_attention_size=None):
+        return padding_mask is None and local_attention_size is None and q_length in (1, kv_length)
+
+    masking._ignore_causal_mask_sdpa = unpadded
+    masking.find_packed_sequence_indices = lambda position_ids: None
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(masking, name, original)
+
+
 def trace_hf(config: Any, *, seq_len: int, dtype: str = "bf16", batch: int = 1, name: str | None = None,
              depth: int = 2) -> OpGraph:
     """Trace an HF config's model at reduced depth; block_counts hold the real depth."""
@@ -116,8 +147,9 @@ def trace_hf(config: Any, *, seq_len: int, dtype: str = "bf16", batch: int = 1, 
         if getattr(config, "is_encoder_decoder", False):
             inputs["decoder_input_ids"] = torch.zeros(batch, seq_len, dtype=torch.long)
     extra = {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
-    og = trace_module(model, inputs, name=name or getattr(config, "model_type", "hf"), seq_len=seq_len,
-                      dtype=dtype, fake_mode=fake_mode, call_kwargs=extra)
+    with masks_as_in_a_real_run():
+        og = trace_module(model, inputs, name=name or getattr(config, "model_type", "hf"), seq_len=seq_len,
+                          dtype=dtype, fake_mode=fake_mode, call_kwargs=extra)
     og.meta.update(config_meta(config))
     og.block_counts = _block_counts(og, config, real)
     return og
