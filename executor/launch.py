@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from costmodel.plan import Plan
-from hardware.errors import PlanError, RunError
+from hardware.errors import ParallaxError, PlanError, RunError
 
 from executor.models import build_model
 from executor.predict import predict
@@ -156,7 +156,10 @@ def _elsewhere(plan: Plan, device: str, cluster) -> str:
     """The note that says a GPU plan ran on this CPU, so its prediction is not of this machine."""
     if cluster is not None or device != "cpu":
         return ""
-    planned = plan.cluster()
+    try:
+        planned = plan.cluster()
+    except ParallaxError:  # the prediction already says why it has none
+        return ""
     gpus = [g.gpu for g in planned.groups] if plan.groups else [planned.gpu]
     if all(gpu.device_type == "cpu" for gpu in gpus):
         return ""
