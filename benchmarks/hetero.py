@@ -13,9 +13,10 @@ import time
 
 from rich.console import Console
 
-import re
-
-from planner.mixed.search import plan_mixed
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from hardware.mixed import load_mixed
+from planner.mixed.search import plan_mixed, uniform_baseline
+from planner.resolve import resolve_workload
 from planner.summary import groups_table
 
 # Llama-2-13B (HF meta-llama/Llama-2-13b-hf config): the "13B model" of the comparison.
@@ -33,15 +34,16 @@ def main() -> None:
     parser.add_argument("--models", default=",".join(MODELS))
     args = parser.parse_args()
     console = Console(width=140)
-    rows = []
+    rows, mixed = [], load_mixed(args.hw)
     for name in args.models.split(","):
         start = time.perf_counter()
         plan = plan_mixed(MODELS[name], args.hw, global_batch=args.global_batch, seq_len=args.seq_len)
         wall = time.perf_counter() - start
         if plan.groups:
             console.print(groups_table(plan))
-        uniform = next((float(m.group(1)) for note in plan.notes
-                        for m in [re.search(r"everyone at the slowest GPU's pace\): ([0-9.e+]+) s", note)] if m), None)
+        baseline = uniform_baseline(resolve_workload(MODELS[name], seq_len=args.seq_len, dtype="bf16", cluster=mixed),
+                                    mixed, args.global_batch, args.seq_len, "bf16", 4.0, DEFAULT_MEMORY_RESERVE)
+        uniform = baseline.estimate.step_time_s if baseline is not None else None
         alone = [a.estimate.step_time_s for a in [plan, *plan.alternatives] if not a.groups]
         rows.append((name, uniform, min(alone) if alone else None, plan, wall))
     console.print(f"\n{args.hw}, global batch {args.global_batch} x {args.seq_len} tokens, bf16 (predicted step times)")

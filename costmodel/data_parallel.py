@@ -180,11 +180,13 @@ def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
     return coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
 
 
-def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout) -> float:
-    """Gradient reduction left over after the last backward; rank r > 0 has r later backwards of slack."""
+def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout | list[Layout]) -> float:
+    """Gradient reduction left over after the last backward; rank r > 0 has r later backwards of slack.
+    `lay`: the plan's layout, or each rank's own (a mixed cluster's pipeline split)."""
+    lays = lay if isinstance(lay, list) else [lay] * len(ranks)
     exposed = 0.0
     slack = 0.0
-    for rank in ranks:
+    for rank, lay in zip(ranks, lays):
         window = rank.backward + rank.recompute + slack
         dense = rank.params - rank.expert_params  # the experts reduce after it (expert_reduction_time)
         exposed = max(exposed, exposed_after_overlap(dp_time(dense, plan, lay), window, lay.ctx.cluster))

@@ -34,6 +34,11 @@ DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buf
 GIB = 2**30
 
 
+def usable_memory_bytes(cluster: Cluster, memory_reserve: float) -> float:
+    """A GPU's memory less the reserve (allocator fragmentation, CUDA context, NCCL buffers)."""
+    return cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
+
+
 def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
     """Send of the stage output forward plus its gradient backward, one micro-batch."""
     nbytes = layer.boundary_bytes * plan.micro_batch_per_rank / plan.tp  # scatter-gather over TP ranks
@@ -235,16 +240,10 @@ def estimate(workload: Workload, plan: Plan, cluster, *, memory_reserve: float =
     return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)
 
 
-def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
-    m = lay.m
-    shared = shared_core_pipeline_time(ranks, plan, cluster)
-    pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
-    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params - r.expert_params, plan, lay)
-                                            + expert_reduction_time(r.expert_params, plan, lay) for r in ranks)
-    opt = optimizer_time(ranks, plan, cluster)
-    step = pipe + dp + opt
-    crit = max(ranks, key=lambda r: r.per_micro_batch)
-    breakdown = {
+def step_breakdown(crit: RankTime, m: int, pipe: float, dp: float, opt: float) -> dict[str, float]:
+    """The step by category: the critical rank's m micro-batches, the pipeline's bubble, the
+    exposed data-parallel reduction and the optimizer."""
+    return {
         "compute": m * (crit.forward + crit.backward),
         "recompute": m * crit.recompute,
         "tp_comm": m * (crit.tp_comm - crit.ep_comm),
@@ -255,6 +254,18 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
         "dp_comm": dp,
         "optimizer": opt,
     }
+
+
+def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
+    m = lay.m
+    shared = shared_core_pipeline_time(ranks, plan, cluster)
+    pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
+    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params - r.expert_params, plan, lay)
+                                            + expert_reduction_time(r.expert_params, plan, lay) for r in ranks)
+    opt = optimizer_time(ranks, plan, cluster)
+    step = pipe + dp + opt
+    crit = max(ranks, key=lambda r: r.per_micro_batch)
+    breakdown = step_breakdown(crit, m, pipe, dp, opt)
     stages = []
     for r, rank in enumerate(ranks):
         memory = rank_memory(plan, workload, r, rank, cluster)
@@ -290,7 +301,7 @@ def _throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve
         tflops_per_gpu_hw=(model_flops + extra) / step / n / 1e12,
         mfu=per_gpu_model / cluster.gpu.peak_flops(plan.dtype),
         peak_memory_bytes=max(s.peak_bytes for s in stages),
-        memory_capacity_bytes=cluster.gpu.hbm_gb * GIB * (1 - memory_reserve),
+        memory_capacity_bytes=usable_memory_bytes(cluster, memory_reserve),
         stages=stages,
         usd_per_hour=price * n if price is not None else None,
         usd_per_million_tokens=price * n * step / 3600 / tokens * 1e6 if price is not None else None,

@@ -24,8 +24,9 @@ from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from .data_parallel import exposed_after_overlap, dp_time, host_copy_seconds, optimizer_time, weight_gather_time
-from .estimate import GIB, _throughput, p2p_time, pipeline_time, rank_memory, stage_time
+from .data_parallel import exposed_dp, host_copy_seconds, optimizer_time, weight_gather_time
+from .estimate import (_throughput, p2p_time, pipeline_time, rank_memory, stage_time, step_breakdown,
+                       usable_memory_bytes)
 from .estimate import estimate as estimate_uniform
 from .layout import RankTime, layout_of
 from .offload import host_memory_per_node, states_on_host
@@ -145,19 +146,11 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     owner, lays, ranks = pipeline_ranks(workload, plan, mixed, clusters)
     m = plan.num_micro_batches
     pipe = pipeline_time(ranks, m, plan.vpp)
-    exposed, slack = 0.0, 0.0
-    for rank, lay in zip(ranks, lays):
-        window = rank.backward + rank.recompute + slack
-        exposed = max(exposed, exposed_after_overlap(dp_time(rank.params, plan, lay), window, lay.ctx.cluster))
-        slack += rank.backward + rank.recompute
-    gather = max(weight_gather_time(rank.params, plan, lay) for rank, lay in zip(ranks, lays))
+    dp = exposed_dp(ranks, plan, lays) + max(weight_gather_time(rank.params, plan, lay)
+                                             for rank, lay in zip(ranks, lays))
     opt = max(optimizer_time([rank], plan, clusters[owner[r]]) for r, rank in enumerate(ranks))
-    step = pipe + exposed + gather + opt
-    crit = max(ranks, key=lambda r: r.per_micro_batch)
-    breakdown = {"compute": m * (crit.forward + crit.backward), "recompute": m * crit.recompute,
-                 "tp_comm": m * crit.tp_comm, "ep_comm": 0.0, "pp_comm": m * crit.pp_comm,
-                 "zero_comm": m * crit.zero_comm, "bubble": pipe - m * crit.per_micro_batch,
-                 "dp_comm": exposed + gather, "optimizer": opt}
+    step = pipe + dp + opt
+    breakdown = step_breakdown(max(ranks, key=lambda r: r.per_micro_batch), m, pipe, dp, opt)
     stages, memory = [], []
     for r, rank in enumerate(ranks):
         memory.append(rank_memory(plan, workload, r, rank, clusters[owner[r]]))
@@ -167,9 +160,8 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     for i, share in enumerate(plan.groups):
         mine = [r for r in range(plan.pp) if owner[r] == i]
         per_mb = max(ranks[r].per_micro_batch for r in mine)
-        capacity = clusters[i].gpu.hbm_gb * GIB * (1 - reserve)
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
-                         max(sum(memory[r].values()) for r in mine), capacity))
+                         max(sum(memory[r].values()) for r in mine), usable_memory_bytes(clusters[i], reserve)))
     est = _throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
     if plan.offload:
         est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))
@@ -179,15 +171,15 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
 def _host(plan, owner, ranks, clusters, reserve) -> dict:
     """Offload on a pipeline split: each group's nodes hold their own stages' states; the fullest
     node beside the smallest host memory, and the slowest rank's copies."""
-    used, capacity, copies = 0.0, None, 0.0
+    used, copies, rooms = 0.0, 0.0, []
     for i, cluster in enumerate(clusters):
         mine = [ranks[r].params for r in range(plan.pp) if owner[r] == i]
         if states_on_host(plan, cluster):
             used = max(used, host_memory_per_node(mine, plan, cluster))
         copies = max(copies, host_copy_seconds(max(mine), plan, cluster))
-        room = cluster.node.host_memory_gb * 1e9 * (1 - reserve) if cluster.node.host_memory_gb else None
-        capacity = room if capacity is None or (room is not None and room < capacity) else capacity
-    return {"host_memory_bytes": used, "host_copy_s": copies, "host_memory_capacity_bytes": capacity}
+        if cluster.node.host_memory_gb:
+            rooms.append(cluster.node.host_memory_gb * 1e9 * (1 - reserve))
+    return {"host_memory_bytes": used, "host_copy_s": copies, "host_memory_capacity_bytes": min(rooms, default=None)}
 
 
 def _mixed_throughput(workload, plan, mixed, est: Estimate, rows: list[GroupEstimate]) -> Estimate:
@@ -195,7 +187,7 @@ def _mixed_throughput(workload, plan, mixed, est: Estimate, rows: list[GroupEsti
     the memory of the group closest to its capacity."""
     step = est.step_time_s
     model_flops = 3 * workload.forward_flops() * plan.global_batch
-    peak = sum(g.n_gpus * g.gpu.peak_flops(plan.dtype) for g in mixed.groups)
+    peak = mixed.peak_flops(plan.dtype)
     prices = [g.price_per_gpu_hour for g in mixed.groups]
     usd = sum(p * g.n_gpus for p, g in zip(prices, mixed.groups)) if None not in prices else None
     tightest = max(rows, key=lambda g: g.peak_memory_bytes / g.memory_capacity_bytes)

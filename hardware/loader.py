@@ -20,7 +20,7 @@ from hardware.errors import HardwareError
 from hardware.prices import PriceQuote, price_per_gpu_hour as _price_lookup
 from hardware.schema import GPU, Cluster, Collectives, Node
 
-__all__ = ["load", "list_catalog", "gpu_entry"]
+__all__ = ["load", "list_catalog", "gpu_entry", "loads_back"]
 
 USER = "user override"
 _COUNT_AND_NAME = re.compile(r"^\s*(\S*?)\s*[x×]\s*(\S.*?)\s*$", re.IGNORECASE)
@@ -62,6 +62,15 @@ def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gb
     except ValidationError as error:
         where, message = first_error(error)
         raise HardwareError(where, message, _EXAMPLE) from None
+
+
+def loads_back(cluster: Cluster) -> bool:
+    """Whether `cluster`'s spec alone rebuilds it (a catalog cluster), so that a plan need not
+    embed it: not for a calibrated or edited profile."""
+    try:
+        return load(cluster.spec()) == cluster
+    except HardwareError:
+        return False
 
 
 # --- resolving the spec -----------------------------------------------------

@@ -46,6 +46,10 @@ class MixedCluster(BaseModel):
     def spec(self) -> str:
         return "+".join(g.spec() for g in self.groups)
 
+    def peak_flops(self, dtype: str) -> float:
+        """The whole cluster's peak FLOP/s at `dtype`: every GPU's, summed (MFU's denominator)."""
+        return sum(g.n_gpus * g.gpu.peak_flops(dtype) for g in self.groups)
+
     def guess_warning(self) -> str:
         """The groups' placeholder warnings, one line ("" when every group is measured or sourced)."""
         return " ".join(w for w in (g.guess_warning() for g in self.groups) if w)

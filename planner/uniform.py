@@ -131,11 +131,7 @@ def _objective_value(est: Estimate, objective: str) -> float:
 
 def with_profile(plan_: Plan, cluster: Cluster) -> Plan:
     """Embed `cluster` when its spec alone would not load it back (a profile file)."""
-    try:
-        same = hardware.load(cluster.spec()) == cluster
-    except hardware.HardwareError:
-        same = False
-    return plan_ if same else plan_.model_copy(update={"hardware_profile": cluster})
+    return plan_ if hardware.loads_back(cluster) else plan_.model_copy(update={"hardware_profile": cluster})
 
 
 def _to_plan(result, objective: str, cluster: Cluster) -> Plan:

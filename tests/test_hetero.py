@@ -61,7 +61,7 @@ def test_the_pick_is_never_slower_than_the_side_search_subsets_or_uniform(gpt_3b
     assert all(step <= a.estimate.step_time_s * (1 + 1e-9) for a in picked.alternatives)
     assert any(not a.groups for a in picked.alternatives), "each group alone is planned and compared"
     assert any("ignores the difference" in note and "x this plan" in note for note in picked.notes)
-    assert picked.solver.layouts_solved >= 0 and picked.solver.status == "mixed"
+    assert picked.solver.status == "mixed" and picked.solver.gap is None  # no bound is claimed
 
 
 def test_cp_sat_refines_a_pipeline_split(gpt_3b):

@@ -160,7 +160,7 @@ def test_every_bound_stays_below_every_partition_it_bounds():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
     entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None, capacity), {})
     checked = 0
     for e in entries:
@@ -191,7 +191,7 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
 
     cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
     workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")
-    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
     entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, capacity) if e.layout.pp > 1]
     assert entries
     for e in entries:
@@ -210,7 +210,7 @@ def test_layouts_dropped_for_their_states_fit_no_plan():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = cluster.gpu.hbm_gb * search.GIB * (1 - search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
     dropped: list = []
     kept = search._entries(workload, cluster, 64, {}, "bf16", None, capacity, dropped)
     assert dropped and kept

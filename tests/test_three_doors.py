@@ -21,7 +21,7 @@ def test_three_doors_agree(rows, key, tolerance):
 
 
 def test_each_door_prices_a_fused_attention_kernel(rows):
-    """The module calls SDPA with is_causal (flash); HF's trace passes its causal mask as a
-    tensor (memory-efficient): both fused, neither keeps a score matrix."""
+    """The module calls SDPA with is_causal; HF does too for unpadded sequences (its trace
+    builds no mask, as its real run): a fused kernel, no score matrix kept."""
     assert all(r["backend"] in ("flash", "efficient", "cudnn") for r in rows)
     assert len({r["layout"] for r in rows}) == 1

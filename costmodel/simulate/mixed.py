@@ -45,6 +45,5 @@ def _data_split(workload, plan, mixed, clusters, bucket_bytes) -> SimResult:
 def _whole(workload, plan, mixed, result: SimResult) -> SimResult:
     """The step's throughput over the whole global batch and every GPU's peak."""
     flops = 3 * workload.forward_flops() * plan.global_batch
-    peak = sum(g.n_gpus * g.gpu.peak_flops(plan.dtype) for g in mixed.groups)
     return replace(result, tokens_per_s=plan.global_batch * plan.seq_len / result.step_time_s,
-                   mfu=flops / result.step_time_s / peak)
+                   mfu=flops / result.step_time_s / mixed.peak_flops(plan.dtype))

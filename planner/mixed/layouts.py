@@ -22,38 +22,30 @@ from itertools import permutations
 
 from costmodel import collectives as coll
 from costmodel.compute import Context, layer_time
-from costmodel.estimate import estimate, price_ranks
+from costmodel.estimate import estimate, price_ranks, usable_memory_bytes
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.mixed import spanning
 from costmodel.plan import Plan, uniform_stages
 from costmodel.plan_groups import GroupShare
 from costmodel.workload import Workload
-from hardware.errors import HardwareError, PlanError
+from hardware import loads_back
+from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from planner.executable import facts_of_workload, layout_problem
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
+from planner.search.coefficients import POLICIES
 
 MICRO_BATCHES = (1, 2, 4)
-POLICIES = ("none", "selective", "full")
 ZEROS = (0, 1, 2, 3)
-
-
-def capacity_bytes(cluster: Cluster, reserve: float) -> float:
-    return cluster.gpu.hbm_gb * 2**30 * (1 - reserve)
 
 
 def share(group: Cluster, stages: list[int], replicas: list[int]) -> GroupShare:
     """The group's part of the plan, its profile embedded unless its spec loads it back."""
-    import hardware
-
-    try:
-        same = hardware.load(group.spec()) == group
-    except HardwareError:
-        same = False
-    return GroupShare(hardware=group.spec(), hardware_profile=None if same else group, stages=stages, replicas=replicas)
+    return GroupShare(hardware=group.spec(), hardware_profile=None if loads_back(group) else group, stages=stages,
+                      replicas=replicas)
 
 
 def priced(workload: Workload, plan: Plan, mixed: MixedCluster, reserve: float) -> Plan | None:
@@ -87,7 +79,7 @@ def pipeline_balance(workload, stage_group, tp, dp, mb, m, zero, policy, dtype, 
         extra_t.append(sum(layer_time(l, ctx, "none").total for l in ends))
         mem_block.append(state(block.params) + activation_bytes(block, policy, tp=tp, sp=False, micro_batch=mb) * inflight)
         extra_mem.append(sum(state(l.params) + activation_bytes(l, "none", tp=tp, sp=False, micro_batch=mb) * inflight for l in ends))
-        cap.append(capacity_bytes(g, reserve))
+        cap.append(usable_memory_bytes(g, reserve))
     n = workload.n_blocks
     mem_cap = [math.floor((cap[s] - extra_mem[s]) / mem_block[s]) for s in range(pp)]
     if min(mem_cap) < 1 or sum(mem_cap) < n:

@@ -13,9 +13,10 @@ from costmodel.plan import Plan
 from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 
-from planner.mixed.layouts import POLICIES, capacity_bytes, priced
+from costmodel.estimate import usable_memory_bytes
+from planner.mixed.layouts import priced
 from planner.search.branch_and_bound import LAYOUT_SOLVE_LIMIT_S, stages_from_counts
-from planner.search.coefficients import LayerTimes, block_span, stage_model_data
+from planner.search.coefficients import POLICIES, LayerTimes, block_span, stage_model_data
 from planner.search.solver import StageModel
 
 
@@ -38,7 +39,7 @@ def refine(workload: Workload, plan: Plan, mixed: MixedCluster, order, reserve: 
     per_group = {}
     for group in order:
         cluster = group.for_stack(plan.stack)
-        per_group[group.spec()] = stage_model_data(workload, plan, cluster, capacity_bytes(cluster, reserve), times)
+        per_group[group.spec()] = stage_model_data(workload, plan, cluster, usable_memory_bytes(cluster, reserve), times)
     owner = {s: g.hardware for g in plan.groups for s in g.stages}
     model = StageModel([per_group[owner[r]] for r in range(plan.pp)], plan.pp, plan.vpp, plan.num_micro_batches)
     model.hint(counts_of(workload, plan))

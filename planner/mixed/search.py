@@ -43,12 +43,12 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
     best single group's plan; the others priced are its `alternatives`."""
     if not isinstance(global_batch, int) or global_batch <= 0:
         raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 256")
-    start = time.perf_counter()
     mixed = load_mixed(hw)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, cluster=mixed)
+    start = time.perf_counter()  # the search's budget: tracing (a cold cache) does not spend it
     name = model_name(model, workload)
     kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
-    uniform = _uniform(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None
+    uniform = uniform_baseline(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None
     seeds = placed(workload, mixed, uniform, memory_reserve) if uniform is not None else []
     pipes = sorted(pipeline_splits(workload, mixed, **kw) + seeds, key=lambda po: po[0].estimate.step_time_s)
     datas = data_splits(workload, mixed, **kw)
@@ -92,7 +92,7 @@ def _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserv
     return out
 
 
-def _uniform(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> Plan | None:
+def uniform_baseline(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> Plan | None:
     """The best uniform plan of the cluster seen as n GPUs of the slowest type."""
     try:
         return plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len, dtype=dtype,

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 
 from costmodel.data_parallel import held_zero, layer_params_on_rank
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE, GIB, estimate
+from costmodel.estimate import DEFAULT_MEMORY_RESERVE, estimate, usable_memory_bytes
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.offload import states_on_host
 from costmodel.plan import Plan, SolverReport, StagePlan
@@ -149,7 +149,7 @@ def search(
     fixed = fixed or {}
     started = time.perf_counter()
     cluster = cluster.for_stack(fixed.get("stack", "eager"))  # every layout of one search prices one stack
-    capacity = cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
+    capacity = usable_memory_bytes(cluster, memory_reserve)
     dropped: list = []
     entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped)
     tally = _Tally(top_k)

@@ -188,7 +188,6 @@ def _math_names(og: OpGraph) -> list[str | None]:
     """The math-path trace's representative of each block group (same order as og's)."""
     if og.math_path is None:
         return [None] * len(og.meta.get("blocks", []))
-    og.math_path.meta.update({k: v for k, v in og.meta.items() if k not in ("blocks", "flash_attention")})
     reps = [group["rep"] for group in og.math_path.meta.get("blocks", [])]
     return reps + [None] * (len(og.meta.get("blocks", [])) - len(reps))
 
@@ -202,6 +201,8 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     present = {d.get("layer") for _, d in og.nodes()}
     counts = _counts(og, n_blocks)
     segments = []
+    if og.math_path is not None:  # the model facts set after tracing (heads, experts...) hold for both paths
+        og.math_path.meta.update({k: v for k, v in og.meta.items() if k not in ("blocks", "flash_attention")})
     math_reps = _math_names(og)
     fixed = lambda layer: _profile(og, layer, layer, layer, layer if og.math_path is not None else None)  # noqa: E731
     if "embedding" in present:
