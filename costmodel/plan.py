@@ -17,6 +17,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from hardware.schema import Cluster, Stack
+from hardware.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS, MAX_SEQ_LEN
+from hardware.untrusted import SafeName, parse_json
 
 from .goodput import CheckpointAdvice
 from .plan_groups import GroupEstimate, GroupShare, check_groups, split_of
@@ -71,14 +73,14 @@ class Estimate(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    step_time_s: float
+    step_time_s: float = Field(gt=0)
     breakdown_s: dict[str, float]
-    tokens_per_s: float
+    tokens_per_s: float = Field(ge=0)
     tflops_per_gpu_model: float
     tflops_per_gpu_hw: float = Field(description="includes recomputed forwards")
-    mfu: float
-    peak_memory_bytes: float
-    memory_capacity_bytes: float
+    mfu: float = Field(ge=0)
+    peak_memory_bytes: float = Field(ge=0)
+    memory_capacity_bytes: float = Field(ge=0)
     host_memory_bytes: float = Field(0.0, description="offloaded states in one node's host memory")
     host_memory_capacity_bytes: float | None = Field(None, description="the node's host memory (offload only)")
     host_copy_s: float = Field(0.0, description="host<->device shard copies per step before overlap (offload)")
@@ -110,20 +112,20 @@ class Plan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1, 2, 3, 4, 5, 6] = SCHEMA_VERSION
-    model: str
-    hardware: str
+    model: SafeName
+    hardware: SafeName
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
                                              "catalog spec (a calibrated or edited profile)")
-    global_batch: int = Field(gt=0)
-    seq_len: int = Field(gt=0)
+    global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
+    seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
     dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field("bf16", description="fp8: GEMMs in FP8 (the GPU's FP8 "
                                                           "peak), the rest in bf16, fp32 master weights")
-    dp: int = Field(ge=1)
-    tp: int = Field(ge=1)
-    pp: int = Field(ge=1)
-    ep: int = Field(1, ge=1, description="expert parallel: a mixture-of-experts layer's experts split over ep of "
+    dp: int = Field(ge=1, le=MAX_GPUS)
+    tp: int = Field(ge=1, le=MAX_GPUS)
+    pp: int = Field(ge=1, le=MAX_GPUS)
+    ep: int = Field(1, ge=1, le=MAX_GPUS, description="expert parallel: a mixture-of-experts layer's experts split over ep of "
                                          "the data-parallel ranks, tokens routed to them by all-to-all")
-    cp: int = Field(1, ge=1, description="context parallel: each sequence split over cp ranks (2 of its 2*cp "
+    cp: int = Field(1, ge=1, le=MAX_GPUS, description="context parallel: each sequence split over cp ranks (2 of its 2*cp "
                                          "chunks each, the causal load balance), keys and values all-gathered")
     sp: bool = False
     stack: Stack = Field("eager", description="the kernel stack priced: eager (PyTorch ops under autocast over fp32 "
@@ -140,11 +142,11 @@ class Plan(BaseModel):
     offload: bool = Field(False, description="FSDP2's CPUOffloadPolicy (zero 2/3): the sharded fp32 weights, their "
                           "gradients and AdamW's state live in host memory and the optimizer steps on the host's "
                           "cores; each gather copies a shard to the device and each reduce-scatter one back")
-    dp_shard: int | None = Field(None, ge=1, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
+    dp_shard: int | None = Field(None, ge=1, le=MAX_GPUS, description="hybrid sharding (HSDP, zero 2/3): shard over groups of "
                                  "this many dp ranks, replicate across the dp/dp_shard groups (None: shard over all dp)")
-    micro_batch: int = Field(ge=1)
+    micro_batch: int = Field(ge=1, le=MAX_GLOBAL_BATCH)
     schedule: Schedule = "1f1b"
-    vpp: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved schedule)")
+    vpp: int = Field(1, ge=1, le=MAX_LAYERS, description="model chunks per pipeline rank (interleaved schedule)")
     compression: Compression = "none"
     topk_fraction: float = Field(DEFAULT_TOPK_FRACTION, gt=0, le=1,
                                  description="compression 'topk': fraction k of gradient entries each rank sends")
@@ -312,7 +314,8 @@ class Plan(BaseModel):
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls.model_validate_json(text)
+        """A plan from JSON text: nesting bounded, no NaN or Infinity (`hardware.untrusted`)."""
+        return cls.model_validate(parse_json(text, "plan", "the plan"))
 
 
 def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") -> list[StagePlan]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.schema import Cluster
+from hardware.untrusted import SafeName
 
 
 class GroupShare(BaseModel):
@@ -24,7 +25,7 @@ class GroupShare(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    hardware: str = Field(description="the group's spec, e.g. 16xa100-80g")
+    hardware: SafeName = Field(description="the group's spec, e.g. 16xa100-80g")
     hardware_profile: Cluster | None = Field(None, description="the group itself, when not a catalog spec")
     stages: list[int] = Field(min_length=1, description="pipeline ranks this group holds (consecutive)")
     replicas: list[int] = Field(min_length=1, description="data-parallel replicas this group holds (consecutive)")

@@ -36,6 +36,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -47,7 +48,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from costmodel.plan import Plan
-from executor.checkpoint_state import chunk_states, layout_words, load_chunks, merged, restore_rng, rng_states
+from executor.checkpoint_read import DataOnlyPlanner, DataOnlyReader, UnsafeCheckpoint, referenced_files
+from executor.checkpoint_state import (chunk_states, from_plain, layout_words, load_chunks, merged, restore_rng,
+                                       rng_states, to_plain)
 from hardware.errors import PlanError
 
 MANIFEST = "manifest.json"
@@ -117,6 +120,9 @@ def verify(folder: Path) -> tuple[dict | None, str]:
             return None, f"{rel} has {size} bytes, manifest says {meta['bytes']} (truncated?)"
         if sha256(p) != meta["sha256"]:
             return None, f"{rel} checksum mismatch (corrupted)"
+    unlisted = sorted(referenced_files(folder) - set(manifest["files"])) if ".metadata" in manifest["files"] else []
+    if unlisted:
+        return None, f"its metadata needs {unlisted[0]}, which the manifest does not list"
     return manifest, ""
 
 
@@ -152,6 +158,8 @@ class Checkpointer:
     plan: Plan
     seed: int = 0
     keep: int = 3
+    model: str = ""  # the model's name and its unsplit parameters' shapes, checked before a resume
+    parameters: dict[str, list[int]] = field(default_factory=dict)
     tied: list[tuple[str, ...]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     group: object = None  # the saves' own process group (async saves run beside training's collectives)
@@ -166,7 +174,7 @@ class Checkpointer:
     def _extra(self, run) -> dict:
         from executor.compression import compression_states
 
-        return {**rng_states(), "compression": [s.state_dict() for s in compression_states(run.modules)]}
+        return to_plain({**rng_states(), "compression": [s.state_dict() for s in compression_states(run.modules)]})
 
     # ------------------------------------------------------------ save
     def due(self, steps_done: int, total: int) -> bool:
@@ -213,6 +221,8 @@ class Checkpointer:
                 "data_position": {"next_step": steps_done, "samples_consumed": steps_done * self.plan.global_batch,
                                   "seed": self.seed},
                 "world_size": dist.get_world_size(),
+                "model": self.model,
+                "parameters": self.parameters,
                 "plan": json.loads(self.plan.to_json()),
                 "rng": "extra/rankNNNNN.pt: torch, python, numpy (and CUDA) RNG states and compression residuals per rank",
                 "created_unix": time.time(),
@@ -250,7 +260,7 @@ class Checkpointer:
             return 0
         states = chunk_states(run, self.tied)
         loaded = merged(states)
-        dcp.load(loaded, checkpoint_id=folder, process_group=self.group)
+        dcp.load(loaded, storage_reader=DataOnlyReader(folder), planner=DataOnlyPlanner(), process_group=self.group)
         load_chunks(run, states, loaded)
         resharded = _reshard_line(manifest.get("plan"), self.plan)
         same = manifest.get("world_size") == dist.get_world_size() and not resharded
@@ -272,7 +282,10 @@ class Checkpointer:
         path = folder / "extra" / f"rank{(rank if same else 0):05d}.pt"
         if not path.exists():
             return
-        extra = torch.load(path, weights_only=False)
+        try:
+            extra = from_plain(torch.load(path, weights_only=True))
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpoint("checkpoint", f"{path} holds code, not data", "do not resume from this folder") from None
         restore_rng(extra)
         states = compression_states(run.modules)
         if same:

@@ -84,6 +84,42 @@ def restore_rng(extra: dict) -> None:
         torch.cuda.set_rng_state(extra["cuda_rng"])
 
 
+def to_plain(value):
+    """`value` in the types `torch.load(weights_only=True)` reads back (tensors, containers, numbers,
+    strings): numpy arrays become tensors and numpy generators their state, each tagged so that
+    `from_plain` rebuilds it. Why: a checkpoint must hold data a load cannot turn into code."""
+    if isinstance(value, np.ndarray):
+        return {_ARRAY: torch.from_numpy(value.astype(np.int64) if value.dtype == np.uint32 else value),
+                "dtype": str(value.dtype)}
+    if isinstance(value, np.random.RandomState):
+        return {_GENERATOR: to_plain(value.get_state())}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {key: to_plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_plain(item) for item in value)
+    return value
+
+
+def from_plain(value):
+    """What `to_plain` stored, rebuilt."""
+    if isinstance(value, dict) and _ARRAY in value:
+        return value[_ARRAY].numpy().astype(value["dtype"])
+    if isinstance(value, dict) and _GENERATOR in value:
+        generator = np.random.RandomState()
+        generator.set_state(from_plain(value[_GENERATOR]))
+        return generator
+    if isinstance(value, dict):
+        return {key: from_plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(from_plain(item) for item in value)
+    return value
+
+
+_ARRAY, _GENERATOR = "__numpy_array__", "__numpy_random_state__"
+
+
 def layout_words(plan) -> str:
     """A layout as a resume message names it: "dp2 pp2 interleaved v2 zero1", "dp2 tp2+sp zero3"."""
     parts = [f"dp{plan.dp}"]

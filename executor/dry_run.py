@@ -91,29 +91,30 @@ def _predicted_stage(plan: Plan, pp_rank: int) -> dict[str, float]:
     return dict(stage.memory_bytes)
 
 
-def with_estimate(plan: Plan, model_name: str, cluster=None) -> Plan:
+def with_estimate(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> Plan:
     """`plan` with a fresh estimate, priced through the run report's door (`executor.predict`)."""
     from executor.predict import estimate_of
 
-    return plan.model_copy(update={"estimate": estimate_of(plan, model_name, cluster)})
+    return plan.model_copy(update={"estimate": estimate_of(plan, model_name, cluster, trust_module)})
 
 
-def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks: list[int] | None = None) -> DryRun:
+def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks: list[int] | None = None,
+            trust_module: bool = False) -> DryRun:
     """Measure `plan` on fake tensors, one rank per pipeline role, beside its estimate
-    (on `cluster`, default the plan's own hardware)."""
+    (on `cluster`, default the plan's own hardware); a module factory is built only with `trust_module`."""
     name = model_name or plan.model
-    build_model_check(name)
+    build_model_check(name, trust_module)
     if plan.reduces_through_ddp:
         raise PlanError("zero", f"the dry run cannot follow DDP (zero={plan.zero} over plain replicas): its C++ "
                                 "reducer allocates real gradient buckets and fails on the fake process group",
                         "dry-run the layout with zero 2 or 3 (FSDP2), or measure it with `parallax run`")
-    plan = with_estimate(plan, name, cluster)
+    plan = with_estimate(plan, name, cluster, trust_module)
     replay = replay_micro_batches(plan)
     short = _shortened(plan, replay)
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
-        measured, predicted = _measure_isolated(short, name, rank), _predicted_stage(plan, pp_rank)
+        measured, predicted = _measure_isolated(short, name, rank, trust_module), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak,
                               predicted=predicted, predicted_peak=sum(predicted.values()),
@@ -133,11 +134,11 @@ def capacity_of(plan: Plan, pp_rank: int) -> float:
     return min(g.memory_capacity_bytes for g in groups) if groups else plan.estimate.memory_capacity_bytes
 
 
-def build_model_check(name: str) -> None:
-    """Fail on an unknown model before any process group starts (one line, not a traceback)."""
+def build_model_check(name: str, trust_module: bool = False) -> None:
+    """Fail on an unknown or untrusted model before any process group starts (one line, not a traceback)."""
     from executor.models import _builder
 
-    _builder(name)
+    _builder(name, trust_module)
 
 
 def _shortened(plan: Plan, micro_batches: int) -> Plan:
@@ -148,7 +149,7 @@ def _shortened(plan: Plan, micro_batches: int) -> Plan:
     return plan.model_copy(update={"global_batch": per_micro_batch * micro_batches})
 
 
-def _measure_isolated(plan: Plan, name: str, rank: int) -> CategoryPeaks:
+def _measure_isolated(plan: Plan, name: str, rank: int, trust_module: bool = False) -> CategoryPeaks:
     """`_measure_rank`, in a fresh process where the plan has TP and pipeline roles: torch's
     DTensor keeps sub-meshes of an earlier process group (by equal mesh) that a re-initialised
     fake world no longer knows."""
@@ -158,10 +159,10 @@ def _measure_isolated(plan: Plan, name: str, rank: int) -> CategoryPeaks:
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_rank, plan, name, rank).result()
+        return pool.submit(_measure_rank, plan, name, rank, trust_module).result()
 
 
-def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
+def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) -> CategoryPeaks:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -177,7 +178,7 @@ def _measure_rank(plan: Plan, name: str, rank: int) -> CategoryPeaks:
         mesh = build_mesh(plan)  # outside the fake mode: the mesh's own tensors are real
         fake = FakeTensorMode(allow_non_fake_inputs=True)
         with fake:
-            model = build_model(name)
+            model = build_model(name, trust_module=trust_module)
         hidden = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).embedding_dim
         # Outside the mode the fake parameters still compute fake, while the meshes FSDP2 builds
         # over TP (DeviceMesh._concatenate) stay real tensors, as they must.

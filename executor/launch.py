@@ -13,13 +13,14 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 from costmodel.plan import Plan
 from hardware.errors import ParallaxError, PlanError, RunError
 
-from executor.models import build_model
+from executor.models import build_model, parameter_shapes
 from executor.predict import predict
 from executor.report import RunReport
 from executor.validate import validate
@@ -70,7 +71,8 @@ class Nodes:
 def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int, nodes: Nodes = Nodes(),
                      checkpoint_dir: str | None = None, checkpoint_every: int = 0,
                      max_restarts: int = 0, seed: int = 0, fail_at: list[int] | None = None,
-                     fail_rank: int = 1, log_dir: str | None = None, profile_dir: str | None = None) -> list[str]:
+                     fail_rank: int = 1, log_dir: str | None = None, profile_dir: str | None = None,
+                     trust_module: bool = False) -> list[str]:
     """`python -m torch.distributed.run` for this node's ranks.
     With `log_dir`, torchrun keeps every rank's stdout and stderr there and each
     failing rank writes its exception there too (see `first_failure`)."""
@@ -84,31 +86,41 @@ def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, npro
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
             "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
             "--out", out_path, *ckpt, *fail, *(["--failure-dir", log_dir] if log_dir else []),
-            *(["--profile-dir", profile_dir] if profile_dir else [])]
+            *(["--profile-dir", profile_dir] if profile_dir else []), *(["--trust-module"] if trust_module else [])]
+
+
+@dataclass(frozen=True)
+class Trust:
+    """What the user has said may be trusted: a plan's module factory (its code runs on every
+    rank) and a checkpoint folder other users may write (its weights are loaded)."""
+    module: bool = False
+    checkpoint_dir: bool = False
 
 
 def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
         nodes: Nodes = Nodes(), cluster=None, timeout_s: float | None = None,
         checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
         seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1,
-        profile_dir: str | None = None) -> RunReport:
+        profile_dir: str | None = None, trust: Trust = Trust()) -> RunReport:
     """Validate (before any process starts), launch, and return the report with predictions.
 
     Everything the workers do comes from `plan` (compression options included) and these
     arguments, passed on their command line. With `checkpoint_dir`, the job saves every
     `checkpoint_every` steps (and at the end) and resumes from the newest valid checkpoint
-    there; torchrun restarts it up to `max_restarts` times after a worker dies. A rank count
-    other than the plan's re-plans the job (executor/elastic.py) and the checkpoint is
+    there, checked first (`executor.checkpoint_guard`: owner, lock, step, model, seed,
+    parameters); torchrun restarts it up to `max_restarts` times after a worker dies. A rank
+    count other than the plan's re-plans the job (executor/elastic.py) and the checkpoint is
     resharded on load. `seed` seeds the model, the data and compression's randomness.
 
     `fail_at` / `fail_rank` are fault injection for the restart tests: on torchrun attempt i,
     rank `fail_rank` SIGKILLs itself mid-step at step `fail_at[i]`.
 
     `nodes`: this node's place in a multi-node job; every node runs the same call and
-    prints the same report (each node's first rank writes it)."""
+    prints the same report (each node's first rank writes it). SIGINT or SIGTERM stops
+    torchrun and every worker and raises `process_tree.Interrupted`."""
     model = model or plan.model
     nproc = nproc or max(1, plan.n_gpus // nodes.max_nodes)
-    module = build_model(model)
+    module = build_model(model, trust_module=trust.module)
     replanned = ""
     if checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
         from executor.elastic import replan
@@ -119,37 +131,71 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
 
         check_compression(plan)
     validate(plan, module, world_size=nproc * nodes.max_nodes)
+    with ExitStack() as held:
+        if checkpoint_dir:
+            _check_checkpoint(Path(checkpoint_dir), held, nodes, trust, model=model, seed=seed, steps=steps,
+                              parameters=parameter_shapes(module))
+        del module
+        report = _launch(plan, model, steps, nproc, nodes, timeout_s, checkpoint_dir, checkpoint_every, max_restarts,
+                         seed, fail_at, fail_rank, profile_dir, trust)
+    if replanned:
+        report = report.model_copy(update={"notes": [replanned, *report.notes]})
+    ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
+    report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
+    step, peak, note = predict(ran, model, cluster, trust.module)
+    return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+
+
+def _check_checkpoint(root: Path, held: ExitStack, nodes: Nodes, trust: Trust, **run) -> None:
+    """Owner and lock (the first node's launcher holds it for the job), then what a resume would load."""
+    from executor.checkpoint_guard import FolderLock, check_owner, check_resume
+
+    check_owner(root, trust.checkpoint_dir)
+    if nodes.node_rank == 0:
+        held.enter_context(FolderLock(root))
+    check_resume(root, **run)
+
+
+def _launch(plan, model, steps, nproc, nodes, timeout_s, checkpoint_dir, checkpoint_every, max_restarts, seed,
+            fail_at, fail_rank, profile_dir, trust: Trust) -> RunReport:
+    """torchrun for this node's ranks, stopped whole on an interrupt; the workers' report."""
+    from executor.process_tree import run_interruptible
+
     logs = tempfile.mkdtemp(prefix="parallax-logs-")
     with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
         plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")
         plan_path.write_text(plan.to_json())
-        # a fresh TCPStore per torchrun attempt: restarted gloo workers reconnect reliably
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-        # CPU threads: the node's cores split among its ranks (at least 1 each), so that the ranks'
-        # intra-op thread pools do not oversubscribe the cores (torchrun's own default is 1 thread);
-        # a caller's OMP_NUM_THREADS is kept. The worker sizes torch's pool from it.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        # the packages, and the current directory: a plan of `--module pkg.mod:factory` imports it there
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.getcwd(),
-                                                          env.get("PYTHONPATH")]))
         cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, nodes,
-                               str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every, max_restarts,
-                               seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs,
-                               profile_dir=str(Path(profile_dir).resolve()) if profile_dir else None)
+                               str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None, checkpoint_every,
+                               max_restarts, seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs,
+                               profile_dir=str(Path(profile_dir).resolve()) if profile_dir else None,
+                               trust_module=trust.module)
         try:
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+            done = run_interruptible(cmd, worker_env(model, nproc, trust.module), timeout_s)
         except subprocess.TimeoutExpired:
             raise RunError("run", f"no result after {timeout_s:.0f} s", f"per-rank logs are in {logs}") from None
         if done.returncode != 0 or not out_path.exists():
             raise first_failure(logs, done.returncode, done.stderr)
         report = RunReport.model_validate_json(out_path.read_text())
     shutil.rmtree(logs, ignore_errors=True)
-    if replanned:
-        report = report.model_copy(update={"notes": [replanned, *report.notes]})
-    ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
-    report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
-    step, peak, note = predict(ran, model, cluster)
-    return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+    return report
+
+
+def worker_env(model: str, nproc: int, trust_module: bool) -> dict[str, str]:
+    """The workers' environment: the project and a trusted factory's folder on the path, never
+    the current folder (a `sitecustomize.py` or an `executor/` there would run in every worker)."""
+    from planner.factory import factory_folder, names_factory
+
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # a fresh TCPStore per torchrun attempt
+    # CPU threads: the node's cores split among its ranks (at least 1 each), so that the ranks'
+    # intra-op thread pools do not oversubscribe the cores; a caller's OMP_NUM_THREADS is kept.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    own = [str(Path(__file__).resolve().parents[1])]
+    if trust_module and names_factory(model):
+        own.append(factory_folder(model))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [*own, env.get("PYTHONPATH")]))
+    env["PYTHONSAFEPATH"] = "1"  # `python -m` then leaves the current folder off sys.path
+    return env
 
 
 def _elsewhere(plan: Plan, device: str, cluster) -> str:

@@ -34,12 +34,14 @@ class HFStage(nn.Module):
         return self.model(inputs_embeds=x, use_cache=False).logits
 
 
-def _builder(name: str):
+def _builder(name: str, trust_module: bool):
     if name in list_models():
         return lambda: build_module(name)
     if ":" in name:  # a user's factory, imported as `parallax plan --module` did
-        from planner.factory import load_factory
+        from planner.factory import load_factory, refuse_untrusted
 
+        if not trust_module:
+            raise refuse_untrusted(name)
         return load_factory(name, field="model")
     import difflib
 
@@ -48,9 +50,10 @@ def _builder(name: str):
                      f"did you mean {', '.join(close)}?" if close else "a name from `parallax models` or 'package.module:function'")
 
 
-def build_model(name: str, seed: int = 0) -> nn.Module:
-    """Build `name` with a fixed seed so that every rank holds identical initial weights."""
-    builder = _builder(name)
+def build_model(name: str, seed: int = 0, trust_module: bool = False) -> nn.Module:
+    """Build `name` with a fixed seed so that every rank holds identical initial weights; a
+    module factory ("pkg.mod:build") only when the user has said it may run (`trust_module`)."""
+    builder = _builder(name, trust_module)
     torch.manual_seed(seed)
     model = builder()
     if not isinstance(model, HFStage) and hasattr(model, "config") and hasattr(model.config, "model_type"):
@@ -61,6 +64,11 @@ def build_model(name: str, seed: int = 0) -> nn.Module:
         elif isinstance(sub, nn.MultiheadAttention):  # its attention dropout is a float, not a module
             sub.dropout = 0.0
     return model
+
+
+def parameter_shapes(model: nn.Module) -> dict[str, list[int]]:
+    """The unsplit model's parameter names and shapes, as a checkpoint's manifest records them."""
+    return {name: list(param.shape) for name, param in model.named_parameters()}
 
 
 def vocab_size(model: nn.Module) -> int:

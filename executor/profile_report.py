@@ -11,7 +11,7 @@ from costmodel.simulate.measured import (largest_miss, measured_phases, merged_t
 from hardware.errors import ParallaxError
 
 
-def profile_report(folder: str | Path, plan: Plan, model_name: str, cluster=None) -> list[str]:
+def profile_report(folder: str | Path, plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> list[str]:
     """Write `folder`/trace.json and `folder`/report.html; return the lines to print."""
     from costmodel.simulate.step import simulate
     from executor.predict import workload_of
@@ -23,7 +23,7 @@ def profile_report(folder: str | Path, plan: Plan, model_name: str, cluster=None
         return [f"profile: no profiled step was recorded in {folder}"]
     try:
         hardware = cluster if cluster is not None else plan.cluster()
-        sim = simulate(workload_of(plan, model_name, hardware), plan, hardware)
+        sim = simulate(workload_of(plan, model_name, hardware, trust_module), plan, hardware)
     except ParallaxError as error:
         return [f"profile: rank traces in {folder}; no predicted timeline: {error}"]
     cp = plan.cp > 1

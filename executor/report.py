@@ -3,11 +3,13 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hardware.untrusted import SafeName
+
 
 class RunReport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model: str
+    model: SafeName
     plan: dict
     steps: int
     world_size: int

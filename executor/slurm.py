@@ -14,6 +14,7 @@ environment-variable documentation gives them); the CPU profile runs gloo.
 """
 from __future__ import annotations
 
+import re
 import shlex
 import sys
 
@@ -49,7 +50,7 @@ COMMON_ENV = [
 
 def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str | None, checkpoint_every: int,
                  max_restarts: int, min_nodes: int | None = None, job_name: str | None = None,
-                 python: str | None = None, port: int = RDZV_PORT) -> str:
+                 python: str | None = None, port: int = RDZV_PORT, trust_module: bool = False) -> str:
     """The sbatch script's text for `plan` (saved at `plan_path`, a path every node can read)."""
     if plan.groups:
         raise PlanError("plan", "a mixed-cluster plan needs a SLURM heterogeneous job (one component per GPU type), "
@@ -70,15 +71,17 @@ def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str 
         run += ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)]
     if max_restarts:
         run += ["--max-restarts", str(max_restarts)]
+    if trust_module:
+        run += ["--trust-module"]
     command = " ".join(shlex.quote(part) for part in run)
     lines = [
         "#!/bin/bash",
-        f"#SBATCH --job-name={job_name or 'parallax-' + plan.model.replace('/', '-').replace(':', '-')}",
+        f"#SBATCH --job-name={_job_name(job_name or 'parallax-' + plan.model)}",
         f"#SBATCH --nodes={nodes}",
         "#SBATCH --ntasks-per-node=1",
         *([f"#SBATCH --gpus-per-node={per_node}"] if gpu else []),
         "#SBATCH --exclusive",
-        f"# {plan.layout_tag} on {plan.n_gpus} x {cluster.gpu.name}: {nodes} node(s) of {per_node}",
+        _comment(f"{plan.layout_tag} on {plan.n_gpus} x {cluster.gpu.name}: {nodes} node(s) of {per_node}"),
         "set -euo pipefail",
         "",
         *(FABRIC_ENV.get(cluster.inter_fabric, FABRIC_ENV["ethernet"]) if gpu else
@@ -96,3 +99,13 @@ def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str 
         "",
     ]
     return "\n".join(lines)
+
+
+def _job_name(name: str) -> str:
+    """A job name sbatch reads as one word: what is not a letter, digit, '.', '_' or '-' becomes '-'."""
+    return re.sub(r"[^A-Za-z0-9._-]", "-", name)[:64]
+
+
+def _comment(text: str) -> str:
+    """A comment line that stays one line (names are checked where they are read; this holds anyway)."""
+    return "# " + re.sub(r"[\x00-\x1f\x7f]", " ", text)

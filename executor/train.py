@@ -12,7 +12,7 @@ from executor.data_parallel import sync_context
 from executor.materialize import Materialized, lm_loss, materialize_rank
 from executor.memory import PeakMemory
 from executor.mesh import coords
-from executor.models import build_model, vocab_size
+from executor.models import build_model, parameter_shapes, vocab_size
 
 MEMORY_STEPS = 2  # steps 0-1 run under the CPU memory tracker (its dispatch overhead would skew timing)
 
@@ -173,19 +173,22 @@ def steady_step_time(times: list[float], profiled: list[int] = ()) -> float:
 
 def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3,
              checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-             fail_at: list[int] | None = None, fail_rank: int = 1, profile_dir: str | None = None) -> dict:
+             fail_at: list[int] | None = None, fail_rank: int = 1, profile_dir: str | None = None,
+             trust_module: bool = False) -> dict:
     """Build, materialise and train on this rank (resuming from `checkpoint_dir` if it holds a
     valid checkpoint); every rank returns its own numbers.
 
     `fail_at`/`fail_rank` inject faults for the restart tests (see `kill_step`)."""
-    model = build_model(model_name, seed)
+    model = build_model(model_name, seed, trust_module)
     vocab = vocab_size(model)
+    shapes = parameter_shapes(model)
     run = materialize_rank(plan, model, lr=lr, seed=seed)
     checkpointer, start = None, 0
     if checkpoint_dir:
         from executor.checkpoint import Checkpointer
 
-        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names)
+        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names,
+                                    model=model_name, parameters=shapes)
         start = checkpointer.resume(run)
     kill_at = kill_step(fail_at, fail_rank, dist.get_rank(), _torchrun_attempt())
     result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at, profile_dir)

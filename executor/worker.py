@@ -1,7 +1,7 @@
 """What torchrun starts on every rank: read the plan, materialise, train, report.
 
     python -m executor.worker PLAN.json --model NAME --steps N --out report.json
-        [--seed S] [--checkpoint-dir DIR --checkpoint-every K] [--fail-at 3,5,7 --fail-rank 1]
+        [--seed S] [--checkpoint-dir DIR --checkpoint-every K] [--fail-at 3,5,7 --fail-rank 1] [--trust-module]
 
 Everything the worker does comes from the plan and these arguments; from the
 environment it reads only what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -45,7 +45,7 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
                      tp_replicated=mine["tp_replicated"], notes=notes)
 
 
-def _plan_for_world(plan: Plan, model: str) -> tuple[Plan, str]:
+def _plan_for_world(plan: Plan, model: str, trust_module: bool) -> tuple[Plan, str]:
     """The plan itself, or (after torchrun's elastic agent restarted the job on fewer nodes)
     rank 0's re-plan for the ranks that are left, the same on every rank."""
     world = dist.get_world_size()
@@ -59,7 +59,7 @@ def _plan_for_world(plan: Plan, model: str) -> tuple[Plan, str]:
         from hardware.errors import ParallaxError
 
         try:
-            new, note = replan(plan.model_copy(update={"model": model}), world, layer_kinds(build_model(model)))
+            new, note = replan(plan.model_copy(update={"model": model}), world, layer_kinds(build_model(model, trust_module=trust_module)))
             answer = [new.to_json(), note]
         except ParallaxError as error:
             answer = [None, str(error)]
@@ -91,6 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--failure-dir", default=None, help="write this rank's exception here if it fails")
     parser.add_argument("--profile-dir", default=None, help="torch.profiler traces of the last steps, one per rank")
+    parser.add_argument("--trust-module", action="store_true", help="the user trusts the plan's module factory")
     args = parser.parse_args(argv)
     try:
         _work(args)
@@ -118,10 +119,10 @@ def _work(args) -> None:
     plan = Plan.from_json(open(args.plan).read())
     model = args.model or plan.model
     init_distributed()
-    plan, replanned = _plan_for_world(plan, model)
+    plan, replanned = _plan_for_world(plan, model, args.trust_module)
     mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
                     checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank,
-                    profile_dir=args.profile_dir)
+                    profile_dir=args.profile_dir, trust_module=args.trust_module)
     if replanned:
         mine["notes"].insert(0, replanned)
     report = _gather_report(plan, model, args.steps, mine)

@@ -8,13 +8,13 @@ network between such nodes, each number with its source. Keeping them as data
 from __future__ import annotations
 
 import difflib
-import json
 from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from hardware.errors import HardwareError
+from hardware import untrusted
 from hardware.schema import GPU, Collectives, Node, _Sourced
 
 CATALOG_DIR = Path(__file__).parent / "catalog"
@@ -52,19 +52,8 @@ def first_error(error: ValidationError) -> tuple[str, str]:
 
 
 def read_json(path: Path) -> object:
-    """Parse a JSON file, turning every I/O or syntax problem into a HardwareError."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise HardwareError("hw", f"profile file {path} does not exist",
-                            "give a catalog name such as 8xh100-sxm or an existing JSON file") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise HardwareError("hw", f"cannot read profile file {path}: {error}") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise HardwareError("hw", f"{path} is not valid JSON: {error.msg} at line {error.lineno}",
-                            "see hardware/catalog/*.json for the format") from None
+    """Parse a profile file, bounded and checked (`hardware.untrusted`), every problem a HardwareError."""
+    return untrusted.read_json(path, "hw", "profile file", error=HardwareError)
 
 
 def with_library(data: dict, origin: str) -> dict:

@@ -35,6 +35,22 @@ class RunError(ParallaxError):
     """A launched run failed: `field` names the rank, the message its exception."""
 
 
+class Interrupted(Exception):
+    """SIGINT or SIGTERM stopped a command (and whatever it started); `exit_code` is the
+    shell's code for that signal: 130 for SIGINT, 143 for SIGTERM."""
+
+    def __init__(self, signum: int, stopped: str = "") -> None:
+        import signal
+
+        name = signal.Signals(signum).name
+        super().__init__(f"interrupted by {name}" + (f": {stopped}" if stopped else ""))
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
 class InfeasibleError(ParallaxError):
     """No layout fits; `report` carries the numbers that explain why."""
 

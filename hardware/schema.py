@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hardware.errors import HardwareError
+from hardware.untrusted import SafeName
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
 Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (costmodel.plan.Plan.stack)
@@ -120,7 +121,7 @@ class Efficiency(_Sourced):
 
 class GPU(_Sourced):
     unsourced_fields: ClassVar[frozenset[str]] = frozenset({"placeholder"})  # a flag, not a figure
-    name: str
+    name: SafeName
     device_type: Literal["cuda", "cpu"] = Field("cuda", description="the torch device its ranks run on, which "
                                                 "sets torch's defaults (AdamW's foreach path on cuda, its "
                                                 "per-tensor loop on cpu)")
@@ -229,7 +230,7 @@ class Cluster(_Sourced):
 
     unsourced_fields: ClassVar[frozenset[str]] = frozenset({"n_nodes"})
 
-    name: str
+    name: SafeName
     gpu: GPU
     node: Node
     n_nodes: int = Field(gt=0)

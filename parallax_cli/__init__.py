@@ -14,7 +14,8 @@ import sys
 import typer
 from pydantic import ValidationError
 
-from hardware.errors import ParallaxError, RunError
+from hardware.errors import Interrupted, ParallaxError, RunError
+from hardware.untrusted import check_name, printable, read_json
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Plan, simulate and run parallel training.")
 
@@ -33,8 +34,8 @@ def _one_line(error: Exception) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
         where = ".".join(str(part) for part in first["loc"]) or "input"
-        return " ".join(f"{where}: {first['msg']}".split())
-    return " ".join(str(error).split())
+        return printable(" ".join(f"{where}: {first['msg']}".split()))
+    return printable(" ".join(str(error).split()))
 
 
 def _is_click_error(error: BaseException) -> bool:
@@ -49,38 +50,90 @@ def _usage_line(error) -> str:
     return f"error: {' '.join(error.format_message().split())}{where}"
 
 
+def _raise_interrupted(signum, frame) -> None:  # noqa: ARG001 - signal's handler signature
+    raise Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure is one line on stderr and a non-zero exit code:
-    2 for wrong input (usage, values, files), 1 for a failed run or an internal error."""
+    2 for wrong input (usage, values, files), 1 for a failed run or an internal error,
+    130 for Ctrl-C and 143 for SIGTERM (the shell's codes for those signals)."""
     _register_commands()
+    previous = _on_sigterm(_raise_interrupted)
     try:
         app(args=argv, standalone_mode=False, prog_name="parallax")
     except (ParallaxError, ValidationError, FileNotFoundError, IsADirectoryError) as error:
-        print(f"error: {_one_line(error)}", file=sys.stderr)
+        _say(f"error: {_one_line(error)}")
         return 1 if isinstance(error, RunError) else 2
     except (typer.Abort, KeyboardInterrupt):
-        print("aborted", file=sys.stderr)
-        return 1
+        _say("interrupted")
+        return 130
+    except Interrupted as interrupted:  # SIGTERM, or a signal `parallax run` passed on to torchrun
+        _say(str(interrupted))
+        return interrupted.exit_code
+    except OSError as error:  # a path the user named: --out into a folder that is a file, read-only, full
+        where = f": {error.filename}" if error.filename else ""
+        _say(f"error: {error.strerror or type(error).__name__}{where}")
+        return 2
     except Exception as error:
         if _is_click_error(error):
-            print(_usage_line(error), file=sys.stderr)
+            _say(_usage_line(error))
             return int(getattr(error, "exit_code", 2) or 2)
-        print(f"error: internal error, please report it: {type(error).__name__}: "
-              f"{' '.join(str(error).split())[:300]}", file=sys.stderr)
+        _say(f"error: internal error, please report it: {type(error).__name__}: "
+             f"{' '.join(str(error).split())[:300]}")
         return 1
+    finally:
+        _on_sigterm(previous)
     return 0
 
 
-def load_plan(path):
-    """A plan file, or one line naming the file and what is wrong with it."""
+def _say(line: str) -> None:
+    """One line on stderr, with no control character from the input that caused it."""
+    print(printable(line), file=sys.stderr)
+
+
+def _on_sigterm(handler):
+    """Install `handler` for SIGTERM where this thread may (the main thread); the previous one."""
+    import signal
+    import threading
+
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+TRUST_MODULE_HELP = "build the plan's module factory (pkg.mod:function): this imports and runs its code"
+
+
+def check_model(model: str | None, trust_module: bool) -> None:
+    """A model name from a plan or --model: a safe name, and a module factory only when trusted."""
+    from planner.factory import names_factory, refuse_untrusted
+
+    if model is None:
+        return
+    check_name(model, "model")
+    if names_factory(model) and not trust_module:
+        raise refuse_untrusted(model)
+
+
+def load_plan(path, trust_module: bool = False):
+    """A plan file, or one line naming the file and what is wrong with it: read bounded,
+    UTF-8, nesting and numbers checked (`hardware.untrusted`); a plan naming a module
+    factory is refused unless the user trusts it."""
+    plan = _read_plan(path)
+    check_model(plan.model, trust_module)
+    return plan
+
+
+def _read_plan(path):
     from costmodel.plan import Plan
     from hardware.errors import PlanError
 
-    text = path.read_text()
+    data = read_json(path, "plan", "plan file")
     try:
-        return Plan.from_json(text)
+        return Plan.model_validate(data)
     except ValidationError as error:
-        mixed = _mixed_mode(text)
+        mixed = _mixed_mode(data)
         if mixed:  # the report an older Parallax's mixed search wrote, before mixed plans were Plans
             raise PlanError("plan", f"{path} is an older mixed-cluster report ({mixed}), not a plan",
                             "plan the mixed cluster again with `parallax plan MODEL --hw A+B --out FILE`") from None
@@ -88,13 +141,7 @@ def load_plan(path):
                         "write one with `parallax plan ... --out FILE`") from None
 
 
-def _mixed_mode(text: str) -> str | None:
-    import json
-
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return None
+def _mixed_mode(data: object) -> str | None:
     return data.get("mode") if isinstance(data, dict) and "balance" in data else None
 
 
@@ -102,10 +149,28 @@ def emit(result, out, as_json: bool) -> bool:
     """Write `result`'s JSON to `out` if given and print it for --json; True when printed
     (the tables are then left out)."""
     if out:
-        out.write_text(result.to_json())
+        write_output(out, result.to_json())
     if as_json:
         print(result.to_json())
     return as_json
+
+
+def write_output(path, text: str, option: str = "--out") -> None:
+    """Write a file the user named; a path that cannot be written is one line naming the option."""
+    try:
+        path.write_text(text)
+    except OSError as error:
+        raise ParallaxError(option, f"cannot write {path}: {error.strerror or error}",
+                            "name a file in a folder you can write") from None
+
+
+def wide_console(stderr: bool = False):
+    """A rich console for tables: the terminal's width, and on a pipe or file wide enough that
+    no line is wrapped mid-phrase (rich's default there is 80 columns)."""
+    from rich.console import Console
+
+    stream = sys.stderr if stderr else sys.stdout
+    return Console(stderr=stderr, width=None if stream.isatty() else 400)
 
 
 def entry() -> None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from parallax_cli import app, load_plan
+from parallax_cli import TRUST_MODULE_HELP, app, check_model, load_plan, wide_console
 
 GIB = 2 ** 30
 ORDER = ("weights", "gradients", "optimizer", "activations", "buffers")
@@ -18,20 +17,22 @@ def dry_run_command(
     plan_path: Path = typer.Argument(..., help="plan JSON (hand-written or from `parallax plan`)"),
     model: str = typer.Option(None, "--model", help="model name; default: the plan's"),
     hardware: str = typer.Option(None, "--hardware", help="profile or spec to predict on; default: the plan's"),
+    trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
 ) -> None:
     """Run the executor's appliers for one rank of each pipeline role on fake tensors, under torch's
     fake process group at the plan's full world size, and print each memory category measured
     beside predicted. Nothing is allocated and no GPU is touched."""
     from executor.dry_run import dry_run
 
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path, trust_module)
+    check_model(model, trust_module)
     cluster = None
     if hardware:
         from hardware import load
 
         cluster = load(hardware)
-    result = dry_run(plan, model, cluster=cluster)
-    console = Console()
+    result = dry_run(plan, model, cluster=cluster, trust_module=trust_module)
+    console = wide_console()
     for rank in result.ranks:
         console.print(_table(rank))
         if not rank.fits:

@@ -8,19 +8,18 @@ from __future__ import annotations
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hardware import Cluster, gpu_entry, list_catalog, load, price_per_gpu_hour
-from parallax_cli import app
+from parallax_cli import app, wide_console
 
 hw_app = typer.Typer(help="GPU catalog and hardware specs (e.g. 64xh100-sxm).", no_args_is_help=True)
 app.add_typer(hw_app, name="hardware")
 
 
-def _console() -> Console:
+def _console():
     """A wide console: tables are read in logs and tests as well as terminals."""
-    return Console(width=200)
+    return wide_console()
 
 
 def _fmt(value: object) -> str:

@@ -1,10 +1,9 @@
 """`parallax models`: the built-in named models, one row each."""
 from __future__ import annotations
 
-from rich.console import Console
 from rich.table import Table
 
-from parallax_cli import app
+from parallax_cli import app, wide_console
 from planner.trace.models.catalog import list_models, summary
 
 
@@ -18,4 +17,4 @@ def models() -> None:
         row = summary(name)
         table.add_row(row["name"], row["family"], str(row["layers"]), str(row["hidden"]), str(row["heads"]),
                       str(row["kv_heads"]), f"{row['params_b']:.2f}")
-    Console().print(table)
+    wide_console().print(table)

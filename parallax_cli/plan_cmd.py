@@ -11,12 +11,13 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from costmodel.plan import Plan, uniform_stages
 from costmodel.validate import default_dtype
 from hardware.errors import PlanError
+from hardware.limits import COUNT_LIMITS, check_count
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
-from parallax_cli import app, emit, load_plan
+from parallax_cli import TRUST_MODULE_HELP, app, emit, load_plan, wide_console
 from planner.summary import render
 
-console = Console()
+console = wide_console()
 
 
 def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None, stack=None,
@@ -142,45 +143,94 @@ def print_plan(result: Plan, model: str, out: Path | None, as_json: bool) -> Non
 
 @app.command("estimate")
 def estimate_command(
-    model: str = typer.Argument(...),
-    hw: str = typer.Option(..., "--hw"),
+    model: Optional[str] = typer.Argument(None, help="the model; with --plan, default the plan's"),
+    hw: Optional[str] = typer.Option(None, "--hw", help="hardware spec or profile; with --plan, default the plan's "
+                                     "(another of the same GPU count re-prices the plan there)"),
     plan_file: Optional[Path] = typer.Option(None, "--plan", help="a plan JSON (hand-written or solved)"),
     global_batch: Optional[int] = typer.Option(None, "--global-batch"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len"),
-    dtype: str = typer.Option("bf16", "--dtype"),
-    tp: int = typer.Option(1, "--tp"),
-    pp: int = typer.Option(1, "--pp"),
-    dp: int = typer.Option(1, "--dp"),
-    zero: int = typer.Option(0, "--zero"),
-    micro_batch: int = typer.Option(1, "--micro-batch"),
-    recompute: str = typer.Option("none", "--recompute"),
-    schedule: str = typer.Option("1f1b", "--schedule"),
-    vpp: int = typer.Option(1, "--vpp"),
-    sp: bool = typer.Option(False, "--sp/--no-sp"),
-    cp: int = typer.Option(1, "--cp", help="context parallel degree"),
-    ep: int = typer.Option(1, "--ep", help="expert parallel degree"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", help="default bf16"),
+    tp: Optional[int] = typer.Option(None, "--tp"),
+    pp: Optional[int] = typer.Option(None, "--pp"),
+    dp: Optional[int] = typer.Option(None, "--dp"),
+    zero: Optional[int] = typer.Option(None, "--zero"),
+    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="none (default), selective or full"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b (default), gpipe or interleaved"),
+    vpp: Optional[int] = typer.Option(None, "--vpp"),
+    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
+    cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="expert parallel degree"),
     dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
-    offload: bool = typer.Option(False, "--offload", help="ZeRO-2/3 states in host memory (FSDP2 CPUOffloadPolicy)"),
+    offload: Optional[bool] = typer.Option(None, "--offload", help="ZeRO-2/3 states in host memory (FSDP2 CPUOffloadPolicy)"),
+    trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Price one given layout (from flags or --plan FILE) without searching."""
-    cluster = resolve_hardware(hw)
+    options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, tp=tp, pp=pp, dp=dp, zero=zero,
+                   micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp, cp=cp, ep=ep,
+                   dp_shard=dp_shard, offload=offload)
+    given = {k: v for k, v in options.items() if v is not None}
     if plan_file is not None:
-        given = load_plan(plan_file)
+        model, cluster, plan, note = _plan_as_asked(plan_file, model, hw, given, trust_module)
     else:
-        if global_batch is None or seq_len is None:
-            raise PlanError("--global-batch/--seq-len", "both are needed without --plan", "pass them, or --plan FILE")
-        workload = resolve_workload(model, seq_len=seq_len, dtype=dtype)
-        kinds = [layer.kind for layer in workload.layers]
-        if pp * vpp > workload.n_blocks:
-            raise PlanError("pp", f"pp*vpp = {pp * vpp} stages exceed the {workload.n_blocks} blocks", f"use pp <= {workload.n_blocks}")
-        given = Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=seq_len, dtype=dtype, dp=dp,
-                     tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=micro_batch, schedule=schedule, vpp=vpp, cp=cp, ep=ep,
-                     dp_shard=dp_shard, offload=offload, stages=uniform_stages(kinds, pp * vpp, recompute))
-    priced = given.model_copy(update={"estimate": estimate(model, given, cluster)})
+        model, cluster, plan, note = _layout_from_flags(model, hw, given)
+    priced = plan.model_copy(update={"estimate": estimate(model, plan, cluster)})
     if as_json:
         print(priced.to_json())
-    else:
-        console.print(render(priced))
-        if not priced.estimate.fits:
-            console.print("[red]this layout does not fit in memory[/red]")
+        return
+    if note:
+        console.print(note, markup=False)
+    console.print(render(priced))
+    if not priced.estimate.fits:
+        console.print("[red]this layout does not fit in memory[/red]")
+
+
+def _plan_as_asked(plan_file: Path, model: str | None, hw: str | None, given: dict, trust_module: bool):
+    """(model, cluster, plan, first line) for --plan: options that the plan fixes are refused by name,
+    another model is refused, other hardware of the same GPU count re-prices the plan there."""
+    plan = load_plan(plan_file, trust_module)
+    if given:
+        flags = ", ".join("--" + k.replace("_", "-") for k in given)
+        raise PlanError(flags, f"given with --plan, whose layout fixes {'it' if len(given) == 1 else 'them'}",
+                        "drop them to price the plan as written, or edit the plan")
+    if model is not None and model != plan.model:
+        raise PlanError("model", f"{model} differs from the plan's {plan.model}",
+                        f"drop MODEL to price the plan's, or plan {model} with `parallax plan`")
+    if hw is None or hw == plan.hardware:
+        return plan.model, plan.cluster(), plan, ""
+    cluster = resolve_hardware(hw)
+    if plan.groups or cluster.n_gpus != plan.n_gpus:
+        raise PlanError("--hw", f"{cluster.spec()} is not the plan's {plan.hardware}, and the plan's layout needs "
+                        f"{plan.n_gpus} GPUs of one kind", f"drop --hw, or plan again with `parallax plan --hw {hw}`")
+    repriced = plan.model_copy(update={"hardware": cluster.spec(), "hardware_profile": _profile(cluster)})
+    return plan.model, cluster, repriced, f"re-priced on {cluster.spec()}, not the plan's {plan.hardware} (--hw)"
+
+
+def _profile(cluster):
+    from hardware import loads_back
+
+    return None if loads_back(cluster) else cluster
+
+
+def _layout_from_flags(model: str | None, hw: str | None, given: dict):
+    """(model, cluster, plan, "") for a layout given by flags (defaults: dp=tp=pp=1, zero 0, bf16, 1f1b)."""
+    if model is None or hw is None:
+        raise PlanError("model" if model is None else "--hw", "is needed without --plan",
+                        "e.g. parallax estimate llama-3-8b --hw 8xh100-sxm --global-batch 64 --seq-len 4096 --dp 8")
+    if "global_batch" not in given or "seq_len" not in given:
+        raise PlanError("--global-batch/--seq-len", "both are needed without --plan", "pass them, or --plan FILE")
+    for key in set(given) & set(COUNT_LIMITS):
+        check_count(key, given[key], COUNT_LIMITS[key])
+    cluster = resolve_hardware(hw)
+    layout = {"dtype": "bf16", "tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 1, "recompute": "none",
+              "schedule": "1f1b", "vpp": 1, "sp": False, "cp": 1, "ep": 1, "dp_shard": None, "offload": False, **given}
+    workload = resolve_workload(model, seq_len=layout["seq_len"], dtype=layout["dtype"])
+    kinds = [layer.kind for layer in workload.layers]
+    stages = layout["pp"] * layout["vpp"]
+    if stages > workload.n_blocks:
+        raise PlanError("pp", f"pp*vpp = {stages} stages exceed the {workload.n_blocks} blocks",
+                        f"use pp <= {workload.n_blocks}")
+    recompute = layout.pop("recompute")
+    plan = Plan(model=model, hardware=cluster.spec(), stages=uniform_stages(kinds, stages, recompute), **layout)
+    return model, cluster, plan, ""

@@ -7,7 +7,7 @@ from typing import Optional
 import typer
 
 from hardware.errors import PlanError
-from parallax_cli import app, load_plan
+from parallax_cli import TRUST_MODULE_HELP, app, check_model, load_plan, write_output
 
 
 @app.command("run")
@@ -44,6 +44,9 @@ def run_command(
     stochastic_rounding: Optional[bool] = typer.Option(
         None, "--stochastic-rounding/--no-stochastic-rounding",
         help="override the plan's stochastic_rounding: int8 compression rounds stochastically"),
+    trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
+    trust_checkpoint_dir: bool = typer.Option(False, "--trust-checkpoint-dir",
+                                              help="resume from a checkpoint folder other users may write"),
 ) -> None:
     """Run PLAN with torchrun and print measured (and predicted) step time, memory and loss.
 
@@ -55,11 +58,12 @@ def run_command(
     (elastic resume). On several nodes, run the same command on each with --nnodes,
     --node-rank and --rdzv-endpoint (torchrun's c10d rendezvous); `parallax launch --slurm`
     writes the batch script that does so."""
-    from executor.launch import Nodes, run
+    from executor.launch import Nodes, Trust, run
 
     nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                   last_call_s=rdzv_last_call)
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path, trust_module)
+    check_model(model, trust_module)
     overrides = {k: v for k, v in dict(topk_fraction=topk_fraction, powersgd_rank=powersgd_rank,
                                        stochastic_rounding=stochastic_rounding).items() if v is not None}
     if overrides:  # validated like the plan file: a bad value is one line naming the field
@@ -72,9 +76,10 @@ def run_command(
     every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
     report = run(plan, model=model, steps=steps, nproc=nproc, nodes=nodes, cluster=cluster,
                  checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=every,
-                 max_restarts=max_restarts, seed=seed, profile_dir=str(profile_dir) if profile_dir else None)
+                 max_restarts=max_restarts, seed=seed, profile_dir=str(profile_dir) if profile_dir else None,
+                 trust=Trust(module=trust_module, checkpoint_dir=trust_checkpoint_dir))
     if out:
-        out.write_text(report.model_dump_json(indent=2))
+        write_output(out, report.model_dump_json(indent=2))
     guess = (cluster or plan.cluster()).guess_warning()
     if guess:
         typer.echo(guess)
@@ -88,7 +93,7 @@ def run_command(
         from costmodel.plan import Plan
         from executor.profile_report import profile_report
 
-        for line in profile_report(profile_dir, Plan.model_validate(report.plan), report.model, cluster):
+        for line in profile_report(profile_dir, Plan.model_validate(report.plan), report.model, cluster, trust_module):
             typer.echo(line)
 
 
@@ -124,18 +129,20 @@ def launch_command(
     min_nodes: Optional[int] = typer.Option(None, "--min-nodes", min=1,
                                             help="go on with this many nodes when others are lost (re-planned)"),
     port: int = typer.Option(29500, "--rdzv-port", min=1, max=65535, help="the rendezvous port on the first node"),
+    trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
 ) -> None:
     """Write a batch script that runs PLAN on a cluster: one torchrun per node, c10d rendezvous."""
     from executor.slurm import batch_script
 
     if not slurm:
         raise PlanError("launch", "no scheduler named", "pass --slurm")
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path, trust_module)
     every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
     text = batch_script(plan, str(plan_path.resolve()), steps=steps,
                         checkpoint_dir=str(checkpoint_dir.resolve()) if checkpoint_dir else None,
-                        checkpoint_every=every, max_restarts=max_restarts, min_nodes=min_nodes, port=port)
-    out.write_text(text)
+                        checkpoint_every=every, max_restarts=max_restarts, min_nodes=min_nodes, port=port,
+                        trust_module=trust_module)
+    write_output(out, text)
     out.chmod(0o755)
     typer.echo(f"wrote {out}: submit it with `sbatch {out}`")
 
@@ -150,6 +157,6 @@ def calibrate_command(
     from executor.calibrate import calibrate
 
     cluster = calibrate(device, ranks)
-    out.write_text(cluster.model_dump_json(indent=2))
+    write_output(out, cluster.model_dump_json(indent=2))
     typer.echo(f"wrote {out}: {cluster.gpu.peak_tflops} TFLOP/s, {cluster.gpu.hbm_gbps:.1f} GB/s memory, "
                f"{cluster.node.link_gbps:.2f} GB/s link")

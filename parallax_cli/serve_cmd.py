@@ -5,15 +5,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from parallax_cli import app, emit
+from parallax_cli import app, emit, wide_console
 from planner.inference import InferencePlan, plan_inference
 
-console = Console()
-if console.width < 150:
-    console = Console(width=150)
+console = wide_console()
 GIB = 2**30
 
 

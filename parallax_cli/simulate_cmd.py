@@ -10,19 +10,28 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from costmodel.estimate import estimate
 from costmodel.plan import Plan
 from hardware.errors import ModelError, ParallaxError
-from parallax_cli import app, load_plan
+from parallax_cli import TRUST_MODULE_HELP, app, load_plan, wide_console
 from planner.resolve import resolve_hardware
 
 
 def load_workload(plan: Plan, cluster):
     """The plan's model as a Workload, through the planner's tracing front end, its attention
-    as `cluster` runs it."""
+    as `cluster` runs it; a module factory (trusted by `load_plan`'s caller) built on the meta device."""
+    from planner.factory import names_factory
+
+    if names_factory(plan.model):
+        import torch
+
+        from planner.factory import build_on_meta
+        from planner.resolve import resolve_workload
+
+        return resolve_workload(build_on_meta(plan.model), seq_len=plan.seq_len, dtype=plan.dtype, cluster=cluster,
+                                example_inputs=(torch.zeros(1, plan.seq_len, dtype=torch.long),))
     try:
         from planner.trace.workload_for import workload_for
     except ImportError as error:
@@ -97,16 +106,20 @@ def simulate_command(
     trace: Optional[Path] = typer.Option(None, "--trace", help="write a Chrome/Perfetto trace JSON here"),
     plot: Optional[Path] = typer.Option(None, "--plot", help="write the pipeline timeline PNG here"),
     report: Optional[Path] = typer.Option(None, "--report", help="write a self-contained HTML report here"),
+    trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
 ) -> None:
     """Simulate one training step of PLAN and compare it with the analytic estimate."""
     from costmodel.simulate.step import simulate
 
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path, trust_module)
     cluster = resolve_hardware(hw) if hw else plan.cluster()
     workload = load_workload(plan, cluster)
     plan, notes = fit_plan(plan, workload, cluster)
     sim = simulate(workload, plan, cluster)
-    console = Console(width=160)
+    console = wide_console()
+    if sim.played_micro_batches:
+        notes.append(f"played {sim.played_micro_batches} of the {plan.num_micro_batches:,} micro-batches; the rest "
+                     "repeat the steady state and are counted (the trace and plots show the played ones)")
     for note in notes + list(plan.notes):
         console.print(f"note: {note}")
     console.print(sim_table(sim, plan.estimate or estimate(workload, plan, cluster)))

@@ -5,11 +5,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from hardware.errors import ParallaxError
-from parallax_cli import app
+from parallax_cli import app, wide_console
 
 
 def parse_counts(text: str | None) -> list[int] | None:
@@ -63,7 +62,7 @@ def whatif_command(
     rows = whatif(model, hw, parse_counts(gpus), global_batch=global_batch, seq_len=seq_len, tokens=tokens,
                   price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps, storage_gbps=storage_gbps,
                   restart_s=restart_min * 60 if restart_min is not None else None, dtype=dtype)
-    console = Console(width=220)
+    console = wide_console()
     console.print(rows_table(rows, f"{model}: global batch {global_batch} x {seq_len} tokens"))
     if any(getattr(r, "goodput", None) for r in rows):
         console.print("goodput: Daly's expected useful fraction with per-GPU MTBF from the hardware data, checkpoint "

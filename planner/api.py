@@ -14,6 +14,7 @@ from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from costmodel.plan import Estimate, Plan
 from hardware.errors import PlanError
+from hardware.limits import check_positive
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
@@ -35,6 +36,7 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq
     """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
     on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
     subset's plan (`planner.mixed.search.plan_mixed`), a Plan whose groups place it."""
+    check_positive("time_limit", time_limit_s, "seconds, e.g. 4")
     if not is_mixed(hw):
         return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                             fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,

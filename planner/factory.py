@@ -24,6 +24,48 @@ from planner.executable import block_container
 EXAMPLE = "e.g. mypkg.model:build, a function returning the nn.Module"
 
 
+TRUST_FLAG = "--trust-module"
+
+
+def names_factory(model: str) -> bool:
+    """Whether a plan's model is a module factory ("pkg.mod:build"), whose building runs the user's code."""
+    return ":" in model and model.partition(":")[0].replace(".", "").replace("_", "").isalnum()
+
+
+def refuse_untrusted(spec: str) -> ModelError:
+    """The one-line refusal of a plan that names a module factory the user has not trusted."""
+    return ModelError("model", f"{spec} is a module factory: building it imports and runs its code",
+                      f"pass {TRUST_FLAG} if you trust it")
+
+
+def factory_folder(spec: str) -> str:
+    """The folder the factory's top package is imported from (the workers' path gets it, not the
+    current folder); refused in one line when it does not import."""
+    import importlib.util
+
+    top = spec.partition(":")[0].split(".")[0]
+    with _cwd_on_path():
+        found = importlib.util.find_spec(top)
+    if found is None or not (found.origin or found.submodule_search_locations):
+        raise ModelError("model", f"cannot find the package of {spec}", "run from the folder that holds it")
+    if found.submodule_search_locations:  # a package: the folder above it
+        return os.path.dirname(list(found.submodule_search_locations)[0])
+    return os.path.dirname(found.origin)
+
+
+class _cwd_on_path:
+    """The current folder at the front of sys.path for one import, as `python -m` would have it."""
+
+    def __enter__(self):
+        self.added = os.getcwd() not in sys.path
+        if self.added:
+            sys.path.insert(0, os.getcwd())
+
+    def __exit__(self, *exc):
+        if self.added and os.getcwd() in sys.path:
+            sys.path.remove(os.getcwd())
+
+
 def load_factory(spec: str, field: str = "--module"):
     """The callable `spec` ("package.module:function") names; errors name `field`."""
     module_name, _, attr = spec.partition(":")

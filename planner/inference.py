@@ -30,8 +30,10 @@ from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
+from hardware.untrusted import SafeName
 
 from planner.resolve import DTYPES, model_name, resolve_hardware, resolve_workload
+from planner.search.space import divisors
 
 GIB = 2**30
 SCHEMA_VERSION = 1
@@ -43,8 +45,8 @@ class InferencePlan(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_version: Literal[1] = SCHEMA_VERSION
-    model: str
-    hardware: str
+    model: SafeName
+    hardware: SafeName
     dtype: str = "bf16"
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
@@ -109,7 +111,7 @@ def layouts(workload: Workload, cluster: Cluster) -> list[tuple[int, int]]:
     """(tp, pp) pairs: TP dividing the heads, PP at most the blocks, tp*pp dividing the GPU count."""
     n = cluster.n_gpus
     out = []
-    for tp in (d for d in range(1, n + 1) if n % d == 0 and workload.tp_divides(d)):
+    for tp in (d for d in divisors(n) if workload.tp_divides(d)):
         for pp in range(1, min(workload.n_blocks, n // tp) + 1):
             if (n // tp) % pp == 0:
                 out.append((tp, pp))
@@ -293,7 +295,7 @@ def _to_plan(p: _Point, name, cluster, prompt_len, output_len, dtype, objective,
 
 def _nothing_fits(sm: ServingModel, workload: Workload, cluster: Cluster) -> InfeasibleError:
     n = cluster.n_gpus
-    tp = max(d for d in range(1, n + 1) if n % d == 0 and workload.tp_divides(d))
+    tp = max(d for d in divisors(n) if workload.tp_divides(d))
     pp = max(1, min(workload.n_blocks, n // tp))
     weights = weight_bytes_per_gpu(workload, tp, pp, sm.dtype)
     per_seq = sm.prompt_len + sm.output_len

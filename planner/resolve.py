@@ -10,6 +10,7 @@ from typing import Any
 import hardware
 from costmodel.workload import Workload
 from hardware.errors import PlanError
+from hardware.limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, check_count
 from hardware.schema import Cluster
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")
@@ -62,10 +63,8 @@ def model_name(model: Any, workload: Workload) -> str:
 
 
 def check_inputs(global_batch: int, seq_len: int, dtype: str, objective: str, top_k: int) -> None:
-    if not isinstance(global_batch, int) or global_batch <= 0:
-        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 512")
-    if not isinstance(seq_len, int) or seq_len <= 0:
-        raise PlanError("seq_len", f"must be a positive integer, got {seq_len!r}", "e.g. 4096")
+    check_count("global_batch", global_batch, MAX_GLOBAL_BATCH, hint="e.g. 512")
+    check_count("seq_len", seq_len, MAX_SEQ_LEN, hint="e.g. 4096")
     if dtype not in DTYPES:
         raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
     if objective not in ("time", "cost"):

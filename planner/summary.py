@@ -86,6 +86,7 @@ def headline(plan: Plan) -> str:
         s = plan.solver
         lines.append(f"solver: {s.status}, {s.layouts_considered} layouts, {s.layouts_solved} solved with CP-SAT, "
                      f"{'no proven bound' if s.gap is None else f'gap {s.gap:.1%}'}, {s.wall_s:.1f} s")
+        lines += s.notes
     if plan.checkpointing:
         lines.append(plan.checkpointing.line())
     lines += plan.notes

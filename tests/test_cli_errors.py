@@ -86,7 +86,7 @@ def test_failed_run_names_the_first_failing_rank_in_one_line(tmp_path, capsys):
 
     plan_path = tmp_path / "plan.json"
     plan_path.write_text(make_plan("reference-tiny", dp=2).to_json())
-    code = main(["run", str(plan_path), "--steps", "2", "--model", "tests.failing_model:build"])
+    code = main(["run", str(plan_path), "--steps", "2", "--model", "tests.failing_model:build", "--trust-module"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert "rank 1" in err and "boom on purpose" in err and "logs are in" in err, err

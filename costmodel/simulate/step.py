@@ -26,6 +26,7 @@ from ..memory import WEIGHT_BYTES
 from ..plan import Plan
 from .engine import Engine, EngineInput, Event
 from .ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
+from .repeat import carried, played_lengths, shortened
 from .schedule import rank_orders
 from .stats import RankSim, breakdown, exposed_by_kind, memory_timeline
 from ..workload import Workload
@@ -49,6 +50,7 @@ class SimResult:
     mfu: float
     events: list[Event] = field(repr=False)
     groups: list["GroupTimeline"] = field(default_factory=list)  # a mixed-cluster plan's groups
+    played_micro_batches: int | None = None  # fewer than the plan's: the rest identical and counted (`repeat`)
 
     @property
     def critical_rank(self) -> int:
@@ -75,6 +77,14 @@ def simulate(workload: Workload, plan: Plan, cluster, *, bucket_bytes: float = D
 
         return simulate_mixed(workload, plan, cluster, bucket_bytes)
     cluster = cluster.for_stack(plan.stack)
+    lengths = played_lengths(plan)
+    if lengths is None:
+        return _play_uniform(workload, plan, cluster, bucket_bytes)
+    short, longer = (_play_uniform(workload, shortened(plan, m), cluster, bucket_bytes) for m in lengths)
+    return carried(short, longer, *lengths, plan)
+
+
+def _play_uniform(workload: Workload, plan: Plan, cluster: Cluster, bucket_bytes: float) -> SimResult:
     lay, rank_times = price_ranks(workload, plan, cluster)
     return play(workload, plan, [cluster] * plan.pp, [lay] * plan.pp, rank_times, bucket_bytes)
 

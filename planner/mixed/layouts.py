@@ -37,6 +37,7 @@ from planner.executable import facts_of_workload, layout_problem
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
 from planner.search.coefficients import POLICIES
+from planner.search.space import divisors
 
 MICRO_BATCHES = (1, 2, 4)
 ZEROS = (0, 1, 2, 3)
@@ -227,4 +228,4 @@ def common_divisors(values: list[int]) -> list[int]:
     g = 0
     for v in values:
         g = math.gcd(g, v)
-    return [d for d in range(1, g + 1) if g % d == 0]
+    return list(divisors(g))

@@ -72,11 +72,16 @@ class _Entry:
     split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
 
 
-def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped: list | None = None) -> list[_Entry]:
-    """Every layout with its coefficients and cheap bound, lowest bound first; the layouts
-    whose states alone overflow are counted in `dropped` instead."""
+def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped: list | None = None,
+             deadline: float = float("inf")) -> tuple[list[_Entry], bool]:
+    """Every layout with its coefficients and cheap bound, lowest bound first, and whether the
+    enumeration finished before `deadline` (a perf_counter time); the layouts whose states
+    alone overflow are counted in `dropped` instead."""
     entries, times, per_rank = [], LayerTimes(), {}
     for layout in layouts(workload, cluster, global_batch, fixed):
+        if time.perf_counter() > deadline:
+            entries.sort(key=lambda e: e.bound)
+            return entries, False
         if _states_overflow(workload, layout, dtype, capacity, per_rank, cluster):
             if dropped is not None:
                 dropped.append(layout)
@@ -86,7 +91,7 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
         data = stage_model_data(workload, template, cluster, capacity, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
     entries.sort(key=lambda e: e.bound)
-    return entries
+    return entries, True
 
 
 def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict,
@@ -151,7 +156,9 @@ def search(
     cluster = cluster.for_stack(fixed.get("stack", "eager"))  # every layout of one search prices one stack
     capacity = usable_memory_bytes(cluster, memory_reserve)
     dropped: list = []
-    entries = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped)
+    # the enumeration gets half the time limit, so that pricing and refining its layouts fit in the rest
+    entries, complete = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped,
+                                 deadline=started + time_limit_s / 2)
     tally = _Tally(top_k)
     priced = _rank_uniform(workload, entries, fixed)
     for entry in _worth_pricing(priced, top_k):
@@ -171,7 +178,7 @@ def search(
                 tally.add(cand)
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
     _tighten_bounds(entries, tally.first())
-    bound = _proven_bound(entries)
+    bound = _proven_bound(entries) if complete else None
     report = _report(ranked, bound, len(entries) + len(dropped), refined, time.perf_counter() - started)
     return SearchResult(best=ranked[:top_k], report=report)
 
@@ -288,6 +295,10 @@ def _gap(best: float, bound: float) -> float:
 def _report(ranked, bound, considered, refined, wall) -> SolverReport:
     if not ranked:
         return SolverReport(status="infeasible", wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=float("inf"))
+    if bound is None:  # the time limit cut the enumeration: the layouts not seen bound nothing
+        return SolverReport(status="feasible", wall_s=wall, layouts_considered=considered, layouts_solved=refined,
+                            gap=None, notes=[f"the time limit passed before every layout was enumerated ({considered} "
+                                             "seen); raise --time-limit to search them all"])
     gap = _gap(ranked[0].estimate.step_time_s, bound)
     status = "optimal" if gap < 1e-3 else "feasible"
     return SolverReport(status=status, wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=gap)

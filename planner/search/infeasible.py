@@ -63,7 +63,14 @@ def infeasibility_report(workload: Workload, cluster: Cluster, *, global_batch, 
     message = (f"{workload.name} does not fit on {cluster.spec()}: the leanest layout needs {need:.1f} GiB per GPU "
                f"and {capacity / GIB:.1f} GiB is usable; {binding} ({peak[binding] / GIB:.1f} GiB) dominates")
     est = least.estimate
-    if need <= capacity / GIB and est.host_memory_capacity_bytes is not None:  # it fits the GPUs, not the hosts
+    if least.fits and fixed.get("recompute", "full") != "full":  # the pinned policy is what does not fit
+        pinned = fixed["recompute"]
+        message = (f"{workload.name} does not fit on {cluster.spec()} with the pinned recompute={pinned}: every such "
+                   f"layout needs more than the {capacity / GIB:.1f} GiB usable per GPU; with recompute=full the "
+                   f"leanest layout needs {need:.1f} GiB and fits")
+        more = "drop --recompute to let the search choose, or pin --recompute full"
+        binding = "recompute"
+    elif need <= capacity / GIB and est.host_memory_capacity_bytes is not None:  # it fits the GPUs, not the hosts
         binding = "host_memory"
         message = (f"{workload.name} does not fit on {cluster.spec()}: offloaded ({need:.1f} GiB per GPU), its states "
                    f"need {est.host_memory_bytes / 1e9:.0f} GB of host memory per node and "

@@ -9,6 +9,7 @@ executor cannot run is never offered.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Iterator
@@ -17,6 +18,7 @@ from costmodel.offload import host_bandwidths, host_priced
 from costmodel.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
+from hardware.limits import COUNT_LIMITS, check_count
 from hardware.schema import Cluster
 from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
                                 uses_ddp)
@@ -54,8 +56,12 @@ def _uniform(kinds: tuple[str, ...], n_stages: int, recompute: str) -> tuple:
     return tuple(uniform_stages(list(kinds), n_stages, recompute))
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+@lru_cache(maxsize=4096)
+def divisors(n: int) -> tuple[int, ...]:
+    """The divisors of `n`, ascending, found up to its square root (a million GPUs is a
+    thousand trials, not a million)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return tuple(small + [n // d for d in reversed(small) if d * d != n])
 
 
 def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster | None = None) -> None:
@@ -80,6 +86,8 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     for key, valid in choices.items():
         if key in fixed and fixed[key] not in valid:
             raise PlanError(key, f"{fixed[key]!r} is not valid", f"use one of {', '.join(map(str, valid))}")
+    for key in set(fixed) & set(COUNT_LIMITS):  # tp, pp, dp, cp, ep, dp_shard, vpp, micro_batch: whole and in range
+        check_count(key, fixed[key], COUNT_LIMITS[key])
     if workload is None or cluster is None:
         return
     facts = facts_of_workload(workload)

@@ -42,9 +42,13 @@ def _load(path: str | Path):
         raise ModelError("model", f"ONNX file {str(path)!r} does not exist")
     try:
         model = onnx.load(str(path), load_external_data=False)
-        return onnx.shape_inference.infer_shapes(model)
+        model = onnx.shape_inference.infer_shapes(model)
     except Exception as error:  # noqa: BLE001
-        raise ModelError("model", f"cannot read ONNX file {path.name}: {error}") from error
+        raise ModelError("model", f"cannot read ONNX file {path.name}: {error}") from None
+    if not model.graph.node:  # protobuf reads an empty or foreign file as an empty model
+        raise ModelError("model", f"ONNX file {path.name} holds no graph (empty, or not an ONNX model)",
+                         "export one with torch.onnx.export")
+    return model
 
 
 def _shapes(model, batch: int, seq_len: int | None) -> dict[str, tuple[tuple[int, ...], str]]:

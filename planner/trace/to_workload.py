@@ -20,6 +20,7 @@ Conventions:
 """
 from __future__ import annotations
 
+from hardware.errors import ModelError
 from costmodel.workload import AttentionCall, LayerProfile, Segment, Workload
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
@@ -199,6 +200,10 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     group prefix; by default the real depth recorded at trace time is used.
     """
     present = {d.get("layer") for _, d in og.nodes()}
+    if not og.meta.get("blocks"):
+        raise ModelError("model", f"{og.name} has no repeated blocks (no ModuleList or ONNX layer pattern found), "
+                         "so there is nothing to split into stages or price per layer",
+                         "a transformer: repeated blocks between an embedding and a head")
     counts = _counts(og, n_blocks)
     segments = []
     if og.math_path is not None:  # the model facts set after tracing (heads, experts...) hold for both paths

@@ -16,6 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from hardware.errors import ModelError
+from hardware.untrusted import read_json
+
+from planner.trace.models.config_checks import check_config
 
 _DIR = Path(__file__).parent
 
@@ -68,21 +71,15 @@ def _looks_like_hub_id(name: str) -> bool:
 
 def _config_file(path: Path) -> dict[str, Any]:
     """A transformers config.json, checked to be one."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not path.exists():
         raise ModelError("model", f"{path} does not exist",
-                         "give a config.json path, a folder holding config.json, or a built-in name") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ModelError("model", f"cannot read {path}: {error}") from None
-    except json.JSONDecodeError as error:
-        raise ModelError("model", f"{path} is not valid JSON: {error.msg} at line {error.lineno}",
-                         "a config.json written by transformers (save_pretrained)") from None
+                         "give a config.json path, a folder holding config.json, or a built-in name")
+    data = read_json(path, "model", "model config", error=ModelError)
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
         raise ModelError("model_type", f"{path} has no model_type, so it is not a HuggingFace model config",
                          "a config.json written by transformers (save_pretrained), e.g. with model_type 'llama'")
     data.setdefault("_source", str(path))
-    return data
+    return check_config(data, str(path))
 
 
 def _cached_hub_config(model_id: str) -> dict[str, Any]:
