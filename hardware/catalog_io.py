@@ -53,6 +53,9 @@ def first_error(error: ValidationError) -> tuple[str, str]:
 
 def read_json(path: Path) -> object:
     """Parse a profile file, bounded and checked (`hardware.untrusted`), every problem a HardwareError."""
+    if not path.exists():
+        raise HardwareError("hw", f"profile file {path} does not exist",
+                            "give a catalog name such as 8xh100-sxm or an existing JSON file")
     return untrusted.read_json(path, "hw", "profile file", error=HardwareError)
 
 
