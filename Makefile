@@ -9,7 +9,9 @@ BIN := $(VENV)/bin
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	# setuptools prints a notice on every editable install, whatever its mode (lenient, strict or
+	# compat); it is about the install mode, not the project, and is silenced here alone.
+	PYTHONWARNINGS=ignore::UserWarning $(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
 .PHONY: plan test benchmarks

@@ -89,7 +89,24 @@ def check_resume(root: Path, *, model: str, seed: int, steps: int, parameters: d
     saved_seed = (manifest.get("data_position") or {}).get("seed")
     _same(folder, "seed", saved_seed, seed, f"pass --seed {saved_seed} to continue it, or use another --checkpoint-dir")
     _same_parameters(folder, manifest.get("parameters"), parameters)
+    _extras_are_data(folder)
     return f"{folder.name} (step {step})"
+
+
+def _extras_are_data(folder: Path) -> None:
+    """Each rank's RNG and compression state loads as data (`weights_only`), or the resume is refused."""
+    import pickle
+
+    import torch
+
+    from executor.checkpoint_read import UnsafeCheckpoint
+
+    for path in sorted((folder / "extra").glob("*.pt")):
+        try:
+            torch.load(path, weights_only=True)
+        except pickle.UnpicklingError:
+            raise UnsafeCheckpoint("checkpoint", f"{path} holds code, not data",
+                                   "do not resume from this folder") from None
 
 
 def _same(folder: Path, what: str, saved, mine, hint: str) -> None:

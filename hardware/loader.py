@@ -17,6 +17,7 @@ from pydantic import ValidationError
 from hardware.catalog_io import (CatalogEntry, Network, canonical_name, first_error, gpu_entry,
                                  list_catalog, parse_entry, read_json, unknown_gpu)
 from hardware.errors import HardwareError
+from hardware.limits import MAX_GPUS
 from hardware.prices import PriceQuote, price_per_gpu_hour as _price_lookup
 from hardware.schema import GPU, Cluster, Collectives, Node
 
@@ -122,6 +123,8 @@ def _parse_count(text: str, name: str) -> int:
     count = int(text)
     if count <= 0:
         raise HardwareError("hw", f"GPU count must be positive, got {count}", hint)
+    if count > MAX_GPUS:
+        raise HardwareError("hw", f"{count:,} GPUs is more than the {MAX_GPUS:,} Parallax plans for", hint)
     return count
 
 

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from hardware.errors import HardwareError
+from hardware.limits import MAX_GPUS
 from hardware.untrusted import SafeName
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
@@ -166,7 +167,7 @@ IntraFabric = Literal["nvswitch", "mesh", "pcie"]
 
 
 class Node(_Sourced):
-    gpus_per_node: int = Field(gt=0)
+    gpus_per_node: int = Field(gt=0, le=MAX_GPUS)
     fabric: IntraFabric
     link_gbps: float = Field(gt=0, description="per-GPU unidirectional intra-node bandwidth, GB/s")
     link_latency_us: float = Field(ge=0)
@@ -233,7 +234,7 @@ class Cluster(_Sourced):
     name: SafeName
     gpu: GPU
     node: Node
-    n_nodes: int = Field(gt=0)
+    n_nodes: int = Field(gt=0, le=MAX_GPUS)
     nic_gbps: float = Field(gt=0, description="per-GPU inter-node NIC bandwidth, Gb/s (bits)")
     nic_latency_us: float = Field(ge=0)
     inter_fabric: str = "infiniband"

@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from hardware.errors import ParallaxError
+from hardware.limits import MAX_GPUS, check_count, check_positive
 from parallax_cli import app, wide_console
 
 
@@ -15,12 +16,10 @@ def parse_counts(text: str | None) -> list[int] | None:
     if not text:
         return None
     try:
-        counts = [int(part) for part in text.replace(" ", "").split(",") if part]
+        counts = [int(part) for part in text.replace(" ", "").split(",")]
     except ValueError:
         raise ParallaxError("gpus", f"{text!r} is not a comma-separated list of GPU counts", "e.g. 64,128,256") from None
-    if not counts or any(c <= 0 for c in counts):
-        raise ParallaxError("gpus", f"{text!r} must list positive GPU counts", "e.g. 64,128,256")
-    return counts
+    return [check_count("gpus", c, MAX_GPUS, hint="e.g. 64,128,256") for c in counts]
 
 
 def rows_table(rows, title: str) -> Table:
@@ -59,6 +58,10 @@ def whatif_command(
     """Plan MODEL on each hardware x GPU count and compare step time, throughput and cost."""
     from planner.whatif import whatif
 
+    for name, value in (("--tokens", tokens), ("--price-per-gpu-hour", price), ("--nic-gbps", nic_gbps),
+                        ("--intra-gbps", intra_gbps), ("--storage-gbps", storage_gbps), ("--restart-min", restart_min)):
+        if value is not None:
+            check_positive(name, value)
     rows = whatif(model, hw, parse_counts(gpus), global_batch=global_batch, seq_len=seq_len, tokens=tokens,
                   price_per_gpu_hour=price, nic_gbps=nic_gbps, intra_gbps=intra_gbps, storage_gbps=storage_gbps,
                   restart_s=restart_min * 60 if restart_min is not None else None, dtype=dtype)

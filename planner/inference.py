@@ -29,6 +29,7 @@ from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_
 from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
+from hardware.limits import MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
 from hardware.untrusted import SafeName
 
@@ -90,17 +91,16 @@ class _Point:
 
 def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype) -> None:
     for name, value in (("prompt_len", prompt_len), ("output_len", output_len)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise PlanError(name, f"must be a positive integer, got {value!r}", "e.g. 2048")
+        check_count(name, value, MAX_SEQ_LEN, hint="e.g. 2048")
     if batch is not None and request_rate is not None:
         raise PlanError("batch/request_rate", "give one of them, not both", "--batch N or --rate R")
-    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
-        raise PlanError("batch", f"must be a positive integer, got {batch!r}", "e.g. 64")
-    if request_rate is not None and not request_rate > 0:
-        raise PlanError("request_rate", f"must be positive, got {request_rate!r}", "requests per second, e.g. 5")
+    if batch is not None:
+        check_count("batch", batch, MAX_REQUESTS, hint="concurrent sequences, e.g. 64")
+    if request_rate is not None:
+        check_positive("request_rate", request_rate, "requests per second, e.g. 5")
     for name, value in (("slo_tpot_ms", slo_tpot_ms), ("slo_ttft_ms", slo_ttft_ms)):
-        if value is not None and not value > 0:
-            raise PlanError(name, f"must be positive, got {value!r}", "milliseconds, e.g. 50")
+        if value is not None:
+            check_positive(name, value, "milliseconds, e.g. 50")
     if objective not in ("throughput", "cost"):
         raise PlanError("objective", f"unknown objective {objective!r}", "use 'throughput' or 'cost'")
     if dtype not in DTYPES:
