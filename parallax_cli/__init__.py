@@ -58,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every failure is one line on stderr and a non-zero exit code:
     2 for wrong input (usage, values, files), 1 for a failed run or an internal error,
     130 for Ctrl-C and 143 for SIGTERM (the shell's codes for those signals)."""
-    _register_commands()
     previous = _on_sigterm(_raise_interrupted)
     try:
-        app(args=argv, standalone_mode=False, prog_name="parallax")
+        _register_commands()  # inside: Ctrl-C while torch imports is an interrupt like any other
+        code = app(args=argv, standalone_mode=False, prog_name="parallax")
+        if code == 130:  # typer turns Ctrl-C inside a command into Exit(130), returned when not standalone
+            raise KeyboardInterrupt
     except (ParallaxError, ValidationError, FileNotFoundError, IsADirectoryError) as error:
         _say(f"error: {_one_line(error)}")
         return 1 if isinstance(error, RunError) else 2

@@ -33,6 +33,7 @@ def split_micro_batches(units: int, dp_of: list[int], paces: list[tuple[float, f
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
     solver.parameters.num_workers = 1
+    solver.parameters.catch_sigint_signal = False  # Ctrl-C interrupts the command, not just this solve
     if solver.Solve(model) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
     return [solver.Value(mg) for mg in m]

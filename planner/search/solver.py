@@ -189,6 +189,7 @@ class StageModel:
         solver.parameters.max_time_in_seconds = time_limit_s
         solver.parameters.num_workers = 1  # deterministic, and the machine has two cores
         solver.parameters.random_seed = 0
+        solver.parameters.catch_sigint_signal = False  # Ctrl-C interrupts the command, not just this solve
         status = solver.Solve(self.model)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
