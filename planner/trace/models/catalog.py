@@ -121,6 +121,10 @@ def hf_config(name_or_dict: str | dict[str, Any]):
         return AutoConfig.for_model(model_type, **cfg)
     except (ValueError, KeyError) as error:
         raise ModelError("model_type", str(error).splitlines()[0], "a model_type that transformers knows") from error
+    except Exception as error:  # noqa: BLE001 - transformers' own field checks (a null size, a wrong type)
+        first = (str(error).strip().splitlines() or [type(error).__name__])[-1][:200]
+        raise ModelError("model", f"transformers refuses the config: {first}",
+                         "a config.json written by transformers (save_pretrained)") from None
 
 
 def family(cfg: dict[str, Any]) -> str:
