@@ -200,6 +200,8 @@ def _plan_as_asked(plan_file: Path, model: str | None, hw: str | None, given: di
     if hw is None or hw == plan.hardware:
         return plan.model, plan.cluster(), plan, ""
     cluster = resolve_hardware(hw)
+    if cluster.spec() == plan.hardware and plan.hardware_profile is None:  # the plan's own, spelled otherwise
+        return plan.model, cluster, plan, ""
     if plan.groups or cluster.n_gpus != plan.n_gpus:
         raise PlanError("--hw", f"{cluster.spec()} is not the plan's {plan.hardware}, and the plan's layout needs "
                         f"{plan.n_gpus} GPUs of one kind", f"drop --hw, or plan again with `parallax plan --hw {hw}`")
