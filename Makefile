@@ -14,12 +14,15 @@ $(VENV)/.installed: pyproject.toml
 	PYTHONWARNINGS=ignore::UserWarning $(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
-.PHONY: plan test benchmarks
+.PHONY: plan test lint benchmarks
 plan: $(VENV)/.installed
 	$(BIN)/parallax plan llama-3-70b --hw 64xh100-sxm --global-batch 1024 --seq-len 8192
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check .
 
 benchmarks: $(VENV)/.installed
 	$(BIN)/python benchmarks/published_runs.py
