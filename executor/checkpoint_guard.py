@@ -47,7 +47,8 @@ class FolderLock:
         self.handle = None
 
     def __enter__(self) -> "FolderLock":
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # 0o755 whatever the umask adds: a group-writable folder would be refused on the next run
+        self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o755)
         handle = open(self.path, "a+")
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)

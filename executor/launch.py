@@ -117,7 +117,7 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
 
     `nodes`: this node's place in a multi-node job; every node runs the same call and
     prints the same report (each node's first rank writes it). SIGINT or SIGTERM stops
-    torchrun and every worker and raises `process_tree.Interrupted`."""
+    torchrun and every worker and raises `hardware.errors.Interrupted`."""
     model = model or plan.model
     nproc = nproc or max(1, plan.n_gpus // nodes.max_nodes)
     module = build_model(model, trust_module=trust.module)

@@ -12,6 +12,7 @@ from costmodel.plan import Plan, uniform_stages
 from costmodel.validate import default_dtype
 from hardware.errors import PlanError
 from hardware.limits import COUNT_LIMITS, check_count
+from hardware.untrusted import check_name
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
 from parallax_cli import TRUST_MODULE_HELP, app, emit, load_plan, wide_console
@@ -80,6 +81,8 @@ def plan_command(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it."""
+    for name in filter(None, (model, module, hw)):  # what the plan will print as its own name
+        check_name(name, "model" if name != hw else "--hw")
     fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack, offload)
     model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command and prints the same way
@@ -171,6 +174,9 @@ def estimate_command(
                    micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp, cp=cp, ep=ep,
                    dp_shard=dp_shard, offload=offload)
     given = {k: v for k, v in options.items() if v is not None}
+    for name, field in ((model, "model"), (hw, "--hw")):
+        if name is not None:
+            check_name(name, field)
     if plan_file is not None:
         model, cluster, plan, note = _plan_as_asked(plan_file, model, hw, given, trust_module)
     else:

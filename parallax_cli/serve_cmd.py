@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
+from hardware.untrusted import check_name
 from parallax_cli import app, emit, wide_console
 from planner.inference import InferencePlan, plan_inference
 
@@ -61,6 +62,8 @@ def serve_plan_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Choose TP, PP and the number of replicas to serve MODEL on the hardware."""
+    check_name(model, "model")
+    check_name(hw, "--hw")
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
                           price_per_gpu_hour=price)

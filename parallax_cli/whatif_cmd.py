@@ -9,6 +9,7 @@ from rich.table import Table
 
 from hardware.errors import ParallaxError
 from hardware.limits import MAX_GPUS, check_count, check_positive
+from hardware.untrusted import check_name
 from parallax_cli import app, wide_console
 
 
@@ -58,6 +59,8 @@ def whatif_command(
     """Plan MODEL on each hardware x GPU count and compare step time, throughput and cost."""
     from planner.whatif import whatif
 
+    for name in (model, *hw):
+        check_name(name, "model" if name == model else "--hw")
     for name, value in (("--tokens", tokens), ("--price-per-gpu-hour", price), ("--nic-gbps", nic_gbps),
                         ("--intra-gbps", intra_gbps), ("--storage-gbps", storage_gbps), ("--restart-min", restart_min)):
         if value is not None:
