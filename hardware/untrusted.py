@@ -31,16 +31,24 @@ NAME_HINT = "letters, digits, spaces and . _ + - : / @ ~ , ( ) =, at most 256 ch
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
+def _problem(value: object) -> str | None:
+    if not isinstance(value, str) or not NAME.fullmatch(value) or value != value.strip():
+        return f"{printable(repr(value))[:80]} is not a safe name"
+    return None
+
+
 def check_name(value: str, field: str = "name") -> str:
     """`value` when it is a safe name, else a ParallaxError naming `field`."""
-    if not isinstance(value, str) or not NAME.fullmatch(value) or value != value.strip():
-        raise ParallaxError(field, f"{printable(repr(value))[:80]} is not a safe name", f"use {NAME_HINT}")
+    problem = _problem(value)
+    if problem:
+        raise ParallaxError(field, problem, f"use {NAME_HINT}")
     return value
 
 
 def _name(value: str) -> str:
-    if not NAME.fullmatch(value) or value != value.strip():
-        raise ValueError(f"{printable(repr(value))[:80]} is not a safe name: use {NAME_HINT}")
+    problem = _problem(value)
+    if problem:
+        raise ValueError(f"{problem}: use {NAME_HINT}")
     return value
 
 

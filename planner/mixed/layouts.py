@@ -18,6 +18,7 @@ kept only where `planner.executable` says the executor runs it:
 from __future__ import annotations
 
 import math
+import time
 from itertools import permutations
 
 from costmodel import collectives as coll
@@ -126,8 +127,10 @@ def balanced_pipeline(workload, mixed, template: Plan, order, policy, reserve) -
     return priced(workload, template.model_copy(update={"stages": stages_from_counts(workload, per_policy)}), mixed, reserve)
 
 
-def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> list[tuple[Plan, list]]:
-    """Every fitting pipeline split at its best single-policy balance, with the group order."""
+def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve,
+                    deadline: float = math.inf) -> list[tuple[Plan, list]]:
+    """Every fitting pipeline split at its best single-policy balance, with the group order; those
+    priced before `deadline` (a perf_counter time) when it comes first."""
     out = []
     for tp in tp_choices(workload, mixed):
         per_tp = [g.n_gpus // tp for g in mixed.groups]
@@ -139,6 +142,8 @@ def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> l
                     continue
                 for zero in ZEROS:
                     for order in permutations(mixed.groups):
+                        if time.perf_counter() > deadline:
+                            return out
                         template = pipeline_template(workload, mixed, order, tp=tp, dp=dp, mb=mb, zero=zero,
                                                      global_batch=global_batch, dtype=dtype, name=name)
                         plans = [p for p in (balanced_pipeline(workload, mixed, template, order, k, reserve)
@@ -202,7 +207,8 @@ def data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype
     return priced(workload, Plan.model_validate(plan.model_dump()), mixed, reserve)
 
 
-def data_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> list[Plan]:
+def data_splits(workload, mixed, *, global_batch, dtype, name, reserve, deadline: float = math.inf) -> list[Plan]:
+    """Every fitting data split; those priced before `deadline` when it comes first."""
     out = []
     for tp in tp_choices(workload, mixed):
         per_tp = [g.n_gpus // tp for g in mixed.groups]
@@ -212,6 +218,8 @@ def data_splits(workload, mixed, *, global_batch, dtype, name, reserve) -> list[
             for mb in MICRO_BATCHES:
                 for zero in ZEROS:
                     for policy in POLICIES:
+                        if time.perf_counter() > deadline:
+                            return out
                         plan = data_split(workload, mixed, tp=tp, pp=pp, mb=mb, zero=zero, policy=policy,
                                           global_batch=global_batch, dtype=dtype, name=name, reserve=reserve)
                         if plan is not None:

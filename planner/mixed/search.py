@@ -50,8 +50,11 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
     kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
     uniform = uniform_baseline(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None
     seeds = placed(workload, mixed, uniform, memory_reserve) if uniform is not None else []
-    pipes = sorted(pipeline_splits(workload, mixed, **kw) + seeds, key=lambda po: po[0].estimate.step_time_s)
-    datas = data_splits(workload, mixed, **kw)
+    # the enumerations stop at half and three quarters of the limit: each split is a full estimate,
+    # and a cluster of many replicas prices slowly (the baseline and the single groups take their own share)
+    pipes = sorted(pipeline_splits(workload, mixed, **kw, deadline=start + time_limit_s / 2) + seeds,
+                   key=lambda po: po[0].estimate.step_time_s)
+    datas = data_splits(workload, mixed, **kw, deadline=start + 3 * time_limit_s / 4)
     refined, times, budget = [], LayerTimes(), time_limit_s / 2
     for plan, order in pipes:
         if time.perf_counter() - start > budget:
