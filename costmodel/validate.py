@@ -29,6 +29,9 @@ def default_dtype(cluster: Cluster) -> tuple[str, str]:
 def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     """Raise PlanError naming the first field that does not fit."""
     check_dtype(plan.dtype, cluster)
+    if workload.seq_len != plan.seq_len:  # memory would be priced at one length and tokens/s at the other
+        raise PlanError("seq_len", f"the plan's {plan.seq_len} tokens differ from the {workload.seq_len} {workload.name} "
+                        "was traced at", "trace the model at the plan's sequence length")
     if plan.n_gpus != cluster.n_gpus:
         raise PlanError(
             "dp*cp*tp*pp",

@@ -26,8 +26,15 @@ WAIT_S = 120  # how long a worker may take to start before the test gives up (a 
 def _start(args: list[str], folder: Path) -> subprocess.Popen:
     (folder / "sitecustomize.py").write_text(f"open({str(folder / 'ran')!r}, 'w').write('current folder ran')\n")
     env = {**os.environ, "TMPDIR": str(folder), "PYTHONPATH": PROJECT}
+    # SIGINT as a terminal gives it: a test run started in the background inherits it ignored
     return subprocess.Popen(PARALLAX + args, cwd=folder, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                            text=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+
+
+def _cpu_seconds(pid: int) -> float:
+    """The CPU time `pid` has used (what it has done, whatever else loads the machine)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _workers(folder: Path) -> list[int]:
@@ -71,7 +78,9 @@ def test_ctrl_c_on_any_command_exits_130(tmp_path):
     """A sweep of ten plans (several seconds each here) interrupted after its imports."""
     proc = _start(["whatif", "llama-3-70b", "--hw", "h100-sxm", "--hw", "a100-80g", "--gpus", "64,128,256,512,1024",
                    "--global-batch", "1024", "--seq-len", "8192"], tmp_path)
-    time.sleep(4)
+    deadline = time.monotonic() + WAIT_S
+    while time.monotonic() < deadline and _cpu_seconds(proc.pid) < 4.0:  # past its imports, into the sweep
+        time.sleep(0.1)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=WAIT_S)
     assert proc.returncode == 130 and err.strip().splitlines() == ["interrupted"], err
