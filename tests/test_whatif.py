@@ -72,7 +72,7 @@ def test_catalog_price_is_used_unless_overridden():
 
 
 def test_target_where_nothing_fits_keeps_its_row():
-    rows = sweep(model="big", specs=["v100-32g"], gpus=[8])
+    rows = sweep(model="big", specs=["v100-32g"], gpus=[8], seq_len=BIG.seq_len)
     assert len(rows) == 1 and not rows[0].feasible
     assert any("nothing fits" in note for note in rows[0].notes) and rows[0].step_time_s is None and rows[0].layout == "-"
 
