@@ -83,14 +83,14 @@ def check_resume(root: Path, *, model: str, seed: int, steps: int, parameters: d
     step = manifest.get("step")
     if not isinstance(step, int) or isinstance(step, bool) or step != int(folder.name[len(PREFIX):]):
         raise PlanError("checkpoint", f"{folder.name}'s manifest says step {step!r}", "a manifest written by `parallax run`")
-    if not 0 <= step < steps:
-        raise PlanError("--steps", f"{folder} is at step {step}, and this run stops at step {steps}: nothing to train",
-                        f"pass --steps above {step} to train on, or use another --checkpoint-dir")
     _same(folder, "model", manifest.get("model"), model, "pass the model it was written for, or another --checkpoint-dir")
     saved_seed = (manifest.get("data_position") or {}).get("seed")
     _same(folder, "seed", saved_seed, seed, f"pass --seed {saved_seed} to continue it, or use another --checkpoint-dir")
     _same_parameters(folder, manifest.get("parameters"), parameters)
     _extras_are_data(folder)
+    if not 0 <= step < steps:
+        raise PlanError("--steps", f"{folder} is at step {step}, and this run stops at step {steps}: nothing to train",
+                        f"pass --steps above {step} to train on, or use another --checkpoint-dir")
     return f"{folder.name} (step {step})"
 
 

@@ -158,5 +158,6 @@ def calibrate_command(
 
     cluster = calibrate(device, ranks)
     write_output(out, cluster.model_dump_json(indent=2))
-    typer.echo(f"wrote {out}: {cluster.gpu.peak_tflops} TFLOP/s, {cluster.gpu.hbm_gbps:.1f} GB/s memory, "
+    peaks = ", ".join(f"{dtype} {tflops:.3g}" for dtype, tflops in cluster.gpu.peak_tflops.items())
+    typer.echo(f"wrote {out}: {peaks} TFLOP/s, {cluster.gpu.hbm_gbps:.1f} GB/s memory, "
                f"{cluster.node.link_gbps:.2f} GB/s link")

@@ -149,6 +149,6 @@ def test_a_tampered_checkpoint_is_refused_in_one_line_before_any_rank_starts(tmp
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and "holds code" in err, err
     assert not marker.exists()
-    code = main(["run", str(plan_path), "--steps", "2", "--checkpoint-dir", str(ckpt), "--seed", "1"])
+    code = main(["run", str(plan_path), "--steps", "4", "--checkpoint-dir", str(ckpt), "--seed", "1"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and len(err.splitlines()) == 1 and "nothing to train" in err, err
+    assert code == 2 and len(err.splitlines()) == 1 and "written with seed 0, this run has 1" in err, err
