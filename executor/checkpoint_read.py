@@ -22,7 +22,12 @@ from torch.distributed.checkpoint.planner import ReadItem
 
 from hardware.errors import PlanError
 
-_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_DCP_CLASSES = {  # by name, never by module: a module's own imports (`os`) and dotted names stay out
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                                              "ChunkStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+}
 _LAYOUT_FROM_NAME = ("torch.serialization", "_get_layout")  # how torch pickles a torch.layout: by its name
 
 
@@ -42,7 +47,9 @@ class _DataOnly(pickle.Unpickler):
 
     @staticmethod
     def _allowed(module: str, name: str) -> bool:
-        if module in _DCP_MODULES or (module, name) == _LAYOUT_FROM_NAME:
+        if "." in name:  # pickle resolves dotted names attribute by attribute ("os.system" through a module)
+            return False
+        if name in _DCP_CLASSES.get(module, ()) or (module, name) == _LAYOUT_FROM_NAME:
             return True
         if module == "torch":
             value = getattr(torch, name, None)

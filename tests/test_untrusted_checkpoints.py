@@ -39,6 +39,18 @@ def test_dcp_metadata_that_names_code_is_refused_and_never_runs(tmp_path):
     assert not marker.exists()
 
 
+def test_a_dotted_name_through_an_allowed_module_is_refused(tmp_path):
+    """DCP's metadata module imports os: `metadata.os.system` must not resolve through it."""
+    marker = tmp_path / "pwned"
+    payload = (b"\x80\x04\x95\x00\x00\x00\x00\x00\x00\x00\x00"  # protocol 4, a frame
+               b"\x8c%torch.distributed.checkpoint.metadata\x94\x8c\tos.system\x94\x93\x94"
+               + b"\x8c" + bytes([len(f"touch {marker}")]) + f"touch {marker}".encode() + b"\x94\x85\x94R\x94.")
+    (tmp_path / ".metadata").write_bytes(payload)
+    with pytest.raises(UnsafeCheckpoint, match="os.system"):
+        read_metadata(tmp_path)
+    assert not marker.exists()
+
+
 def test_dcp_metadata_that_dcp_writes_reads_back(tmp_path):
     import torch.distributed.checkpoint as dcp
 
