@@ -62,7 +62,7 @@ def load(spec: str | Path | Cluster, *, gpus_per_node: int | None = None, nic_gb
         return Cluster(**fields)
     except ValidationError as error:
         where, message = first_error(error)
-        raise HardwareError(where, message, _EXAMPLE) from None
+        raise HardwareError(where, message + base.origin, _EXAMPLE) from None
 
 
 def loads_back(cluster: Cluster) -> bool:
