@@ -57,12 +57,12 @@ def _space() -> list:
           phases=[Phase.generate])
 @given(data=st.data())
 def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factory):
-    """Two layouts drawn from the planner's space (and the 175B pick's shape, interleaved
+    """A layout drawn from the planner's space (and the 175B pick's shape, interleaved
     ZeRO-1 over a pipeline): one rank SIGKILLs itself mid-step, torchrun restarts the job,
     it resumes from the last checkpoint and ends with the uninterrupted run's losses and
     weights, bit for bit."""
     space, workload, cluster = _space()
-    drawn = data.draw(st.lists(st.sampled_from(space), min_size=2, max_size=2, unique_by=repr))
+    drawn = [data.draw(st.sampled_from(space))]
     plans = [layout.to_plan(workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute="none",
                             model="reference-tiny")
              for layout in drawn]
