@@ -62,7 +62,7 @@ def _worker(rank: int, steps: int, init: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
 
-    from costmodel.plan import Plan, uniform_stages
+    from layout.plan import Plan, uniform_stages
     from executor.compression import compression_states
     from executor.materialize import lm_loss, materialize_rank
     from executor.models import build_model, vocab_size
@@ -145,7 +145,7 @@ def whatif_table() -> list[str]:
     from costmodel.data_parallel import dp_time
     from costmodel.estimate import estimate
     from costmodel.layout import layout_of
-    from costmodel.plan import Plan, uniform_stages
+    from layout.plan import Plan, uniform_stages
 
     wl = transformer_workload(TransformerDims(name="llama-7b", n_layers=32, hidden=4096, heads=32, ffn_hidden=11008,
                                               vocab=32000, seq_len=4096, gated_mlp=True, dropout=False, biases=False,

@@ -19,7 +19,7 @@ import argparse
 import os
 from pathlib import Path
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.calibrate import calibrate
 from executor.launch import run
 from hardware import load

@@ -14,8 +14,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hardware  # noqa: E402
-from costmodel import Plan, TransformerDims, estimate, transformer_workload  # noqa: E402
-from costmodel.plan import uniform_stages  # noqa: E402
+from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
+from layout.plan import Plan
+from layout.plan import uniform_stages  # noqa: E402
 from costmodel.simulate.step import simulate  # noqa: E402
 
 GPT3 = TransformerDims(n_layers=96, hidden=12288, heads=96, vocab=50257, seq_len=2048, name="gpt3-175b")

@@ -30,7 +30,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .memory import WEIGHT_BYTES
-from .plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
+from layout.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 
 TOPK_INDEX_BYTES = 4  # int32 indices
 POWERSGD_RANK = DEFAULT_POWERSGD_RANK

@@ -18,7 +18,7 @@ from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time
 from .memory import OPTIMIZER_TRAFFIC_BYTES, WEIGHT_BYTES, state_bytes_per_param
 from .offload import host_copy_time, host_optimizer_seconds_per_param
-from .plan import Plan
+from layout.plan import Plan
 
 if TYPE_CHECKING:
     from .layout import Layout, RankTime

@@ -25,7 +25,8 @@ from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gather
                      model_state_bytes, optimizer_step_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
-from .plan import Estimate, Plan, StageEstimate
+from layout.plan import Plan
+from layout.results import Estimate, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
 from .workload import LayerProfile, Workload

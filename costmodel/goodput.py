@@ -30,10 +30,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pydantic import BaseModel, Field
 
 from hardware.errors import ParallaxError
 from hardware.schema import Cluster
+
+from layout.results import CheckpointAdvice
 
 from .memory import OPTIMIZER_BYTES, WEIGHT_BYTES
 
@@ -133,23 +134,6 @@ def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbp
                    goodput=expected_goodput(tau, write, restart, mtbf_s), failures_per_day=86400 / mtbf_s, sources=sources)
 
 
-class CheckpointAdvice(BaseModel):
-    """How often a plan should checkpoint, and the goodput it then keeps (Young/Daly)."""
-
-    every_steps: int = Field(ge=1, description="optimizer steps between checkpoints (Young's interval)")
-    interval_s: float = Field(gt=0, description="compute seconds between checkpoints")
-    goodput: float = Field(description="expected useful fraction of wall time under failures")
-    write_s: float = Field(ge=0, description="one checkpoint's write time")
-    job_mtbf_s: float = Field(gt=0, description="the job's mean time between failures")
-    gpu_mtbf_hours: float = Field(gt=0)
-    sources: dict[str, str] = Field(default_factory=dict)
-
-    def line(self) -> str:
-        return (f"checkpoint every {self.every_steps:,} steps ({_duration(self.interval_s)}): expected goodput "
-                f"{self.goodput:.1%} (a save takes {_duration(self.write_s)}, the job fails every "
-                f"{_duration(self.job_mtbf_s)} at {self.gpu_mtbf_hours:,.0f} h MTBF per GPU)")
-
-
 def checkpoint_advice(params: float, cluster: Cluster, step_time_s: float, *, dtype: str = "bf16",
                       mtbf_hours: float | None = None) -> CheckpointAdvice | None:
     """Young's interval in whole steps of `step_time_s`, and Daly's goodput there; None
@@ -163,9 +147,3 @@ def checkpoint_advice(params: float, cluster: Cluster, step_time_s: float, *, dt
                             job_mtbf_s=g.job_mtbf_s, gpu_mtbf_hours=g.gpu_mtbf_hours, sources=g.sources)
 
 
-def _duration(seconds: float) -> str:
-    if seconds >= 3600:
-        return f"{seconds / 3600:.1f} h"
-    if seconds >= 60:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds:.1f} s"

@@ -41,7 +41,7 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compute import Context, forward_parts, tp_collective_time
 from .estimate import DEFAULT_MEMORY_RESERVE, GIB
-from .plan import uniform_stages
+from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
 
 __all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu",

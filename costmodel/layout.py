@@ -10,7 +10,8 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import Context
-from .plan import Plan, StageEstimate
+from layout.plan import Plan
+from layout.results import StageEstimate
 from .workload import Workload
 
 

@@ -30,8 +30,9 @@ from .estimate import (_throughput, p2p_time, pipeline_time, rank_memory, stage_
 from .estimate import estimate as estimate_uniform
 from .layout import RankTime, layout_of
 from .offload import host_memory_per_node, states_on_host
-from .plan import Estimate, Plan
-from .plan_groups import GroupEstimate, GroupShare, rank_ranges, ranks_of
+from layout.plan import Plan
+from layout.results import Estimate
+from layout.groups import GroupEstimate, GroupShare, rank_ranges, ranks_of
 from .validate import check_dtype
 from .workload import Workload
 

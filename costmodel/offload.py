@@ -15,7 +15,7 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 
 from .memory import WEIGHT_BYTES, model_state_bytes
-from .plan import Plan
+from layout.plan import Plan
 
 
 def host_priced(cluster: Cluster) -> bool:

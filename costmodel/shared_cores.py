@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from hardware.schema import Cluster
 
-from .plan import Plan
+from layout.plan import Plan
 from .simulate.schedule import rank_orders
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from .plan import Plan
+from layout.plan import Plan
 from .workload import Workload
 
 

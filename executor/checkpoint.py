@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.checkpoint_read import DataOnlyPlanner, DataOnlyReader, UnsafeCheckpoint, referenced_files
 from executor.checkpoint_state import (chunk_states, from_plain, layout_words, load_chunks, merged, restore_rng,
                                        rng_states, to_plain)

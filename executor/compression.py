@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from costmodel.compression import METHODS
-from costmodel.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
+from layout.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 from hardware.errors import PlanError
 
 INT8_MAX = 127

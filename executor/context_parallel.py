@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.mesh import dp_view
 
 ATTENTION_NAME = "parallax_cp"

@@ -11,7 +11,7 @@ groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients (the
 cost model prices it so): accumulating them unsharded would hold a full copy.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
-module per rank, `planner.executable.uses_ddp`) and through FSDP2's
+module per rank, `layout.layout.Layout.reduces_through_ddp`) and through FSDP2's
 `replicate` otherwise: DTensor parameters under TP, and pipeline stages,
 whose per-micro-batch backward passes DDP's reducer cannot follow.
 """
@@ -23,11 +23,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.layers import LayerMap, get_or_none
 from executor.expert_parallel import ep_meshes, expert_parameter_names
 from executor.mesh import hsdp_mesh
-from planner.executable import uses_ddp
 
 
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
@@ -53,7 +52,7 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
                 fully_shard(block, mesh=dp_mesh, **kw)
         fully_shard(module, mesh=dp_mesh, **kw)
         return module
-    if not uses_ddp(plan):
+    if not plan.reduces_through_ddp:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         if plan.ep > 1:

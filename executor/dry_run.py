@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.dry_run_trackers import CategoryPeaks, tracker_for
 from hardware.errors import PlanError
 

@@ -16,7 +16,7 @@ degree absorbing the change.
 """
 from __future__ import annotations
 
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from hardware.errors import ParallaxError, PlanError
 
 

@@ -20,9 +20,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.mesh import dp_view
-from planner.executable import uses_ddp
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -111,7 +110,7 @@ class ExpertGradients:
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> None:
         _, edp = ep_meshes(mesh, plan)
-        self.group, self.reduce = edp.get_group(), uses_ddp(plan)
+        self.group, self.reduce = edp.get_group(), plan.reduces_through_ddp
         self.scale = 1.0 / plan.data_parallel if self.reduce else 1.0 / plan.ep
         self.params = [p for m in modules for p in m.parameters() if hasattr(p, "expert_parallel")]
 

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from costmodel.plan import Plan, StagePlan
+from layout.plan import Plan, StagePlan
 
 __all__ = ["generate_cached", "generate_plain", "run_generation", "GenerationResult", "predicted_decode_step"]
 

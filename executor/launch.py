@@ -17,7 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import ParallaxError, PlanError, RunError
 
 from executor.models import build_model, parameter_shapes

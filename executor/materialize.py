@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.checkpointing import apply_checkpointing
 from executor.context_parallel import apply_context_parallel
 from executor.expert_parallel import ExpertGradients, apply_expert_parallel

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import PlanError
 
 MESH_DIMS = ("pp", "dp", "tp")

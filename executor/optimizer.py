@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.layers import LayerMap, layer_map
 from executor.models import HFStage
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import ParallaxError
 from hardware.mixed import MixedCluster
 from planner.trace.models.catalog import list_models

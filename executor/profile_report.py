@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from costmodel.simulate.measured import (largest_miss, measured_phases, merged_trace, phase_table, predicted_phases,
                                          read_traces)
 from hardware.errors import ParallaxError

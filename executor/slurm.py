@@ -18,7 +18,7 @@ import re
 import shlex
 import sys
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import PlanError
 
 RDZV_PORT = 29500  # torchrun's documented default master port

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                parallelize_module)
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.layers import get_or_none
 from executor.tp_styles import TPAnalysis
 from planner.executable import tp_split_classes

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.compare import canonical_name
 from executor.layers import LayerMap
 

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.data_parallel import sync_context
 from executor.materialize import Materialized, lm_loss, materialize_rank
 from executor.memory import PeakMemory

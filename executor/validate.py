@@ -1,15 +1,16 @@
 """Refuse a plan that cannot run on a model before any process starts.
 
-What the executor can run is declared once, in `planner.executable`; this
-module only reads the model's facts off the nn.Module and asks it.
+What the executor can run is declared once, in the rulebook (`layout.rules`);
+this module only reads the model's facts off the nn.Module and asks it.
 """
 from __future__ import annotations
 
 from torch import nn
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import PlanError
-from planner.executable import ModelFacts, check_layout, tp_split_classes
+from layout.rules import ModelFacts, check_plan_runs
+from planner.executable import tp_split_classes
 
 from executor.context_parallel import cp_supported
 from executor.layers import LayerMap, layer_map
@@ -23,7 +24,7 @@ def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> Non
         raise PlanError("dp*cp*tp*pp", f"{plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} "
                         "processes requested",
                         f"use --nproc {plan.n_gpus}")
-    check_layout(plan, model_facts(model, lmap), plan.seq_len, plan.num_micro_batches)
+    check_plan_runs(plan, model_facts(model, lmap))
     if plan.stages[-1].end != n:
         raise PlanError("stages", f"last stage ends at {plan.stages[-1].end} but the model has {n} layers "
                         f"(embedding + {n - 2} blocks + head)", f"end the last stage at {n}")

@@ -17,7 +17,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.mesh import device_and_backend, init_distributed
 from executor.report import RunReport
 from executor.train import run_rank, steady_step_time

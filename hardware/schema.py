@@ -16,7 +16,7 @@ from hardware.limits import MAX_GPUS
 from hardware.untrusted import SafeName
 
 Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
-Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (costmodel.plan.Plan.stack)
+Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (layout.axes: the stack axis)
 
 
 class _Sourced(BaseModel):

@@ -128,7 +128,7 @@ def load_plan(path, trust_module: bool = False):
 
 
 def _read_plan(path):
-    from costmodel.plan import Plan
+    from layout.plan import Plan
     from hardware.errors import PlanError
 
     data = read_json(path, "plan", "plan file")

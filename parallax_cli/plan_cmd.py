@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from costmodel.validate import default_dtype
 from hardware.errors import PlanError
 from hardware.limits import COUNT_LIMITS, check_count

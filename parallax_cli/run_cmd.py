@@ -90,7 +90,7 @@ def run_command(
     for note in report.notes:
         typer.echo(f"note: {note}")
     if profile_dir:
-        from costmodel.plan import Plan
+        from layout.plan import Plan
         from executor.profile_report import profile_report
 
         for line in profile_report(profile_dir, Plan.model_validate(report.plan), report.model, cluster, trust_module):

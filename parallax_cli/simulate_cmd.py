@@ -13,7 +13,7 @@ import typer
 from rich.table import Table
 
 from costmodel.estimate import estimate
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import ModelError, ParallaxError
 from parallax_cli import TRUST_MODULE_HELP, app, load_plan, wide_console
 from planner.resolve import resolve_hardware

@@ -10,7 +10,7 @@ them live here: `api` (plan, estimate), `whatif`, `inference` (serve plans),
 May import: hardware, costmodel and its own sub-packages; never executor or
 the CLI (`parallax_cli`), which sit above it.
 """
-from costmodel.plan import Plan
+from layout.plan import Plan
 
 from planner.api import estimate, plan
 

@@ -12,7 +12,8 @@ from typing import Any
 
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
-from costmodel.plan import Estimate, Plan
+from layout.plan import Plan
+from layout.results import Estimate
 from hardware.errors import PlanError
 from hardware.limits import check_positive
 from hardware.mixed import MixedCluster

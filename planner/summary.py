@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 
 GIB = 2**30
 

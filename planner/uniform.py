@@ -6,7 +6,8 @@ from typing import Any
 import hardware
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
-from costmodel.plan import Estimate, Plan
+from layout.plan import Plan
+from layout.results import Estimate
 from costmodel.validate import check_dtype, default_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import numpy as np
 
 import hardware
-from costmodel.plan import Plan
+from layout.plan import Plan
 from hardware.errors import HardwareError, InfeasibleError, ParallaxError
 from hardware.schema import Cluster
 

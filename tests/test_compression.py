@@ -16,7 +16,7 @@ from costmodel.compression import (DEFAULT_TOPK_FRACTION, TOPK_INDEX_BYTES, comp
                                    wire_bytes_per_rank)
 from costmodel.data_parallel import dp_time
 from costmodel.layout import layout_of
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from executor.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
 from hardware.errors import PlanError
 

@@ -4,7 +4,7 @@ import pytest
 import hardware
 import planner
 from costmodel.estimate import estimate
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from costmodel.simulate.step import simulate
 from executor.context_parallel import chunk_index
 from planner.resolve import resolve_workload

@@ -4,10 +4,11 @@ import math
 import pytest
 
 import hardware
-from costmodel import Plan, estimate
+from costmodel import estimate
+from layout.plan import Plan
 from costmodel import collectives as coll
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
-from costmodel.plan import StagePlan, uniform_stages
+from layout.plan import StagePlan, uniform_stages
 from hardware.errors import PlanError
 
 

@@ -14,7 +14,7 @@ import tempfile
 import torch
 import torch.multiprocessing as mp
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.materialize import lm_loss
 from executor.models import build_model, vocab_size
 from executor.train import global_batch

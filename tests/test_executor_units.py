@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.layers import layer_map
 from executor.models import build_model
 from executor.pipeline import cut

@@ -16,7 +16,7 @@ import torch
 
 import hardware
 from costmodel.goodput import (daly_interval, expected_goodput, first_order_goodput, goodput, young_interval)
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from executor.checkpoint import latest_valid, verify
 from executor.elastic import replan
 

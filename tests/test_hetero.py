@@ -1,4 +1,4 @@
-"""Mixed-GPU clusters: hardware.mixed, plans with groups (costmodel.plan_groups), their pricing
+"""Mixed-GPU clusters: hardware.mixed, plans with groups (layout.groups), their pricing
 (costmodel.mixed), simulation (costmodel.simulate.mixed) and search (planner.mixed)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from costmodel import TransformerDims, transformer_workload
 from costmodel.estimate import estimate
-from costmodel.plan import Plan
+from layout.plan import Plan
 from costmodel.simulate.step import simulate
 from hardware.errors import HardwareError, PlanError
 from hardware.mixed import load_mixed

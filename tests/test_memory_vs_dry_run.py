@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import hardware
 from executor.dry_run import dry_run
-from planner.search.space import layouts
+from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 
 MODEL, RANKS, GLOBAL_BATCH = "llama-3-8b", 8, 16
@@ -63,7 +63,7 @@ def test_the_analytic_peak_and_categories_match_the_dry_run(draws):
         for layout in picks:
             policies = _policies(layout)  # each policy in turn: the simplest draw would repeat one
             policy, turn = policies[turn % len(policies)], turn + 1
-            plan = layout.to_plan(workload, cluster, global_batch=GLOBAL_BATCH, dtype="bf16", recompute=policy,
+            plan = to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="bf16", recompute=policy,
                                   model=MODEL)
             (rank,) = dry_run(plan).ranks
             worst = max(rank.at_peak, key=lambda k: abs(rank.predicted.get(k, 0.0) - rank.at_peak[k]))
@@ -84,7 +84,7 @@ def test_a_hybrid_sharded_layout_matches_the_dry_run():
     cluster = hardware.load("16xh100-sxm")
     layout = next(l for l in sorted(layouts(workload, cluster, 32), key=repr)
                   if l.dp_shard == 8 and l.tp == 1 and l.pp == 1 and l.zero == 3 and l.micro_batch == 1)
-    plan = layout.to_plan(workload, cluster, global_batch=32, dtype="bf16", recompute="full", model=MODEL)
+    plan = to_plan(layout, workload, cluster, global_batch=32, dtype="bf16", recompute="full", model=MODEL)
     assert plan.hsdp_label
     (rank,) = dry_run(plan).ranks
     assert abs(rank.error) <= 0.05, (rank.measured_peak, rank.predicted_peak)

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from parallax_cli import main
 
 

@@ -40,7 +40,7 @@ def mixtral():
 
 
 def _plan(workload, **kw):
-    from costmodel.plan import Plan, uniform_stages
+    from layout.plan import Plan, uniform_stages
 
     kinds = [layer.kind for layer in workload.layers]
     return Plan(model="mixtral-8x7b", hardware="64xh100-sxm", global_batch=256, seq_len=4096, micro_batch=4,
@@ -95,11 +95,12 @@ def test_an_fp32_moe_traces_like_bf16_with_twice_the_bytes():
 
 
 def test_the_declaration_composes_ep_with_tp_pp_cp_but_not_sp_or_hybrid_sharding():
-    from planner.executable import LayoutFields, ModelFacts, layout_problem
+    from layout.layout import Layout
+    from layout.rules import ModelFacts, layout_problem
 
     moe = ModelFacts(n_blocks=4, heads=8, kv_heads=4, vocab=1000, n_experts=8, name="moe")
-    assert layout_problem(LayoutFields(dp=4, tp=2, pp=2, ep=4), moe, 64) is None
-    assert layout_problem(LayoutFields(dp=2, cp=2, tp=1, pp=1, ep=4), moe, 64) is None
-    assert layout_problem(LayoutFields(dp=4, tp=2, pp=1, sp=True, ep=2), moe, 64).field == "sp"
-    assert layout_problem(LayoutFields(dp=4, tp=1, pp=1, zero=3, dp_shard=2, ep=2), moe, 64).field == "ep"
-    assert layout_problem(LayoutFields(dp=2, tp=1, pp=1, ep=4), moe, 64).field == "ep"
+    assert layout_problem(Layout(dp=4, tp=2, pp=2, ep=4), moe, 64) is None
+    assert layout_problem(Layout(dp=2, cp=2, tp=1, pp=1, ep=4), moe, 64) is None
+    assert layout_problem(Layout(dp=4, tp=2, pp=1, sp=True, ep=2), moe, 64).field == "sp"
+    assert layout_problem(Layout(dp=4, tp=1, pp=1, zero=3, dp_shard=2, ep=2), moe, 64).field == "ep"
+    assert layout_problem(Layout(dp=2, tp=1, pp=1, ep=4), moe, 64).field == "ep"

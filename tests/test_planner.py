@@ -5,11 +5,13 @@ import pytest
 
 import hardware
 import planner
-from costmodel import Plan, TransformerDims, estimate, transformer_workload
+from costmodel import TransformerDims, estimate, transformer_workload
+from layout.plan import Plan
 from hardware.errors import InfeasibleError, PlanError
 from parallax_cli import main
 from planner.search.enumerate import best_uniform
 from planner.search.branch_and_bound import search
+from planner.search.space import to_plan
 
 
 def test_small_model_on_large_gpus_gets_pure_data_parallelism(small_gpt):
@@ -215,7 +217,7 @@ def test_layouts_dropped_for_their_states_fit_no_plan():
     kept, _ = search._entries(workload, cluster, 64, {}, "bf16", None, capacity, dropped)
     assert dropped and kept
     for layout in dropped[:12]:
-        template = layout.to_plan(workload, cluster, global_batch=64, dtype="bf16", recompute="none", model="llama-3-8b")
+        template = to_plan(layout, workload, cluster, global_batch=64, dtype="bf16", recompute="none", model="llama-3-8b")
         assert not any(c.fits for c in search.uniform_plans(workload, cluster, layout, template, {}, 0.1)), layout
 
 

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import hardware
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from executor.launch import Nodes, run
-from planner.search.space import layouts
+from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 from test_executor import make_plan
 from test_fault_tolerance import assert_identical, saved_state
@@ -63,7 +63,7 @@ def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factor
     weights, bit for bit."""
     space, workload, cluster = _space()
     drawn = [data.draw(st.sampled_from(space))]
-    plans = [layout.to_plan(workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute="none",
+    plans = [to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute="none",
                             model="reference-tiny")
              for layout in drawn]
     plans.append(tiny(dp=2, pp=2, vpp=2, schedule="interleaved", zero=1))

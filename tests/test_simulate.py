@@ -6,8 +6,9 @@ import json
 import pytest
 
 import hardware
-from costmodel import Plan, StagePlan, TransformerDims, estimate, transformer_workload
-from costmodel.plan import uniform_stages
+from costmodel import TransformerDims, estimate, transformer_workload
+from layout.plan import Plan, StagePlan
+from layout.plan import uniform_stages
 from costmodel.simulate.step import simulate
 from costmodel.simulate.trace_export import chrome_trace, write_chrome_trace
 from costmodel.workload import LayerProfile, Segment, Workload

@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import hardware
-from planner.search.space import layouts
+from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 from test_executor import GLOBAL_BATCH, SEQ, _check_all
 
@@ -51,7 +51,7 @@ def test_layouts_drawn_from_the_planners_space_match_the_reference(draws):
     for model, picks in draws.items():
         _, workload, cluster = _space(model)
         for i, (layout, policy) in enumerate(picks):
-            plan = layout.to_plan(workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute=policy, model=model)
+            plan = to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="fp32", recompute=policy, model=model)
             cases[f"{model}-draw{i}"] = plan
     assert len(cases) == sum(DRAWS.values())
     _check_all(RANKS, cases)

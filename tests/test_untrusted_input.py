@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from executor.slurm import batch_script
 from parallax_cli import main
 
@@ -214,7 +214,7 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
     """The simulator plays a step of many identical micro-batches at two short lengths and carries
     the difference on: it matches playing all of them."""
     import hardware
-    from costmodel.plan import uniform_stages
+    from layout.plan import uniform_stages
     from costmodel.simulate import step as simulator
     from costmodel.simulate.repeat import carried, shortened
     from planner.resolve import resolve_workload

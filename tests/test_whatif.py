@@ -7,8 +7,9 @@ import pytest
 
 import hardware
 import planner
-from costmodel import Plan, TransformerDims, estimate, transformer_workload
-from costmodel.plan import uniform_stages
+from costmodel import TransformerDims, estimate, transformer_workload
+from layout.plan import Plan
+from layout.plan import uniform_stages
 from costmodel.simulate.step import simulate
 from hardware.errors import InfeasibleError
 from parallax_cli import main

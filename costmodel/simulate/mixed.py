@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..mixed import crossing_layout, group_alone, group_clusters, mixed_cluster_of, pipeline_ranks, spanning
-from ..plan import Plan
+from layout.plan import Plan
 from ..workload import Workload
 from .step import GroupTimeline, SimResult, play, simulate
 

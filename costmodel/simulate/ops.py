@@ -25,7 +25,7 @@ from ..compute import LayerTime, forward_collectives, layer_time
 from ..data_parallel import layer_params_on_rank, sharded_collectives
 from ..layout import Layout
 from ..memory import WEIGHT_BYTES, activation_bytes, activation_keywords
-from ..plan import Plan
+from layout.plan import Plan
 from ..workload import LayerProfile, Workload
 
 DEFAULT_BUCKET_BYTES = 25e6  # PyTorch DDP's default gradient bucket

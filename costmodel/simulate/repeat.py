@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
-from ..plan import Plan
+from layout.plan import Plan
 
 MAX_PLAYED_MICRO_BATCHES = 256  # ~10^5 events for a 16-stage pipeline: a fraction of a second, tens of MB
 

@@ -23,7 +23,7 @@ from ..data_parallel import expert_reduction_time, optimizer_time
 from ..estimate import peak_moments, price_ranks
 from ..layout import RankTime
 from ..memory import WEIGHT_BYTES
-from ..plan import Plan
+from layout.plan import Plan
 from .engine import Engine, EngineInput, Event
 from .ops import DEFAULT_BUCKET_BYTES, Pricer, buckets, p2p_seconds, stage_activation
 from .repeat import carried, played_lengths, shortened

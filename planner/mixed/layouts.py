@@ -26,22 +26,23 @@ from costmodel.compute import Context, layer_time
 from costmodel.estimate import estimate, price_ranks, usable_memory_bytes
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.mixed import spanning
-from costmodel.plan import Plan, uniform_stages
-from costmodel.plan_groups import GroupShare
+from layout.plan import Plan, uniform_stages
+from layout.groups import GroupShare
 from costmodel.workload import Workload
 from hardware import loads_back
 from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from planner.executable import facts_of_workload, layout_problem
+from layout.axes import ZERO_STAGES
+from layout.rules import plan_problem
+from planner.executable import facts_of_workload
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
 from planner.search.coefficients import POLICIES
 from planner.search.space import divisors
 
 MICRO_BATCHES = (1, 2, 4)
-ZEROS = (0, 1, 2, 3)
 
 
 def share(group: Cluster, stages: list[int], replicas: list[int]) -> GroupShare:
@@ -52,7 +53,7 @@ def share(group: Cluster, stages: list[int], replicas: list[int]) -> GroupShare:
 
 def priced(workload: Workload, plan: Plan, mixed: MixedCluster, reserve: float) -> Plan | None:
     """The plan with its estimate, or None if it does not fit or the executor would refuse it."""
-    if layout_problem(plan, facts_of_workload(workload), workload.seq_len) is not None:
+    if plan_problem(plan, facts_of_workload(workload)) is not None:
         return None
     try:
         est = estimate(workload, plan, mixed, memory_reserve=reserve)
@@ -140,7 +141,7 @@ def pipeline_splits(workload, mixed, *, global_batch, dtype, name, reserve,
             for mb in MICRO_BATCHES:
                 if global_batch % (dp * mb):
                     continue
-                for zero in ZEROS:
+                for zero in ZERO_STAGES:
                     for order in permutations(mixed.groups):
                         if time.perf_counter() > deadline:
                             return out
@@ -216,7 +217,7 @@ def data_splits(workload, mixed, *, global_batch, dtype, name, reserve, deadline
             if pp > workload.n_blocks:
                 continue
             for mb in MICRO_BATCHES:
-                for zero in ZEROS:
+                for zero in ZERO_STAGES:
                     for policy in POLICIES:
                         if time.perf_counter() > deadline:
                             return out

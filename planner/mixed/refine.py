@@ -9,7 +9,7 @@ prices what it returns: the refined plan is kept only where it is faster.
 """
 from __future__ import annotations
 
-from costmodel.plan import Plan
+from layout.plan import Plan
 from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 

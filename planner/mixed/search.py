@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE
-from costmodel.plan import Plan, SolverReport
+from layout.plan import Plan
+from layout.results import SolverReport
 from hardware.errors import InfeasibleError, PlanError
 from hardware.mixed import MixedCluster, load_mixed
 

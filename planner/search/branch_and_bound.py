@@ -18,7 +18,8 @@ from costmodel.data_parallel import held_zero, layer_params_on_rank
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, estimate, usable_memory_bytes
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.offload import states_on_host
-from costmodel.plan import Plan, SolverReport, StagePlan
+from layout.plan import Plan, StagePlan
+from layout.results import SolverReport
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
@@ -28,7 +29,8 @@ from planner.search.coefficients import (LayerTimes, StageModelData, block_span,
 from planner.search.enumerate import Candidate
 from planner.search.pinned import is_fully_pinned, pinned_plan
 from planner.search.solver import StageModel
-from planner.search.space import Layout, layouts, recompute_choices
+from layout.layout import Layout
+from planner.search.space import layouts, recompute_choices, to_plan
 
 LAYOUT_SOLVE_LIMIT_S = 0.5
 TARGET_GAP = 0.01  # the search stops once its pick is proven within 1% of any layout's best
@@ -86,7 +88,7 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
             if dropped is not None:
                 dropped.append(layout)
             continue
-        template = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none",
+        template = to_plan(layout, workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none",
                                   model=model or workload.name, shared_stages=True)
         data = stage_model_data(workload, template, cluster, capacity, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
@@ -105,7 +107,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     key = (layout.tp, layout.ep)
     if key not in per_rank:
         per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
-    shard = Plan.shard_degree.fget(layout)
+    shard = layout.shard_degree
     states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
     # gradients left out: one FSDP2 micro-batch holds none at its peak (estimate.gradients_at_peak)
     state = (states["weights"] + states["optimizer"]

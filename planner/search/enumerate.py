@@ -10,11 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from costmodel.estimate import DEFAULT_MEMORY_RESERVE, estimate
-from costmodel.plan import Estimate, Plan
+from layout.plan import Plan
+from layout.results import Estimate
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
-from planner.search.space import Layout, layouts, recompute_choices
+from layout.layout import Layout
+from planner.search.space import layouts, recompute_choices, to_plan
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def uniform_candidates(
     """Yield every uniform candidate, priced (fitting or not)."""
     for layout in layouts(workload, cluster, global_batch, fixed):
         for policy in recompute_choices(fixed):
-            plan = layout.to_plan(workload, cluster, global_batch=global_batch, dtype=dtype, recompute=policy, model=model or workload.name)
+            plan = to_plan(layout, workload, cluster, global_batch=global_batch, dtype=dtype, recompute=policy, model=model or workload.name)
             yield Candidate(layout, policy, plan, estimate(workload, plan, cluster, memory_reserve=memory_reserve))
 
 

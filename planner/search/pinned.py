@@ -12,13 +12,15 @@ from __future__ import annotations
 from pydantic import ValidationError
 
 from costmodel.estimate import GIB, estimate
-from costmodel.plan import Plan
+from layout.plan import Plan
 from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from planner.executable import facts_of_workload, layout_problem
-from planner.search.space import Layout, recompute_choices
+from layout.rules import layout_problem
+from planner.executable import facts_of_workload
+from layout.layout import Layout
+from planner.search.space import recompute_choices, to_plan
 
 
 def is_fully_pinned(fixed: dict | None) -> bool:
@@ -46,7 +48,7 @@ def pinned_layout(fixed: dict, cluster: Cluster) -> Layout:
 
 def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, **kw) -> Plan:
     try:
-        return layout.to_plan(workload, cluster, recompute=policy, **kw)
+        return to_plan(layout, workload, cluster, recompute=policy, **kw)
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or "layout"

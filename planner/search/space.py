@@ -10,43 +10,33 @@ executor cannot run is never offered.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
 from functools import lru_cache
 from typing import Iterator
 
 from costmodel.offload import host_bandwidths, host_priced
-from costmodel.plan import Plan, uniform_stages
+from layout.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
-from hardware.limits import COUNT_LIMITS, check_count
 from hardware.schema import Cluster
-from planner.executable import (COMPRESSION, SCHEDULES, LayoutFields, facts_of_workload, layout_problem, moe_sp_problem,
-                                uses_ddp)
+from layout.axes import AXIS, RECOMPUTE, axis_problem
+from layout.layout import Layout
+from layout.rules import layout_problem, moe_sp_problem
+from planner.executable import facts_of_workload
 
-STACKS = ("eager", "compile", "fused")  # costmodel.plan.Stack; only planner.executable.EXECUTED_STACKS run
-PINNABLE = ("dp", "tp", "pp", "cp", "ep", "sp", "zero", "dp_shard", "micro_batch", "schedule", "vpp", "recompute", "compression",
-            "stack", "offload")
 MAX_MICRO_BATCH = 16
-VPP_CHOICES = (2, 3, 4)  # searched; a pinned vpp may be any depth whose chunks the blocks fill
 CP_CHOICES = (2, 4, 8, 16)
 CP_MIN_SEQ = 16384  # pruning: below it the K/V all-gathers cost more than the activations they save
 
 
-@dataclass(frozen=True)
-class Layout(LayoutFields):
-    """Everything of a plan except the stage partition: the declaration's fields and the micro-batch."""
-
-    micro_batch: int = 1
-
-    def to_plan(self, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str, model: str,
-                shared_stages: bool = False) -> Plan:
-        """The layout with a uniform partition; `shared_stages`: StagePlans validated once and
-        shared with every plan of the same partition (the search's templates, never edited)."""
-        kinds = [layer.kind for layer in workload.layers]
-        n_stages = self.pp * self.vpp
-        stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
-        return Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=workload.seq_len,
-                    dtype=dtype, stages=stages, **asdict(self))
+def to_plan(layout: Layout, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str,
+            model: str, shared_stages: bool = False) -> Plan:
+    """The layout with a uniform partition; `shared_stages`: StagePlans validated once and
+    shared with every plan of the same partition (the search's templates, never edited)."""
+    kinds = [layer.kind for layer in workload.layers]
+    n_stages = layout.n_virtual_stages
+    stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
+    return Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=workload.seq_len,
+                dtype=dtype, stages=stages, **layout.axes())
 
 
 @lru_cache(maxsize=256)
@@ -65,31 +55,22 @@ def divisors(n: int) -> tuple[int, ...]:
 
 
 def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster | None = None) -> None:
-    """Refuse pins that no layout could honour, naming the field and what would be valid."""
-    unknown = sorted(set(fixed) - set(PINNABLE))
-    if unknown:
-        raise PlanError("fixed", f"unknown field(s) {unknown}", f"pin any of {', '.join(PINNABLE)}")
-    choices = {
-        "recompute": ("none", "selective", "full"),
-        "schedule": SCHEDULES,
-        "zero": (0, 1, 2, 3),
-        "compression": COMPRESSION,
-        "stack": STACKS,
-        "offload": (False, True),
-    }
-    allowed = fixed.get("compression")
-    if isinstance(allowed, (tuple, list, set, frozenset)):  # a set of allowed methods (--allow-compression)
-        bad = [m for m in allowed if m not in choices["compression"]]
-        if bad or not allowed:
-            raise PlanError("compression", f"{bad or allowed!r} is not valid", f"use any of {', '.join(choices['compression'])}")
-        choices = {k: v for k, v in choices.items() if k != "compression"}
-    for key, valid in choices.items():
-        if key in fixed and fixed[key] not in valid:
-            raise PlanError(key, f"{fixed[key]!r} is not valid", f"use one of {', '.join(map(str, valid))}")
-    for key in set(fixed) & set(COUNT_LIMITS):  # tp, pp, dp, cp, ep, dp_shard, vpp, micro_batch: whole and in range
-        check_count(key, fixed[key], COUNT_LIMITS[key])
-    if workload is None or cluster is None:
-        return
+    """Refuse pins that no layout could honour, naming the field and what would be valid: each
+    value against its axis (`layout.axes`), then against the model and the cluster."""
+    for key, value in fixed.items():
+        if key == "compression" and isinstance(value, (tuple, list, set, frozenset)):  # --allow-compression's set
+            bad = [m for m in value if AXIS["compression"].check(m)]
+            if bad or not value:
+                raise PlanError("compression", f"{bad or value!r} is not valid",
+                                f"use any of {', '.join(AXIS['compression'].choices)}")
+        elif (why := axis_problem(key, value)) is not None:
+            raise PlanError("fixed" if key not in AXIS else key, why)
+    if workload is not None and cluster is not None:
+        _check_pins_fit(fixed, workload, cluster)
+
+
+def _check_pins_fit(fixed: dict, workload: Workload, cluster: Cluster) -> None:
+    """The pins against the model's facts (through the rulebook) and the cluster's size."""
     facts = facts_of_workload(workload)
     if facts.max_seq_len is not None and workload.seq_len > facts.max_seq_len:
         raise PlanError("seq_len", f"{workload.seq_len} exceeds {workload.name}'s {facts.max_seq_len} positions",
@@ -100,32 +81,24 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
                         f"({workload.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
     if fixed.get("sp") and facts.n_experts:
         raise moe_sp_problem(facts)
+    probes = []
     if fixed.get("offload"):
-        problem = layout_problem(LayoutFields(dp=1, tp=1, pp=1, zero=fixed.get("zero", 3), ep=fixed.get("ep", 1),
-                                              offload=True), facts, workload.seq_len)
-        if problem is not None:
-            raise problem
-        host_bandwidths(cluster)  # the typed error naming the host figures a profile lacks
+        probes.append(Layout(zero=fixed.get("zero", 3), ep=fixed.get("ep", 1), offload=True, dp=fixed.get("ep", 1)))
     if fixed.get("cp", 1) != 1:
-        problem = layout_problem(LayoutFields(dp=1, tp=1, pp=fixed.get("pp", 1), cp=fixed["cp"]), facts, workload.seq_len)
-        if problem is not None:
+        probes.append(Layout(pp=fixed.get("pp", 1), cp=fixed["cp"]))
+    for probe in probes:
+        if (problem := layout_problem(probe, facts, workload.seq_len)) is not None:
             raise problem
+    if fixed.get("offload"):
+        host_bandwidths(cluster)  # the typed error naming the host figures a profile lacks
     if "tp" in fixed and fixed["tp"] not in tp_choices(workload, cluster):
-        problem = layout_problem(_pinned_fields(fixed), facts, workload.seq_len)
-        if problem is not None:
+        if (problem := layout_problem(Layout(tp=fixed["tp"]), facts, workload.seq_len)) is not None:
             raise problem
         raise PlanError("tp", f"tp={fixed['tp']} must divide the {cluster.n_gpus} GPUs and fit in two nodes",
                         f"use one of {tp_choices(workload, cluster)}")
     if "pp" in fixed and (fixed["pp"] > workload.n_blocks or cluster.n_gpus % fixed["pp"]):
         raise PlanError("pp", f"pp={fixed['pp']} must divide {cluster.n_gpus} GPUs and not exceed {workload.n_blocks} layers",
                         f"use a divisor of {cluster.n_gpus} up to {workload.n_blocks}")
-    for key in ("dp", "tp", "pp", "cp", "ep", "micro_batch", "vpp", "dp_shard"):
-        if key in fixed and (not isinstance(fixed[key], int) or fixed[key] < 1):
-            raise PlanError(key, f"must be a positive integer, got {fixed[key]!r}")
-
-
-def _pinned_fields(fixed: dict) -> LayoutFields:
-    return LayoutFields(dp=1, tp=fixed.get("tp", 1), pp=1, sp=False)
 
 
 def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:
@@ -133,8 +106,8 @@ def tp_choices(workload: Workload, cluster: Cluster) -> list[int]:
     (TP may cross a node if it pays)."""
     limit = min(cluster.n_gpus, 2 * cluster.gpus_per_node)
     facts = facts_of_workload(workload)
-    return [t for t in (1, 2, 4, 8, 16, 32, 64) if t <= limit and cluster.n_gpus % t == 0
-            and layout_problem(LayoutFields(dp=1, tp=t, pp=1), facts, workload.seq_len) is None]
+    return [t for t in AXIS["tp"].searched if t <= limit and cluster.n_gpus % t == 0
+            and layout_problem(Layout(tp=t), facts, workload.seq_len) is None]
 
 
 def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None,
@@ -148,7 +121,7 @@ def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None,
     if pinned == "gpipe":
         yield "gpipe", 1
     if m % pp == 0:
-        depths = (pinned_vpp,) if pinned_vpp is not None and pinned_vpp > 1 else VPP_CHOICES
+        depths = (pinned_vpp,) if pinned_vpp is not None and pinned_vpp > 1 else AXIS["vpp"].searched
         for v in depths:
             if n_blocks >= pp * v:
                 yield "interleaved", v
@@ -176,9 +149,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                                 vpp=vpp, dp_shard=shard, cp=cp, ep=ep, stack=fixed.get("stack", "eager"))
                                 if _honours(layout, fixed):
                                     for method, offload in _method_offload(layout, cluster, fixed):
-                                        offered = replace(layout, compression=method, offload=offload)
+                                        offered = layout.model_copy(update=dict(compression=method, offload=offload))
                                         # a pinned stack the executor does not run is still priced (a what-if)
-                                        runnable = replace(offered, stack="eager")
+                                        runnable = offered.model_copy(update=dict(stack="eager"))
                                         if layout_problem(runnable, facts, workload.seq_len, m) is None:
                                             yield offered
 
@@ -229,7 +202,7 @@ def compression_choices(layout: Layout, fixed: dict) -> tuple[str, ...]:
     pinned = fixed.get("compression", "none")
     if isinstance(pinned, str):
         return (pinned,)
-    hookable = uses_ddp(layout) and layout.zero == 0
+    hookable = layout.reduces_through_ddp and layout.zero == 0
     return tuple(m for m in pinned if m == "none" or hookable) or ("none",)
 
 
@@ -260,4 +233,4 @@ def _honours(layout: Layout, fixed: dict) -> bool:
 
 def recompute_choices(fixed: dict | None) -> tuple[str, ...]:
     fixed = fixed or {}
-    return (fixed["recompute"],) if "recompute" in fixed else ("none", "selective", "full")
+    return (fixed["recompute"],) if "recompute" in fixed else RECOMPUTE

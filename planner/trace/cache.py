@@ -22,7 +22,8 @@ CACHE_DIR = Path.home() / ".cache" / "parallax" / "workloads"
 _ROOT = Path(__file__).resolve().parents[2]
 # the code whose output a cached workload is: this package (tracers, graph -> workload, the model
 # catalog), the declaration of what TP splits, the Workload schema
-_SOURCES = ("planner/trace/*.py", "planner/trace/models/*.py", "planner/executable.py", "costmodel/workload.py")
+_SOURCES = ("planner/trace/*.py", "planner/trace/models/*.py", "planner/executable.py", "layout/rules.py",
+            "costmodel/workload.py")
 
 
 def fingerprinted_files() -> list[Path]:

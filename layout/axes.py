@@ -1,0 +1,105 @@
+"""Every axis of a layout, declared once.
+
+An axis is one choice a plan makes: a degree of parallelism, a schedule, a ZeRO stage, a
+policy. Its name, type, default, valid values, whether a user may pin it, and its CLI flag
+and help live here and nowhere else. The Plan's fields (`layout.layout`), the search's
+choices and the pins' checks (`planner.search.space`) and the CLI's flags
+(`parallax_cli.layout_flags`) are all read from this table, so a new axis is one entry
+plus the code that prices and runs it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from hardware.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
+from hardware.schema import Stack
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+STACKS: tuple[str, ...] = get_args(Stack)  # the profiles' efficiencies are keyed by these (hardware.schema)
+ZERO_STAGES = (0, 1, 2, 3)
+TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # powers of two: heads, kv heads and vocabularies divide by them
+
+Recompute = Literal[RECOMPUTE]
+Schedule = Literal[SCHEDULES]
+Compression = Literal[COMPRESSION]
+ZeroStage = Literal[ZERO_STAGES]
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One choice of a layout. `choices` is the closed set of values (None: a count in
+    [1, `high`]); `searched` the values the planner tries when it is not pinned (None: the
+    planner derives them from the cluster and the model)."""
+
+    name: str
+    kind: type
+    default: object
+    help: str
+    choices: tuple | None = None
+    high: int | None = None
+    pinnable: bool = True
+    searched: tuple | None = None
+    optional: bool = False  # None is a value (dp_shard: shard over all of dp)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def check(self, value: object) -> str | None:
+        """Why `value` is not one of this axis's values, or None."""
+        if value is None and self.optional:
+            return None
+        if self.choices is not None:
+            ok = value in self.choices and type(value) is type(self.choices[0])
+            return None if ok else f"{value!r} is not valid; use one of {', '.join(map(str, self.choices))}"
+        whole = isinstance(value, int) and not isinstance(value, bool)
+        if not whole or not 1 <= value <= self.high:
+            return f"{value!r} is not a whole number in [1, {self.high:,}]"
+        return None
+
+
+def _count(name: str, help: str, default: object = 1, high: int = MAX_GPUS, **extra) -> Axis:
+    return Axis(name, int, default, help, high=high, **extra)
+
+
+AXES: tuple[Axis, ...] = (
+    _count("dp", "data-parallel replicas (ranks holding the same stage and TP shard)"),
+    _count("dp_shard", "hybrid sharding (HSDP, zero 2/3): shard over groups of this many dp*cp ranks and replicate "
+           "across the groups (default: shard over all of them)", default=None, optional=True),
+    _count("cp", "context parallel: each sequence split over cp ranks (2 of its 2*cp chunks each, the causal load "
+           "balance), keys and values all-gathered"),
+    _count("tp", "tensor parallel: each block's matmuls split over tp ranks (DTensor colwise/rowwise)",
+           searched=TP_DEGREES),
+    Axis("sp", bool, False, "sequence parallel (needs tp > 1): norms and dropout on sequence shards, all-gathers "
+         "and reduce-scatters instead of all-reduces", choices=(False, True)),
+    _count("pp", "pipeline stages (torch.distributed.pipelining)"),
+    Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, or interleaved (vpp chunks per rank)",
+         choices=SCHEDULES),
+    _count("vpp", "model chunks per pipeline rank (interleaved schedule)", high=MAX_LAYERS, searched=(2, 3, 4)),
+    _count("ep", "expert parallel: a mixture-of-experts layer's experts split over ep of the data-parallel ranks, "
+           "tokens routed to them by all-to-all"),
+    Axis("zero", int, 0, "ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 and gradients, 3 and weights "
+         "(FSDP2)", choices=ZERO_STAGES),
+    Axis("offload", bool, False, "FSDP2's CPUOffloadPolicy (zero 2/3): sharded weights, gradients and AdamW state in "
+         "host memory, the optimizer stepping on the host", choices=(False, True)),
+    Axis("compression", str, "none", "gradient compression on DDP's all-reduce: none, fp16, bf16, int8, topk or "
+         "powersgd (lossy ones are searched only with --allow-compression)", choices=COMPRESSION),
+    Axis("stack", str, "eager", "kernel stack priced: eager (what `parallax run` executes), compile (torch.compile) "
+         "or fused (Megatron-LM / Transformer Engine; priced, not run)", choices=STACKS),
+    _count("micro_batch", "sequences per micro-batch and data-parallel replica", high=MAX_GLOBAL_BATCH),
+    Axis("recompute", str, "none", "activation recomputation of every block: none, selective or full (the solver "
+         "picks per layer)", choices=RECOMPUTE),
+)
+AXIS: dict[str, Axis] = {axis.name: axis for axis in AXES}
+PINNABLE: tuple[str, ...] = tuple(axis.name for axis in AXES if axis.pinnable)
+LAYOUT_AXES: tuple[str, ...] = tuple(a.name for a in AXES if a.name != "recompute")  # recompute is per layer (StagePlan)
+
+
+def axis_problem(name: str, value: object) -> str | None:
+    """Why `value` is not a value of axis `name`, or None (an unknown axis names the known ones)."""
+    if name not in AXIS:
+        return f"unknown field {name!r}; pin any of {', '.join(PINNABLE)}"
+    return AXIS[name].check(value)
