@@ -13,19 +13,14 @@ from costmodel.validate import default_dtype
 from hardware.errors import PlanError
 from hardware.limits import COUNT_LIMITS, check_count
 from hardware.untrusted import check_name
+from layout.axes import AXES, AXIS
 from planner.api import estimate, is_mixed, plan
 from planner.resolve import resolve_hardware, resolve_workload
 from parallax_cli import TRUST_MODULE_HELP, app, emit, load_plan, wide_console
+from parallax_cli.layout_flags import layout_flags
 from planner.summary import render
 
 console = wide_console()
-
-
-def _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp=None, dp_shard=None, ep=None, stack=None,
-          offload=None) -> dict:
-    values = dict(tp=tp, pp=pp, dp=dp, zero=zero, micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp,
-                  cp=cp, dp_shard=dp_shard, ep=ep, stack=stack, offload=offload)
-    return {k: v for k, v in values.items() if v is not None}
 
 
 def _progress() -> Progress:
@@ -37,6 +32,7 @@ def _progress() -> Progress:
 
 
 @app.command("plan")
+@layout_flags
 def plan_command(
     model: Optional[str] = typer.Argument(None, help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
     hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, a profile file, or a mixed cluster "
@@ -51,22 +47,6 @@ def plan_command(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16, fp16 or fp8; default bf16, or fp32 on "
                                         "hardware whose bf16 is no faster than its fp32"),
     objective: str = typer.Option("time", "--objective", help="time or cost"),
-    tp: Optional[int] = typer.Option(None, "--tp"),
-    pp: Optional[int] = typer.Option(None, "--pp"),
-    dp: Optional[int] = typer.Option(None, "--dp"),
-    zero: Optional[int] = typer.Option(None, "--zero"),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="none, selective or full"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b, gpipe or interleaved"),
-    vpp: Optional[int] = typer.Option(None, "--vpp"),
-    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
-    cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree (sequence split over cp ranks)"),
-    ep: Optional[int] = typer.Option(None, "--ep", help="expert parallel degree (MoE experts split over ep ranks)"),
-    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
-    stack: Optional[str] = typer.Option(None, "--stack", help="kernel stack priced: eager (default, what `parallax run` "
-                                        "executes), compile or fused (Megatron-LM/TE; priced, not run)"),
-    offload: Optional[bool] = typer.Option(None, "--offload/--no-offload", help="pin offload (FSDP2's "
-                                           "CPUOffloadPolicy: ZeRO-2/3 states in host memory); default: searched"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
     top: int = typer.Option(3, "--top", help="alternatives to keep"),
@@ -79,11 +59,12 @@ def plan_command(
                                                     "on 16,384 H100s); sets the checkpoint interval"),
     out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
+    axes: dict | None = None,
 ) -> None:
-    """Find the best layout for MODEL on the hardware and print it."""
+    """Find the best layout for MODEL on the hardware and print it (any layout flag pins that axis)."""
     for name in filter(None, (model, module, hw)):  # what the plan will print as its own name
         check_name(name, "model" if name != hw else "--hw")
-    fixed = _pins(tp, pp, dp, zero, micro_batch, recompute, schedule, vpp, sp, cp, dp_shard, ep, stack, offload)
+    fixed = dict(axes or {})
     model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command and prints the same way
         with _progress() as progress:
@@ -145,6 +126,7 @@ def print_plan(result: Plan, model: str, out: Path | None, as_json: bool) -> Non
 
 
 @app.command("estimate")
+@layout_flags
 def estimate_command(
     model: Optional[str] = typer.Argument(None, help="the model; with --plan, default the plan's"),
     hw: Optional[str] = typer.Option(None, "--hw", help="hardware spec or profile; with --plan, default the plan's "
@@ -153,26 +135,12 @@ def estimate_command(
     global_batch: Optional[int] = typer.Option(None, "--global-batch"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="default bf16"),
-    tp: Optional[int] = typer.Option(None, "--tp"),
-    pp: Optional[int] = typer.Option(None, "--pp"),
-    dp: Optional[int] = typer.Option(None, "--dp"),
-    zero: Optional[int] = typer.Option(None, "--zero"),
-    micro_batch: Optional[int] = typer.Option(None, "--micro-batch"),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="none (default), selective or full"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="1f1b (default), gpipe or interleaved"),
-    vpp: Optional[int] = typer.Option(None, "--vpp"),
-    sp: Optional[bool] = typer.Option(None, "--sp/--no-sp"),
-    cp: Optional[int] = typer.Option(None, "--cp", help="context parallel degree"),
-    ep: Optional[int] = typer.Option(None, "--ep", help="expert parallel degree"),
-    dp_shard: Optional[int] = typer.Option(None, "--dp-shard", help="hybrid sharding: ZeRO-2/3 shard group size"),
-    offload: Optional[bool] = typer.Option(None, "--offload", help="ZeRO-2/3 states in host memory (FSDP2 CPUOffloadPolicy)"),
     trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
     as_json: bool = typer.Option(False, "--json"),
+    axes: dict | None = None,
 ) -> None:
-    """Price one given layout (from flags or --plan FILE) without searching."""
-    options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, tp=tp, pp=pp, dp=dp, zero=zero,
-                   micro_batch=micro_batch, recompute=recompute, schedule=schedule, vpp=vpp, sp=sp, cp=cp, ep=ep,
-                   dp_shard=dp_shard, offload=offload)
+    """Price one given layout (from flags or --plan FILE) without searching; unset axes take their defaults."""
+    options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, **(axes or {}))
     given = {k: v for k, v in options.items() if v is not None}
     for name, field in ((model, "model"), (hw, "--hw")):
         if name is not None:
@@ -230,9 +198,11 @@ def _layout_from_flags(model: str | None, hw: str | None, given: dict):
         raise PlanError("--global-batch/--seq-len", "both are needed without --plan", "pass them, or --plan FILE")
     for key in set(given) & set(COUNT_LIMITS):
         check_count(key, given[key], COUNT_LIMITS[key])
+    for key in set(given) & set(AXIS):
+        if (why := AXIS[key].check(given[key])) is not None:
+            raise PlanError(AXIS[key].flag, why)
     cluster = resolve_hardware(hw)
-    layout = {"dtype": "bf16", "tp": 1, "pp": 1, "dp": 1, "zero": 0, "micro_batch": 1, "recompute": "none",
-              "schedule": "1f1b", "vpp": 1, "sp": False, "cp": 1, "ep": 1, "dp_shard": None, "offload": False, **given}
+    layout = {"dtype": "bf16", **{axis.name: axis.default for axis in AXES}, **given}
     workload = resolve_workload(model, seq_len=layout["seq_len"], dtype=layout["dtype"])
     kinds = [layer.kind for layer in workload.layers]
     stages = layout["pp"] * layout["vpp"]
