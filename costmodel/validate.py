@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from hardware.errors import PlanError
 from hardware.schema import Cluster
+from layout.axes import TP_DEGREES
+from layout.rules import check_world
 
 from layout.plan import Plan
 from .workload import Workload
@@ -32,12 +34,7 @@ def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
     if workload.seq_len != plan.seq_len:  # memory would be priced at one length and tokens/s at the other
         raise PlanError("seq_len", f"the plan's {plan.seq_len} tokens differ from the {workload.seq_len} {workload.name} "
                         "was traced at", "trace the model at the plan's sequence length")
-    if plan.n_gpus != cluster.n_gpus:
-        raise PlanError(
-            "dp*cp*tp*pp",
-            f"dp*cp*tp*pp = {plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} GPUs but the hardware has {cluster.n_gpus}",
-            "make the degrees multiply to the GPU count",
-        )
+    check_world(plan, cluster.n_gpus, "GPUs on the hardware", "make the degrees multiply to the GPU count")
     if plan.stages[-1].end != workload.n_layers:
         raise PlanError(
             "stages",
@@ -45,7 +42,7 @@ def check_plan(plan: Plan, workload: Workload, cluster: Cluster) -> None:
             f"end the last stage at {workload.n_layers}",
         )
     if not workload.tp_divides(plan.tp):
-        valid = [t for t in (1, 2, 4, 8, 16, 32, 64) if workload.tp_divides(t)]
+        valid = [t for t in TP_DEGREES if workload.tp_divides(t)]
         raise PlanError("tp", f"tp={plan.tp} does not divide the attention heads ({workload.heads})", f"use one of {valid}")
     if plan.tp > 1 and not plan.sp and plan.tp > cluster.n_gpus:
         raise PlanError("tp", f"tp={plan.tp} exceeds the {cluster.n_gpus} GPUs", "lower tp")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from layout.plan import Plan
-from hardware.errors import PlanError
+from layout.rules import check_world
 
 MESH_DIMS = ("pp", "dp", "tp")
 
@@ -54,9 +54,7 @@ def build_mesh(plan: Plan) -> DeviceMesh:
     """The (pp, dp, tp) mesh of `plan`, "dp" holding all dp x cp data-parallel ranks (context
     parallelism unflattens it, executor/context_parallel.py); the degrees multiply to the world size."""
     world = dist.get_world_size()
-    if plan.n_gpus != world:
-        raise PlanError("dp*cp*tp*pp", f"{plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world} processes run",
-                        f"launch {plan.n_gpus} processes or change the degrees")
+    check_world(plan, world, "processes run", f"launch {plan.n_gpus} processes or change the degrees")
     kind, _ = device_and_backend()
     return init_device_mesh(kind, (plan.pp, plan.data_parallel, plan.tp), mesh_dim_names=MESH_DIMS)
 

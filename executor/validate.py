@@ -9,7 +9,7 @@ from torch import nn
 
 from layout.plan import Plan
 from hardware.errors import PlanError
-from layout.rules import ModelFacts, check_plan_runs
+from layout.rules import ModelFacts, check_plan_runs, check_world
 from planner.executable import tp_split_classes
 
 from executor.context_parallel import cp_supported
@@ -20,10 +20,8 @@ def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> Non
     """Raise PlanError naming the field when `plan` does not fit `model` or the launch."""
     lmap = layer_map(model)
     n = lmap.n_layers
-    if world_size is not None and world_size != plan.n_gpus:
-        raise PlanError("dp*cp*tp*pp", f"{plan.dp}*{plan.cp}*{plan.tp}*{plan.pp} = {plan.n_gpus} but {world_size} "
-                        "processes requested",
-                        f"use --nproc {plan.n_gpus}")
+    if world_size is not None:
+        check_world(plan, world_size, "processes requested", f"use --nproc {plan.n_gpus}")
     check_plan_runs(plan, model_facts(model, lmap))
     if plan.stages[-1].end != n:
         raise PlanError("stages", f"last stage ends at {plan.stages[-1].end} but the model has {n} layers "

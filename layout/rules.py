@@ -88,6 +88,14 @@ def check_plan_runs(plan: Plan, facts: ModelFacts) -> None:
         raise problem
 
 
+def check_world(layout: Layout, world: int, what: str, hint: str) -> None:
+    """The degrees multiply to the GPUs or processes there are: `what` names them ("GPUs on
+    the hardware", "processes run"), `hint` the way out."""
+    if layout.n_gpus != world:
+        raise PlanError("dp*cp*tp*pp", f"{layout.dp}*{layout.cp}*{layout.tp}*{layout.pp} = {layout.n_gpus}, but "
+                        f"{world} {what}", hint)
+
+
 def valid_tp(facts: ModelFacts) -> list[int]:
     """The TP degrees that divide the model's heads and key/value heads."""
     return [t for t in TP_DEGREES if all(c is None or c % t == 0 for c in (facts.heads, facts.kv_heads))]
@@ -212,8 +220,9 @@ def _ep_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
     if f.ep == 1:
         return None
     if not facts.n_experts or facts.n_experts % f.ep:
+        valid = [e for e in range(1, facts.n_experts + 1) if facts.n_experts % e == 0] or [1]
         return PlanError("ep", f"ep={f.ep} needs a mixture-of-experts model whose experts it divides "
-                         f"({facts.name} has {facts.n_experts or 'no'} experts per layer)", "use ep=1")
+                         f"({facts.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
     if f.dp_shard is not None or f.compression != "none":
         return PlanError("ep", f"ep={f.ep} runs without hybrid sharding (dp_shard) and gradient compression",
                          "drop dp_shard and compression with ep, or use ep=1")

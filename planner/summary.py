@@ -4,6 +4,7 @@ from __future__ import annotations
 from rich.console import Group
 from rich.table import Table
 
+from layout.axes import RECOMPUTE
 from layout.plan import Plan
 
 GIB = 2**30
@@ -28,7 +29,7 @@ def _micro_batches(plan: Plan) -> str:
 
 
 def _policy_counts(recompute: list[str]) -> str:
-    parts = [f"{recompute.count(p)} {p}" for p in ("none", "selective", "full") if recompute.count(p)]
+    parts = [f"{recompute.count(p)} {p}" for p in RECOMPUTE if recompute.count(p)]
     return ", ".join(parts)
 
 

@@ -19,6 +19,7 @@ import heapq
 import math
 from typing import Callable
 
+from layout.axes import RECOMPUTE
 from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
 
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
@@ -130,7 +131,7 @@ def balanced_split(data: StageModelData, pp: int, vpp: int) -> list[dict[str, in
         order = [k for k in ("full", "selective", "none") for _ in range(mix[k])]
         for i, s in enumerate(range(r, S, pp)):
             lo, hi = round(i * n / vpp), round((i + 1) * n / vpp)
-            stages[s] = {k: order[lo:hi].count(k) for k in ("none", "selective", "full")}
+            stages[s] = {k: order[lo:hi].count(k) for k in RECOMPUTE}
     return stages
 
 

@@ -17,11 +17,12 @@ from costmodel.layout import layout_of
 from costmodel.offload import device_state_bytes, states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
                               in_flight_micro_batches, model_state_bytes, transient_bytes)
+from layout.axes import RECOMPUTE
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
 
-POLICIES = ("none", "selective", "full")
+POLICIES = RECOMPUTE
 
 
 @dataclass(frozen=True)

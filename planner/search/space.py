@@ -72,16 +72,10 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
 def _check_pins_fit(fixed: dict, workload: Workload, cluster: Cluster) -> None:
     """The pins against the model's facts (through the rulebook) and the cluster's size."""
     facts = facts_of_workload(workload)
-    if facts.max_seq_len is not None and workload.seq_len > facts.max_seq_len:
-        raise PlanError("seq_len", f"{workload.seq_len} exceeds {workload.name}'s {facts.max_seq_len} positions",
-                        f"use at most {facts.max_seq_len}")
-    if fixed.get("ep", 1) != 1 and (not facts.n_experts or facts.n_experts % fixed["ep"]):
-        valid = [e for e in range(1, facts.n_experts + 1) if facts.n_experts % e == 0] or [1]
-        raise PlanError("ep", f"ep={fixed['ep']} needs a mixture-of-experts model whose experts it divides "
-                        f"({workload.name} has {facts.n_experts or 'no'} experts per layer)", f"use ep in {valid}")
+    ep = fixed.get("ep", 1)
+    probes = [Layout(dp=ep, ep=ep)]  # the sequence against the model's positions, ep against its experts
     if fixed.get("sp") and facts.n_experts:
         raise moe_sp_problem(facts)
-    probes = []
     if fixed.get("offload"):
         probes.append(Layout(zero=fixed.get("zero", 3), ep=fixed.get("ep", 1), offload=True, dp=fixed.get("ep", 1)))
     if fixed.get("cp", 1) != 1:
@@ -164,7 +158,7 @@ def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, i
             yield pp, 1
     long = workload.seq_len >= CP_MIN_SEQ or fixed.get("cp", 1) > 1
     for cp in ((fixed["cp"],) if fixed.get("cp", 1) > 1 else CP_CHOICES) if long else ():
-        if ranks % cp == 0 and workload.seq_len % (2 * cp) == 0:
+        if ranks % cp == 0:
             yield 1, cp
 
 
@@ -185,7 +179,7 @@ def zero_choices(dp: int, tp: int, cluster: Cluster, fixed: dict, cp: int = 1) -
         if host_priced(cluster):  # one rank's states on the host: FSDP2 over one rank (offload_choices)
             yield 3, None
         return
-    for zero in (0, 1, 2, 3):
+    for zero in AXIS["zero"].choices:
         yield zero, None
         if zero < 2:
             continue
