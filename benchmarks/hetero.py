@@ -13,7 +13,7 @@ import time
 
 from rich.console import Console
 
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from hardware.mixed import load_mixed
 from planner.mixed.search import plan_mixed, uniform_baseline
 from planner.resolve import resolve_workload

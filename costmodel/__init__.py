@@ -5,7 +5,8 @@ share, the estimator, the event simulator and serving prices; the Plan it prices
 is data on the floor below (`layout`).
 May import: hardware, layout (and numpy, pydantic); never planner, executor or the CLI.
 """
-from .estimate import DEFAULT_MEMORY_RESERVE, estimate
+from .estimate import estimate
+from .terms import DEFAULT_MEMORY_RESERVE
 from .transformer import TransformerDims, transformer_workload
 from .workload import LayerProfile, Segment, Workload
 

@@ -40,7 +40,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import Context, forward_parts, tp_collective_time
-from .estimate import DEFAULT_MEMORY_RESERVE, GIB
+from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
 

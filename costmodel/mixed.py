@@ -25,9 +25,8 @@ from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from .data_parallel import exposed_dp, host_copy_seconds, optimizer_time, weight_gather_time
-from .estimate import (_throughput, p2p_time, pipeline_time, rank_memory, stage_time, step_breakdown,
+from .terms import (estimate_uniform, p2p_time, pipeline_time, rank_memory, stage_time, step_breakdown, throughput,
                        usable_memory_bytes)
-from .estimate import estimate as estimate_uniform
 from .layout import RankTime, layout_of
 from .offload import host_memory_per_node, states_on_host
 from layout.plan import Plan
@@ -116,7 +115,7 @@ def _data_split(workload, plan, mixed, clusters, reserve) -> Estimate:
                          busy, step, est.peak_memory_bytes, est.memory_capacity_bytes))
     crit = max(range(len(per_group)), key=lambda i: per_group[i][2].step_time_s)
     slowest = per_group[crit][2]
-    est = _throughput(workload, plan, clusters[crit], step, slowest.breakdown_s, slowest.stages, reserve)
+    est = throughput(workload, plan, clusters[crit], step, slowest.breakdown_s, slowest.stages, reserve)
     return _mixed_throughput(workload, plan, mixed, est, rows)
 
 
@@ -163,7 +162,7 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
         per_mb = max(ranks[r].per_micro_batch for r in mine)
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
                          max(sum(memory[r].values()) for r in mine), usable_memory_bytes(clusters[i], reserve)))
-    est = _throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
+    est = throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
     if plan.offload:
         est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))
     return _mixed_throughput(workload, plan, mixed, est, rows)

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_gpu
 from costmodel.validate import check_dtype
 from costmodel.workload import Workload

@@ -19,7 +19,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from planner.whatif import WhatIfRow, amdahl_serial_fraction  # noqa: E402
 
 if TYPE_CHECKING:
-    from costmodel.simulate.step import SimResult
+    from costmodel.simulate.playback import SimResult
 
 GIB = 2**30
 COLORS = {

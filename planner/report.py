@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from planner.whatif import WhatIfRow
 
 if TYPE_CHECKING:
-    from costmodel.simulate.step import SimResult
+    from costmodel.simulate.playback import SimResult
 
 COLUMNS = ("hardware", "GPUs", "layout", "step s", "tokens/s", "MFU", "mem headroom", "scaling eff",
            "time to train", "$ to train", "$/1M tok", "notes")

@@ -13,7 +13,7 @@ import html
 from pathlib import Path
 
 from costmodel.simulate.measured import KIND_PHASE, PHASES, RankTrace, phase_segments
-from costmodel.simulate.step import SimResult
+from costmodel.simulate.playback import SimResult
 from planner.plots import plt, png_bytes
 from planner.report import _STYLE
 

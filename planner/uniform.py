@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import hardware
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from layout.plan import Plan
 from layout.results import Estimate

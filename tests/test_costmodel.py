@@ -115,7 +115,7 @@ def test_ranks_sharing_cores_refill_the_pipeline_bubble():
     hand their cores to the busy ones, so the step lies between the all-busy closed form and
     the throughput bound m * T; with a share of exactly 1 the played schedule is the closed form."""
     from costmodel import TransformerDims, transformer_workload
-    from costmodel.estimate import price_ranks
+    from costmodel.terms import price_ranks
     from costmodel.shared_cores import shared_core_pipeline_time
 
     blocks_only = transformer_workload(TransformerDims(n_layers=24, hidden=2048, heads=16, vocab=2, seq_len=2048))

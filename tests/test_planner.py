@@ -132,7 +132,7 @@ def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
 
 def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
     """Both bounds must stay below the estimated time of every plan that fits."""
-    from costmodel.estimate import GIB
+    from costmodel.terms import GIB
     from planner.search.bounds import lower_bound, memory_aware_bound
     from planner.search.branch_and_bound import _entries, uniform_plans
 

@@ -215,7 +215,8 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
     the difference on: it matches playing all of them."""
     import hardware
     from layout.plan import uniform_stages
-    from costmodel.simulate import step as simulator
+    from costmodel.simulate import playback
+    from costmodel.simulate.step import simulate
     from costmodel.simulate.repeat import carried, shortened
     from planner.resolve import resolve_workload
 
@@ -227,9 +228,9 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
         plan = Plan(model="llama-160m", hardware="16xh100-sxm", global_batch=96 * dp, seq_len=512, dp=dp, tp=tp,
                     pp=pp, zero=zero, micro_batch=1, schedule=schedule, vpp=vpp,
                     stages=uniform_stages(kinds, pp * vpp, "none"))
-        whole = simulator.simulate(workload, plan, cluster)
+        whole = simulate(workload, plan, cluster)
         a, b = 24, 24 + (pp if schedule == "interleaved" else 1)
-        short, longer = (simulator._play_uniform(workload, shortened(plan, m), cluster, 25e6) for m in (a, b))
+        short, longer = (playback._play_uniform(workload, shortened(plan, m), cluster, 25e6) for m in (a, b))
         got = carried(short, longer, a, b, plan)
         assert got.step_time_s == pytest.approx(whole.step_time_s, rel=1e-3)
         assert got.peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=1e-3)

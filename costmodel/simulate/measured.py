@@ -18,7 +18,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .step import SimResult
+from .playback import SimResult
 from .trace_export import trace_events
 
 STEP = re.compile(r"^parallax\.step\.(\d+)$")

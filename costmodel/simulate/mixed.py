@@ -14,7 +14,7 @@ from dataclasses import replace
 from ..mixed import crossing_layout, group_alone, group_clusters, mixed_cluster_of, pipeline_ranks, spanning
 from layout.plan import Plan
 from ..workload import Workload
-from .step import GroupTimeline, SimResult, play, simulate
+from .playback import GroupTimeline, SimResult, play, simulate_uniform
 
 
 def simulate_mixed(workload: Workload, plan: Plan, cluster, bucket_bytes: float) -> SimResult:
@@ -37,7 +37,7 @@ def _data_split(workload, plan, mixed, clusters, bucket_bytes) -> SimResult:
     for share, cluster in zip(plan.groups, clusters):
         alone, _ = group_alone(plan, share)
         own.append(GroupTimeline(share.hardware, list(range(plan.pp)),
-                                 simulate(workload, alone, spanning(mixed, cluster, plan.n_gpus), bucket_bytes=bucket_bytes)))
+                                 simulate_uniform(workload, alone, spanning(mixed, cluster, plan.n_gpus), bucket_bytes)))
     slowest = max(own, key=lambda g: g.own.step_time_s).own
     return _whole(workload, plan, mixed, replace(slowest, plan=plan, groups=own))
 

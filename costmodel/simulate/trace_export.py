@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .step import SimResult
+from .playback import SimResult
 
 # Thread order inside a rank: compute first, then the links.
 _THREADS = ("compute", "tp", "pp", "dp", "zero")

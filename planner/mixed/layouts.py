@@ -23,7 +23,8 @@ from itertools import permutations
 
 from costmodel import collectives as coll
 from costmodel.compute import Context, layer_time
-from costmodel.estimate import estimate, price_ranks, usable_memory_bytes
+from costmodel.estimate import estimate
+from costmodel.terms import price_ranks, usable_memory_bytes
 from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
 from costmodel.mixed import spanning
 from layout.plan import Plan, uniform_stages

@@ -13,7 +13,7 @@ from layout.plan import Plan
 from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 
-from costmodel.estimate import usable_memory_bytes
+from costmodel.terms import usable_memory_bytes
 from planner.mixed.layouts import priced
 from planner.search.branch_and_bound import LAYOUT_SOLVE_LIMIT_S, stages_from_counts
 from planner.search.coefficients import POLICIES, LayerTimes, block_span, stage_model_data

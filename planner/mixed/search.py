@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from layout.plan import Plan
 from layout.results import SolverReport
 from hardware.errors import InfeasibleError, PlanError

@@ -15,7 +15,8 @@ import time
 from dataclasses import dataclass
 
 from costmodel.data_parallel import held_zero, layer_params_on_rank
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE, estimate, usable_memory_bytes
+from costmodel.estimate import estimate
+from costmodel.terms import DEFAULT_MEMORY_RESERVE, usable_memory_bytes
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.offload import states_on_host
 from layout.plan import Plan, StagePlan

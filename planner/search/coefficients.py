@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from costmodel.compute import Context, LayerTime, layer_time
 from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_exposed, weight_gather_time)
-from costmodel.estimate import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
+from costmodel.terms import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
 from costmodel.layout import layout_of
 from costmodel.offload import device_state_bytes, states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodel.estimate import DEFAULT_MEMORY_RESERVE, estimate
+from costmodel.estimate import estimate
+
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from layout.plan import Plan
 from layout.results import Estimate
 from costmodel.workload import Workload

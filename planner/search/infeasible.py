@@ -8,7 +8,7 @@ would fit.
 from __future__ import annotations
 
 import hardware
-from costmodel.estimate import GIB, usable_memory_bytes
+from costmodel.terms import GIB, usable_memory_bytes
 from costmodel.workload import Workload
 from hardware.errors import ParallaxError
 from hardware.schema import Cluster

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from costmodel.estimate import GIB, estimate
+from costmodel.estimate import estimate
+
+from costmodel.terms import GIB
 from layout.plan import Plan
 from costmodel.workload import Workload
 from hardware.errors import PlanError

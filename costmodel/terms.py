@@ -1,0 +1,308 @@
+"""The terms a plan's step and peak are composed from, per pipeline rank, and their
+composition on one GPU type (`estimate_uniform`); `costmodel.estimate` is the entry.
+
+The solver's coefficients (`planner/search/coefficients.py`) and the simulator call these
+same terms instead of retyping them.
+
+The step is composed per pipeline rank r from per-micro-batch stage times
+T_r (compute, recomputation, TP collectives, exposed ZeRO-3 gathers and
+pipeline sends): a pipeline of m micro-batches and v chunks per rank takes
+m * max_r T_r + (sum_r T_r - max_r T_r) / v, which is the textbook
+(m + (p-1)/v) * T for uniform stages and lets the slowest stage set the pace
+otherwise. Where a node's ranks time-share its cores (CPU ranks,
+`Node.oversubscription`), the schedule is played instead, each rank computing
+faster while its peers wait (`shared_core_pipeline_time`). The data-parallel gradient reduction overlaps the last backward
+(and the pipeline drain on later ranks); what is left is exposed. The
+optimizer step is memory-bound. The solver uses the same per-layer terms.
+"""
+from __future__ import annotations
+
+from itertools import groupby
+
+from hardware.schema import Cluster
+
+from . import collectives as coll
+from .compute import expert_exchange_time, layer_time, recompute_flops
+from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
+                            optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
+                     model_state_bytes, optimizer_step_bytes, transient_bytes)
+from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
+from .offload import device_state_bytes, host_memory_per_node, states_on_host
+from layout.plan import Plan
+from layout.results import Estimate, StageEstimate
+from .shared_cores import shared_core_pipeline_time
+from .validate import check_plan
+from .workload import LayerProfile, Workload
+
+DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buffers
+GIB = 2**30
+
+
+def usable_memory_bytes(cluster: Cluster, memory_reserve: float) -> float:
+    """A GPU's memory less the reserve (allocator fragmentation, CUDA context, NCCL buffers)."""
+    return cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
+
+
+def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
+    """Send of the stage output forward plus its gradient backward, one micro-batch."""
+    nbytes = layer.boundary_bytes * plan.micro_batch_per_rank / plan.tp  # scatter-gather over TP ranks
+    return 2 * coll.point_to_point(nbytes, lay.ctx.cluster, inter_node=lay.pp_inter_node)
+
+
+def stage_runs(plan: Plan, workload: Workload, index: int) -> list[tuple[LayerProfile, str, int]]:
+    """Virtual stage `index` as runs of (identical layer, policy, count): repeated layers are priced once."""
+    stage = plan.stages[index]
+    runs = []
+    position = 0
+    for segment in workload.segments:
+        lo, hi = max(stage.start, position), min(stage.end, position + segment.count)
+        position += segment.count
+        if lo >= hi:
+            continue
+        for policy, group in groupby(stage.recompute[lo - stage.start : hi - stage.start]):
+            runs.append((segment.layer, policy, sum(1 for _ in group)))
+    return runs
+
+
+def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: RankTime) -> None:
+    """Add virtual stage `index` to its rank's per-micro-batch times."""
+    stage = plan.stages[index]
+    runs = stage_runs(plan, workload, index)
+    times = [(layer_time(layer, lay.ctx, policy), count) for layer, policy, count in runs]
+    fwd = sum(t.forward * n for t, n in times)
+    bwd = sum(t.backward * n for t, n in times)
+    params = sum(layer_params_on_rank(layer, plan.tp, plan.ep) * n for layer, _, n in runs)
+    if plan.pp > 1:  # the stage's own copy of weights tied to a layer on another stage
+        params += sum(layer.tied_params / (plan.tp if layer.tp_shardable else 1) * n for layer, _, n in runs)
+    rank.forward += fwd
+    rank.backward += bwd
+    rank.recompute += sum(t.recompute * n for t, n in times)
+    rank.tp_comm += sum(t.tp_comm * n for t, n in times)
+    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
+    # One-layer prefetch: each layer's gathers hide behind its own compute.
+    rank.zero_comm += sum(
+        sharded_exposed(layer_params_on_rank(layer, plan.tp, plan.ep), t, plan, lay) * n
+        for (layer, _, n), (t, _) in zip(runs, times)
+    )
+    rank.zero_comm += prefetch_fill(runs, times, plan, lay)
+    rank.params += params
+    rank.expert_params += sum(layer.expert_params / plan.ep * n for layer, _, n in runs)
+    rank.ep_comm += sum(expert_exchange_time(layer, lay.ctx) * (3 if policy == "full" else 2) * n
+                        for layer, policy, n in runs)
+    rank.stage_estimates.append(
+        StageEstimate(index=index, start=stage.start, end=stage.end, forward_s=fwd, backward_s=bwd, memory_bytes={})
+    )
+
+
+def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
+    totals = [r.per_micro_batch for r in ranks]
+    slowest = max(totals)
+    return m * slowest + (sum(totals) - slowest) / vpp
+
+
+def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime, cluster: Cluster) -> dict[str, float]:
+    """Memory by category at the rank's peak (`peak_moments`, the largest of its four moments)."""
+    return peak_moments(plan, workload, rank_index, rank, cluster)[0]
+
+
+def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
+                 cluster: Cluster) -> tuple[dict, float]:
+    """The rank's memory by category at the largest of its four candidate peaks, as the dry
+    run measures them:
+    - the loss, computed outside every FSDP2 unit between forward and backward: every
+      in-flight micro-batch's saved activations and the last layers' temporaries (the loss's
+      fp32 logits and their gradients), no gathered buffers;
+    - the root unit's backward (the head's, after the loss's): the saved activations less
+      the head's one micro-batch (the loss's log-probabilities, its largest, are freed) and
+      ZeRO-3's gathered root weights with their unsharded gradients;
+    - a block's backward: the saved activations less the head's one micro-batch (freed by
+      then), the block's and the next's gathered weights and one block's unsharded gradients,
+      the accumulation transient, and the larger of the block's temporaries and a fully
+      recomputed block being rebuilt (one layer at a time);
+    - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`).
+    Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
+    (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
+    FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
+    in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
+    states = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if rank.expert_params:  # expert states shard over the ranks holding the same experts
+        experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
+                                    plan.stack)
+        states = {k: states[k] + experts[k] for k in states}
+    if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
+        states = device_state_bytes(rank.params, plan)
+    stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
+    if not gradients_at_peak(plan):
+        states["gradients"] = 0.0
+    kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
+    per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
+    biggest, root = 0.0, 0.0
+    for est in rank.stage_estimates:
+        for layer, policy, count in stage_runs(plan, workload, est.index):
+            kept = activation_bytes(layer, policy, **kw)
+            per_mb += kept * count
+            if layer.kind == "block":
+                block_temporaries = max(block_temporaries, transient_bytes(layer, **kw))
+                biggest = max(biggest, layer_params_on_rank(layer, plan.tp, plan.ep))
+            else:
+                end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
+                root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
+                head_saved += kept * count if layer.kind == "head" else 0.0
+            if policy == "full":
+                rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
+    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
+    sharded = held_zero(plan) >= 3 and plan.gathers_weights
+    gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
+    moments = [
+        ({"activations": saved + end_temporaries, "buffers": 0.0}),
+        ({"activations": saved - head_saved, "buffers": gathered["root"]}),
+        ({"activations": saved - head_saved + max(rebuild, block_temporaries) + accumulation_transient(plan, workload, rank),
+          "buffers": gathered["block"]}),
+    ]
+    held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if held:
+        moments = [{**m, "buffers": held} for m in moments]
+    elif not sharded:
+        moments = [{"activations": m["activations"]} for m in moments]
+    peak = {**states, **max(moments, key=lambda m: sum(m.values()))}
+    if sum(stepping.values()) > sum(peak.values()):
+        return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
+    return peak, saved
+
+
+def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:
+    """AdamW's temporaries in the rank's step (`memory.optimizer_step_bytes`), over the
+    parameters it owns: a 1/shard_degree share of each under ZeRO (FSDP2's shards; ZeRO-1's
+    owners hold about that share, the largest weight whole)."""
+    if states_on_host(plan, cluster):
+        return 0.0
+    largest = 0.0
+    for est in rank.stage_estimates:
+        for layer, _, _ in stage_runs(plan, workload, est.index):
+            largest = max(largest, layer.largest_weight / (plan.tp if layer.tp_shardable else 1))
+    shard = plan.shard_degree if plan.zero >= 1 else 1
+    if plan.zero >= 2:
+        largest /= shard
+    return optimizer_step_bytes(rank.params / shard, largest, cluster.gpu.device_type, plan.stack)
+
+
+def gradients_at_peak(plan: Plan) -> bool:
+    """Whether gradients exist at the activation peak: not for a single micro-batch under
+    FSDP2 without pipelining (zero_grad sets them to None and the backward makes them as it
+    frees activations); DDP's buckets, accumulated micro-batches and pipelined FSDP2's
+    unsharded gradients are there."""
+    return not (plan.zero >= 2 and plan.pp == 1 and plan.num_micro_batches == 1)
+
+
+def root_buffer_bytes(root_params: float, dtype: str) -> float:
+    """FSDP2's root unit under ZeRO-3 (the stage's embedding, head and norms) during its
+    backward: its gathered 16-bit weights and their unsharded gradients."""
+    return 2 * WEIGHT_BYTES[dtype] * root_params
+
+
+def block_buffer_bytes(block_params: float, dtype: str) -> float:
+    """FSDP2 under ZeRO-3 during a block's backward: the block gathered while the next is
+    prefetched, and one block's unsharded gradients waiting for their reduce-scatter."""
+    return 3 * WEIGHT_BYTES[dtype] * block_params
+
+
+def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> float:
+    """Accumulating gradients over micro-batches, autograd computes a weight's gradient into a
+    new tensor before adding it to `.grad`: one weight at a time, the largest the rank holds,
+    an embedding table (or its tied copy) being the one these profiles know of."""
+    if plan.num_micro_batches < 2:
+        return 0.0
+    largest = 0.0
+    for est in rank.stage_estimates:
+        for layer, _, _ in stage_runs(plan, workload, est.index):
+            split = plan.tp if layer.tp_shardable else 1
+            tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0
+            largest = max(largest, max(layer.grad_dense_bytes, tied) / split)
+    return largest
+
+
+def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:
+    """Check the plan, then price each pipeline rank's per-micro-batch work (shared with the simulator)."""
+    cluster = cluster.for_stack(plan.stack)
+    check_plan(plan, workload, cluster)
+    lay = layout_of(plan, cluster, workload)
+    ranks = [RankTime() for _ in range(plan.pp)]
+    for index in range(plan.n_virtual_stages):
+        stage_time(plan, workload, lay, index, ranks[index % plan.pp])
+    return lay, ranks
+
+
+def estimate_uniform(workload: Workload, plan: Plan, cluster: Cluster, memory_reserve: float) -> Estimate:
+    """The plan's step on one GPU type."""
+    cluster = cluster.for_stack(plan.stack)
+    lay, ranks = price_ranks(workload, plan, cluster)
+    return _assemble(workload, plan, cluster, lay, ranks, memory_reserve)
+
+
+def step_breakdown(crit: RankTime, m: int, pipe: float, dp: float, opt: float) -> dict[str, float]:
+    """The step by category: the critical rank's m micro-batches, the pipeline's bubble, the
+    exposed data-parallel reduction and the optimizer."""
+    return {
+        "compute": m * (crit.forward + crit.backward),
+        "recompute": m * crit.recompute,
+        "tp_comm": m * (crit.tp_comm - crit.ep_comm),
+        "ep_comm": m * crit.ep_comm,  # expert parallelism's all-to-alls
+        "pp_comm": m * crit.pp_comm,
+        "zero_comm": m * crit.zero_comm,
+        "bubble": pipe - m * crit.per_micro_batch,  # below 0 where idle ranks' cores sped the slowest up
+        "dp_comm": dp,
+        "optimizer": opt,
+    }
+
+
+def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
+    m = lay.m
+    shared = shared_core_pipeline_time(ranks, plan, cluster)
+    pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
+    dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params - r.expert_params, plan, lay)
+                                            + expert_reduction_time(r.expert_params, plan, lay) for r in ranks)
+    opt = optimizer_time(ranks, plan, cluster)
+    step = pipe + dp + opt
+    crit = max(ranks, key=lambda r: r.per_micro_batch)
+    breakdown = step_breakdown(crit, m, pipe, dp, opt)
+    stages = []
+    for r, rank in enumerate(ranks):
+        memory = rank_memory(plan, workload, r, rank, cluster)
+        for est in rank.stage_estimates:
+            stages.append(est.model_copy(update={"memory_bytes": memory}))
+    stages.sort(key=lambda s: s.index)
+    est = throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
+    if not plan.offload:
+        return est
+    host = host_memory_per_node([r.params for r in ranks], plan, cluster) if states_on_host(plan, cluster) else 0.0
+    return est.model_copy(update={
+        "host_memory_bytes": host, "host_copy_s": host_copy_seconds(crit.params, plan, cluster),
+        "host_memory_capacity_bytes": cluster.node.host_memory_gb * 1e9 * (1 - memory_reserve)})
+
+
+def throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve) -> Estimate:
+    seqs = plan.global_batch
+    model_flops = 3 * workload.forward_flops() * seqs
+    extra = sum(
+        recompute_flops(layer, policy) * count * seqs
+        for index in range(len(plan.stages))
+        for layer, policy, count in stage_runs(plan, workload, index)
+    )
+    n = plan.n_gpus
+    per_gpu_model = model_flops / step / n
+    price = cluster.price_per_gpu_hour
+    tokens = seqs * plan.seq_len
+    return Estimate(
+        step_time_s=step,
+        breakdown_s=breakdown,
+        tokens_per_s=tokens / step,
+        tflops_per_gpu_model=per_gpu_model / 1e12,
+        tflops_per_gpu_hw=(model_flops + extra) / step / n / 1e12,
+        mfu=per_gpu_model / cluster.gpu.peak_flops(plan.dtype),
+        peak_memory_bytes=max(s.peak_bytes for s in stages),
+        memory_capacity_bytes=usable_memory_bytes(cluster, memory_reserve),
+        stages=stages,
+        usd_per_hour=price * n if price is not None else None,
+        usd_per_million_tokens=price * n * step / 3600 / tokens * 1e6 if price is not None else None,
+    )
