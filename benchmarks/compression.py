@@ -63,9 +63,9 @@ def _worker(rank: int, steps: int, init: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     from layout.plan import Plan, uniform_stages
-    from executor.compression import compression_states
-    from executor.materialize import lm_loss, materialize_rank
-    from executor.models import build_model, vocab_size
+    from executor.apply.compression import compression_states
+    from executor.apply.materialize import lm_loss, materialize_rank
+    from executor.runtime.models import build_model, vocab_size
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)

@@ -20,8 +20,8 @@ import os
 from pathlib import Path
 
 from layout.plan import Plan
-from executor.calibrate import calibrate
-from executor.launch import run
+from executor.measure.calibrate import calibrate
+from executor.runtime.launch import run
 from hardware import load
 
 MODEL = "gpt-85m"

@@ -30,8 +30,8 @@ from pathlib import Path
 
 import hardware
 import planner
-from executor.calibrate import calibrate
-from executor.launch import run
+from executor.measure.calibrate import calibrate
+from executor.runtime.launch import run
 from hardware.errors import ParallaxError
 
 GLOBAL_BATCH, SEQ_LEN, DTYPE = 8, 128, "fp32"

@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/serving.py [--model reference-tiny] [--tp 2]
 
 The CPU part runs greedy generation with the TP layout on gloo ranks
-(executor/generate.py), checks the tokens equal one process's, and compares
+(executor/inference/generate.py), checks the tokens equal one process's, and compares
 the median decode step with the serving cost model on the `cpu` profile,
 first as catalogued, then with the all-reduce latency measured on the ranks
 (a user override, printed as such). The errors are reported as they are.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from executor.generate import predicted_decode_step, run_generation
+from executor.inference.generate import predicted_decode_step, run_generation
 from planner.inference import plan_inference
 
 

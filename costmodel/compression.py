@@ -21,7 +21,7 @@ HBM bandwidth times its memory-bound efficiency):
 k and r are the plan's `topk_fraction` and `powersgd_rank` (`plan_reduction_time`
 takes them from the plan); the keyword defaults are the plan's defaults.
 
-The executor's hooks (executor/compression.py) implement exactly these
+The executor's hooks (executor/apply/compression.py) implement exactly these
 collectives; `wire_bytes_per_rank` is what they count.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ shards some categories and not others:
 - eager and compile (PyTorch autocast, what the executor runs): the fp32
   weights are the master copy, so 4 bytes of weights, 4 of fp32 gradients and
   8 of AdamW moments; FSDP2 gathers the 16-bit copy only while a unit runs
-  (`executor.data_parallel.mixed_precision`), priced as ZeRO-3 buffers.
+  (`executor.apply.data_parallel.mixed_precision`), priced as ZeRO-3 buffers.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3
 everything over the data-parallel group; FSDP2's ZeRO-2 (the eager and compile
 stacks) shards the fp32 weights at rest too and holds their gathered 16-bit copy

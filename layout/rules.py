@@ -198,7 +198,7 @@ def _pp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 def _cp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
     """Context parallelism runs on its own data path (sequence chunks, gathered keys and
-    values; executor/context_parallel.py): without pipeline stages or compression hooks."""
+    values; executor/apply/context_parallel.py): without pipeline stages or compression hooks."""
     if f.cp == 1:
         return None
     if not facts.cp_routable:
@@ -213,7 +213,7 @@ def _cp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 
 def _ep_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """Expert parallelism (executor/expert_parallel.py) over the data-parallel ranks (dp*cp):
+    """Expert parallelism (executor/apply/expert_parallel.py) over the data-parallel ranks (dp*cp):
     with TP (experts whole on every TP rank), pipeline stages and CP. Its expert weights
     reduce over their own replicas (beside DDP, or as their own FSDP2 units), which hybrid
     sharding's 2-D mesh and DDP's compression hooks do not cover."""

@@ -22,7 +22,7 @@ def dry_run_command(
     """Run the executor's appliers for one rank of each pipeline role on fake tensors, under torch's
     fake process group at the plan's full world size, and print each memory category measured
     beside predicted. Nothing is allocated and no GPU is touched."""
-    from executor.dry_run import dry_run
+    from executor.measure.dry_run import dry_run
 
     plan = load_plan(plan_path, trust_module)
     check_model(model, trust_module)

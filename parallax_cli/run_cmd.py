@@ -58,7 +58,7 @@ def run_command(
     (elastic resume). On several nodes, run the same command on each with --nnodes,
     --node-rank and --rdzv-endpoint (torchrun's c10d rendezvous); `parallax launch --slurm`
     writes the batch script that does so."""
-    from executor.launch import Nodes, Trust, run
+    from executor.runtime.launch import Nodes, Trust, run
 
     nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                   last_call_s=rdzv_last_call)
@@ -91,7 +91,7 @@ def run_command(
         typer.echo(f"note: {note}")
     if profile_dir:
         from layout.plan import Plan
-        from executor.profile_report import profile_report
+        from executor.measure.profile_report import profile_report
 
         for line in profile_report(profile_dir, Plan.model_validate(report.plan), report.model, cluster, trust_module):
             typer.echo(line)
@@ -132,7 +132,7 @@ def launch_command(
     trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
 ) -> None:
     """Write a batch script that runs PLAN on a cluster: one torchrun per node, c10d rendezvous."""
-    from executor.slurm import batch_script
+    from executor.runtime.slurm import batch_script
 
     if not slurm:
         raise PlanError("launch", "no scheduler named", "pass --slurm")
@@ -154,7 +154,7 @@ def calibrate_command(
     out: Path = typer.Option(..., "--out", help="hardware profile JSON to write"),
 ) -> None:
     """Measure matmul, memory and collective performance; write a sourced hardware profile."""
-    from executor.calibrate import calibrate
+    from executor.measure.calibrate import calibrate
 
     cluster = calibrate(device, ranks)
     write_output(out, cluster.model_dump_json(indent=2))

@@ -4,7 +4,7 @@
 current directory first, as `python -m` does), calls it under `torch.device("meta")` so
 that no weight is allocated, and hands the module with token ids of that shape to
 `planner.plan`. The plan records the spec as its model, and `parallax run` builds the
-module through the same factory on every rank (`executor.models.build_model`).
+module through the same factory on every rank (`executor.runtime.models.build_model`).
 
 What the executor splits is checked first, with one line naming what was found: a
 container of repeated blocks (its layer map, `planner.executable.block_container`)

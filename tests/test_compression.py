@@ -17,7 +17,7 @@ from costmodel.compression import (DEFAULT_TOPK_FRACTION, TOPK_INDEX_BYTES, comp
 from costmodel.data_parallel import dp_time
 from costmodel.layout import layout_of
 from layout.plan import Plan, uniform_stages
-from executor.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
+from executor.apply.compression import CompressionConfig, check_compression, dequantize_int8, quantize_int8, topk_select
 from hardware.errors import PlanError
 
 WORLD = 4
@@ -134,7 +134,7 @@ def test_cost_model_prices_the_plans_k_and_powersgd_rank():
 
 def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkeypatch):
     """--topk-fraction and friends run (and predict) a validated copy of the plan; nothing goes through the environment."""
-    import executor.launch
+    import executor.runtime.launch
     from parallax_cli import main
 
     seen = {}
@@ -143,7 +143,7 @@ def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkey
         seen["plan"], seen["kwargs"] = plan, kwargs
         raise SystemExit(0)
 
-    monkeypatch.setattr(executor.launch, "run", fake_run)
+    monkeypatch.setattr(executor.runtime.launch, "run", fake_run)
     path = tmp_path / "plan.json"
     path.write_text(_plan(compression="topk").to_json())
     with pytest.raises(SystemExit):
@@ -195,7 +195,7 @@ def test_planner_picks_compression_only_when_allowed():
 def _hook_checks(rank: int, world: int, init: str, err_dir: str) -> None:
     import torch.distributed as dist
 
-    from executor.compression import CompressionState, int8_allreduce, topk_allreduce
+    from executor.apply.compression import CompressionState, int8_allreduce, topk_allreduce
 
     try:
         torch.set_num_threads(1)
@@ -264,7 +264,7 @@ def _hook_checks(rank: int, world: int, init: str, err_dir: str) -> None:
         # through DDP: hooks registered the executor's way; without anything dropped they give the true mean
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        from executor.compression import register_compression
+        from executor.apply.compression import register_compression
 
         for method in ("topk", "bf16", "fp16", "powersgd", "int8"):
             torch.manual_seed(0)

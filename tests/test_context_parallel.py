@@ -6,7 +6,7 @@ import planner
 from costmodel.estimate import estimate
 from layout.plan import Plan, uniform_stages
 from costmodel.simulate.step import simulate
-from executor.context_parallel import chunk_index
+from executor.apply.context_parallel import chunk_index
 from planner.resolve import resolve_workload
 
 

@@ -6,8 +6,8 @@ from torch.distributed._tools.fsdp2_mem_tracker import _FSDPRefType
 from torch.distributed._tools.mem_tracker import _MemRefType
 
 import planner
-from executor.dry_run import dry_run, replay_micro_batches, roles
-from executor.dry_run_trackers import CATEGORY
+from executor.measure.dry_run import dry_run, replay_micro_batches, roles
+from executor.measure.dry_run_trackers import CATEGORY
 from parallax_cli import main
 
 GIB = 2 ** 30
@@ -94,8 +94,8 @@ def test_pinned_context_parallel_counts_cp_in_the_product():
 def test_a_stack_the_executor_does_not_run_is_priced_not_run():
     """--stack fused prices Megatron's state split (bf16 weights, fp32 masters in the optimizer),
     which under ZeRO-1 holds less than autocast's fp32 weights; the executor refuses to run it."""
-    from executor.validate import validate
-    from executor.models import build_model
+    from executor.apply.validate import validate
+    from executor.runtime.models import build_model
     from hardware.errors import PlanError
 
     kw = dict(global_batch=64, seq_len=2048, fixed={"tp": 1, "pp": 1, "zero": 1})
@@ -135,8 +135,8 @@ def test_tensor_parallel_pipeline_ranks_are_each_measured_with_sp():
 
 
 def test_sp_is_not_skipped_on_a_pipeline_chunk():
-    from executor.tensor_parallel import split_styles
-    from executor.tp_styles import TPAnalysis
+    from executor.apply.tensor_parallel import split_styles
+    from executor.apply.tp_styles import TPAnalysis
     from torch import nn
 
     chunk = nn.Module()

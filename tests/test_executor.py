@@ -15,9 +15,9 @@ import torch
 import torch.multiprocessing as mp
 
 from layout.plan import Plan
-from executor.materialize import lm_loss
-from executor.models import build_model, vocab_size
-from executor.train import global_batch
+from executor.apply.materialize import lm_loss
+from executor.runtime.models import build_model, vocab_size
+from executor.runtime.train import global_batch
 
 STEPS = 3
 SEQ = 16
@@ -54,10 +54,10 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]],
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from executor.compare import full_parameters
-    from executor.materialize import materialize_rank
-    from executor.mesh import coords, init_distributed
-    from executor.train import train_steps
+    from executor.runtime.compare import full_parameters
+    from executor.apply.materialize import materialize_rank
+    from executor.runtime.mesh import coords, init_distributed
+    from executor.runtime.train import train_steps
 
     init_distributed(timeout_s=120, init_method=f"file://{init_file}", rank=rank, world_size=world)
     for label, plan_json in cases:
@@ -229,7 +229,7 @@ def test_gpt2_tp_is_neither_offered_nor_run():
     refuses TP on it, and the planner's space (same declaration) never offers it."""
     import pytest
 
-    from executor.validate import validate
+    from executor.apply.validate import validate
     from hardware.errors import PlanError
     from planner.search.space import tp_choices
     from planner.trace.workload_for import workload_for
@@ -250,7 +250,7 @@ def test_parallax_run_end_to_end_with_torchrun(tmp_path):
     plan_path, out = tmp_path / "plan.json", tmp_path / "report.json"
     plan_path.write_text(plan.to_json())
     assert main(["run", str(plan_path), "--steps", "3", "--out", str(out)]) == 0
-    from executor.report import RunReport
+    from executor.runtime.report import RunReport
 
     report = RunReport.model_validate_json(out.read_text())
     ref_losses, _ = reference(plan.model, plan)

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from layout.plan import Plan
-from executor.layers import layer_map
-from executor.models import build_model
-from executor.pipeline import cut
-from executor.tp_styles import analyse_tp
-from executor.validate import validate
+from executor.apply.layers import layer_map
+from executor.runtime.models import build_model
+from executor.apply.pipeline import cut
+from executor.apply.tp_styles import analyse_tp
+from executor.apply.validate import validate
 from hardware.errors import PlanError
 
 from test_executor import make_plan
@@ -47,7 +47,7 @@ def test_validate_refuses_world_size_mismatch_and_accepts_a_good_plan():
 
 
 def test_run_refuses_before_launching():
-    from executor.launch import run
+    from executor.runtime.launch import run
 
     with pytest.raises(PlanError):
         run(make_plan("reference-tiny", tp=3), steps=1)
@@ -82,7 +82,7 @@ def test_layer_map_and_pipeline_cut_keep_names():
 
 def test_memory_tracker_follows_in_place_storage_resizes():
     """FSDP2 frees unsharded parameters with untyped_storage().resize_(0): the count must drop."""
-    from executor.memory import LiveBytes
+    from executor.measure.memory import LiveBytes
 
     tracker = LiveBytes()
     with tracker:
@@ -97,7 +97,7 @@ def test_memory_tracker_follows_in_place_storage_resizes():
 
 
 def test_memory_tracker_counts_a_dtensor_parameter_by_its_local_shard():
-    from executor.memory import _local
+    from executor.measure.memory import _local
 
     class Wrapped:  # stands in for a DTensor: the local shard under _local_tensor
         _local_tensor = torch.nn.Parameter(torch.ones(8))
@@ -108,7 +108,7 @@ def test_memory_tracker_counts_a_dtensor_parameter_by_its_local_shard():
 
 def test_link_fit_reproduces_the_cost_models_all_reduce():
     from costmodel.collectives import Group, all_reduce
-    from executor.microbench import link_from_all_reduce
+    from executor.measure.microbench import link_from_all_reduce
     from hardware import load
 
     cluster = load("4xcpu")
@@ -122,7 +122,7 @@ def test_link_fit_reproduces_the_cost_models_all_reduce():
 
 
 def test_fit_half_dim_is_flat_when_small_sizes_are_not_slower():
-    from executor.microbench import fit_half_dim
+    from executor.measure.microbench import fit_half_dim
 
     assert fit_half_dim({256: 2e10, 512: 1.9e10, 1024: 1.8e10}) == (2e10, 0.0)
     peak, half = fit_half_dim({d: 1e12 * d / (d + 128) for d in (128, 256, 512, 1024)})
@@ -190,14 +190,14 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
 
 
 def test_storage_write_measurement_is_bounded_and_leaves_nothing(tmp_path):
-    from executor.microbench import storage_write_bytes_per_s
+    from executor.measure.microbench import storage_write_bytes_per_s
 
     rate = storage_write_bytes_per_s(str(tmp_path), mbytes=16, budget_s=2.0)
     assert rate > 0 and list(tmp_path.iterdir()) == []
 
 
 def test_fresh_page_rate_is_measured_on_cpu_only():
-    from executor.microbench import fresh_page_bytes_per_s
+    from executor.measure.microbench import fresh_page_bytes_per_s
     rate = fresh_page_bytes_per_s("cpu", mbytes=40)
     assert rate is not None and 0 < rate < float("inf")
     assert fresh_page_bytes_per_s("cuda") is None

@@ -17,8 +17,8 @@ import torch
 import hardware
 from costmodel.goodput import (daly_interval, expected_goodput, first_order_goodput, goodput, young_interval)
 from layout.plan import Plan, uniform_stages
-from executor.checkpoint import latest_valid, verify
-from executor.elastic import replan
+from executor.checkpoints.store import latest_valid, verify
+from executor.runtime.elastic import replan
 
 STEPS = 8
 EVERY = 2
@@ -31,7 +31,7 @@ def make_plan(dp: int = 4, zero: int = 3) -> Plan:
 
 
 def launch(folder: Path, nproc: int = 4, **kwargs):
-    from executor.launch import run
+    from executor.runtime.launch import run
 
     return run(make_plan(), steps=STEPS, nproc=nproc, checkpoint_dir=str(folder), checkpoint_every=EVERY,
                timeout_s=600, **kwargs)
@@ -89,7 +89,7 @@ def test_kill_one_rank_three_times_and_resume_bit_identical(reference, tmp_path)
     each time and it resumes from the last checkpoint. The final parameters and optimizer
     state equal the uninterrupted run's, bit for bit."""
     folder, ref = reference
-    from executor.launch import run
+    from executor.runtime.launch import run
 
     report = run(make_plan(), steps=STEPS, nproc=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=EVERY,
                  max_restarts=3, timeout_s=600, fail_at=[3, 5, 7], fail_rank=1)
@@ -100,8 +100,8 @@ def test_kill_one_rank_three_times_and_resume_bit_identical(reference, tmp_path)
 
 
 def test_fault_injection_is_a_worker_argument():
-    from executor.launch import torchrun_command
-    from executor.train import kill_step
+    from executor.runtime.launch import torchrun_command
+    from executor.runtime.train import kill_step
 
     cmd = torchrun_command("p.json", "r.json", "reference-tiny", 8, 4, fail_at=[3, 5, 7], fail_rank=2)
     assert cmd[cmd.index("--fail-at") + 1] == "3,5,7" and cmd[cmd.index("--fail-rank") + 1] == "2"

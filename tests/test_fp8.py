@@ -6,7 +6,7 @@ import planner
 from costmodel import estimate
 from costmodel.compute import Context, forward_parts
 from costmodel.memory import model_state_bytes
-from executor.launch import executed_dtype_notes
+from executor.runtime.launch import executed_dtype_notes
 from hardware.errors import PlanError
 
 

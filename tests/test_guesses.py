@@ -35,8 +35,8 @@ def test_a_catalog_guess_says_so_on_the_first_line(capsys, tmp_path):
 
 
 def test_matmul_sizes_stop_growing_past_the_call_budget():
-    from executor.calibrate import slow_dtype_notes
-    from executor.microbench import matmul_curve
+    from executor.measure.calibrate import slow_dtype_notes
+    from executor.measure.microbench import matmul_curve
 
     assert list(matmul_curve("cpu", torch.float32, sizes=(32, 64, 128), call_budget_s=0.0)) == [32]
     assert list(matmul_curve("cpu", torch.float32, sizes=(32, 64, 128), call_budget_s=60.0)) == [32, 64, 128]

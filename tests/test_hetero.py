@@ -188,7 +188,7 @@ def test_cli_hetero_bad_spec_is_one_line(capsys):
 def test_dry_run_measures_each_group_against_its_own_memory():
     """The executor's appliers on fake tensors for a pipeline split: each pipeline rank beside
     its own group's capacity (40 GB A100s hold stage 0, 80 GB H100s stage 1)."""
-    from executor.dry_run import dry_run
+    from executor.measure.dry_run import dry_run
 
     plan = Plan(model="reference-tiny", hardware="2xa100-40g+2xh100-sxm", global_batch=8, seq_len=16, dtype="fp32",
                 dp=2, tp=1, pp=2, zero=2, micro_batch=1,

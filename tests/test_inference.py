@@ -119,7 +119,7 @@ def test_cli_serve_plan_prints_slo(capsys):
 
 
 def test_generation_equivalence_on_two_gloo_ranks():
-    from executor.generate import predicted_decode_step, run_generation
+    from executor.inference.generate import predicted_decode_step, run_generation
 
     result = run_generation("reference-tiny", tp=2, prompt_len=8, new_tokens=12, batch=2)
     assert result.ranks_agree

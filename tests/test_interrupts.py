@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.launch import worker_env
-from executor.process_tree import descendants
+from executor.runtime.launch import worker_env
+from executor.runtime.process_tree import descendants
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_executor import make_plan  # noqa: E402

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import hardware
-from executor.dry_run import dry_run
+from executor.measure.dry_run import dry_run
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 

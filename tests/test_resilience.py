@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 import hardware
 from layout.plan import Plan, uniform_stages
-from executor.launch import Nodes, run
+from executor.runtime.launch import Nodes, run
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 from test_executor import make_plan

@@ -72,7 +72,7 @@ def test_golden_gpt2_pick_on_a_cpu_profile_runs_end_to_end(tmp_path, capsys):
     """The planner's pick for gpt2 on a calibrated 4-rank CPU profile (shipped with the
     tests), run by `parallax run`, with the prediction beside the measurement."""
     import planner
-    from executor.report import RunReport
+    from executor.runtime.report import RunReport
     from parallax_cli import main
 
     cluster = hardware.load(str(PROFILE))

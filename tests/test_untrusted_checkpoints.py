@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from executor.checkpoint import write_manifest
-from executor.checkpoint_guard import FolderLock, check_owner, check_resume
-from executor.checkpoint_read import UnsafeCheckpoint, read_metadata
-from executor.checkpoint_state import from_plain, restore_rng, rng_states, to_plain
+from executor.checkpoints.store import write_manifest
+from executor.checkpoints.guard import FolderLock, check_owner, check_resume
+from executor.checkpoints.read import UnsafeCheckpoint, read_metadata
+from executor.checkpoints.state import from_plain, restore_rng, rng_states, to_plain
 from hardware.errors import PlanError
 from parallax_cli import main
 

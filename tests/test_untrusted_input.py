@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from layout.plan import Plan
-from executor.slurm import batch_script
+from executor.runtime.slurm import batch_script
 from parallax_cli import main
 
 sys.path.insert(0, str(Path(__file__).parent))

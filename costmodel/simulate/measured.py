@@ -1,6 +1,6 @@
 """A measured step beside the simulated one: phases of torch.profiler traces, and one merged trace.
 
-The executor's profiler (executor/profiling.py) writes one Chrome trace per rank, each
+The executor's profiler (executor/measure/profiling.py) writes one Chrome trace per rank, each
 profiled step a `parallax.step.N` range on the training thread. Every instant of that
 thread inside a step is given to the innermost range that names a phase: the loop's own
 marks (`parallax.forward` ...), torch's pipeline actions (`PP:0F1`, `Forward 3`), FSDP2's

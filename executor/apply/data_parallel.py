@@ -3,7 +3,7 @@
 zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
 re-gathered for backward (offloaded: those shards in host memory, `offload_policy`); zero 2: FSDP2 keeping the gathered parameters from
 forward to backward; zero 1: replicated parameters with the optimizer state
-sharded by parameter ownership (executor/optimizer.py); zero 0: replicated parameters. Blocks are
+sharded by parameter ownership (executor/apply/optimizer.py); zero 0: replicated parameters. Blocks are
 sharded one by one so that only one block's parameters are gathered at a time.
 Hybrid sharding (`plan.dp_shard`) hands FSDP2 the 2-D (dp_replicate, dp_shard)
 view of the dp dimension: states sharded inside a shard group, gradients all-reduced across the
@@ -24,9 +24,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from layout.plan import Plan
-from executor.layers import LayerMap, get_or_none
-from executor.expert_parallel import ep_meshes, expert_parameter_names
-from executor.mesh import hsdp_mesh
+from executor.apply.layers import LayerMap, get_or_none
+from executor.apply.expert_parallel import ep_meshes, expert_parameter_names
+from executor.runtime.mesh import hsdp_mesh
 
 
 def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap, seed: int = 0) -> nn.Module:
@@ -35,7 +35,7 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     if plan.data_parallel == 1 and not plan.offload:
         return module
     if plan.compression != "none":
-        from executor.compression import check_compression
+        from executor.apply.compression import check_compression
 
         check_compression(plan)
     dp_mesh = mesh["dp"]
@@ -60,12 +60,12 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
         replicate(module, mesh=dp_mesh)
         return module
     experts = expert_parameter_names(module)
-    if experts:  # reduced over their own replicas (executor/expert_parallel.py), not over all of dp
+    if experts:  # reduced over their own replicas (executor/apply/expert_parallel.py), not over all of dp
         DDP._set_params_and_buffers_to_ignore_for_model(module, experts)
     # Gradients live in DDP's buckets instead of beside them: one copy, as the cost model holds.
     ddp = DDP(module, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
-    if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/compression.py)
-        from executor.compression import register_compression
+    if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/apply/compression.py)
+        from executor.apply.compression import register_compression
 
         register_compression(ddp, plan, dp_mesh.get_group(), seed=seed)
     return ddp

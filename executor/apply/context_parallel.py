@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from layout.plan import Plan
-from executor.mesh import dp_view
+from executor.runtime.mesh import dp_view
 
 ATTENTION_NAME = "parallax_cp"
 

@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from layout.plan import Plan
-from executor.layers import LayerMap, get_or_none
+from executor.apply.layers import LayerMap, get_or_none
 
 _SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
          torch.ops.aten.linear.default}

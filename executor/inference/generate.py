@@ -109,10 +109,10 @@ def _worker(rank: int, world: int, init_file: str, model_name: str, prompt: torc
     torch.set_num_threads(1)
     import torch.distributed as dist
 
-    from executor.mesh import build_mesh, init_distributed
-    from executor.models import build_model
-    from executor.tensor_parallel import apply_tensor_parallel
-    from executor.tp_styles import analyse_tp
+    from executor.runtime.mesh import build_mesh, init_distributed
+    from executor.runtime.models import build_model
+    from executor.apply.tensor_parallel import apply_tensor_parallel
+    from executor.apply.tp_styles import analyse_tp
 
     init_distributed(timeout_s=120, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
@@ -147,7 +147,7 @@ def run_generation(model_name: str = "reference-tiny", *, tp: int = 2, prompt_le
     """Generate with `tp` gloo ranks and with one process; return both and the step times."""
     import torch.multiprocessing as mp
 
-    from executor.models import build_model, vocab_size
+    from executor.runtime.models import build_model, vocab_size
 
     reference = build_model(model_name, seed=0).eval()
     gen = torch.Generator().manual_seed(seed)
@@ -181,7 +181,7 @@ def predicted_decode_step(model_name: str, *, tp: int, prompt_len: int, new_toke
     """The serving cost model's decode step for the same layout on the `cpu` profile (fp32)."""
     import hardware
     from costmodel.inference import ServingModel
-    from executor.models import build_model
+    from executor.runtime.models import build_model
     from planner.trace.workload_for import workload_for
 
     model = build_model(model_name, seed=0)

@@ -20,18 +20,18 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from layout.plan import Plan
-from executor.checkpointing import apply_checkpointing
-from executor.context_parallel import apply_context_parallel
-from executor.expert_parallel import ExpertGradients, apply_expert_parallel
-from executor.data_parallel import apply_data_parallel
-from executor.optimizer import ChunkOptimizers, build_optimizer
-from executor.layers import LayerMap, layer_map
-from executor.mesh import build_mesh, local_device
-from executor.pipeline import apply_pipeline, build_schedule
-from executor.tensor_parallel import apply_tensor_parallel
-from executor.tied import TiedGradients, aliases, tied_groups
-from executor.tp_styles import TPAnalysis, analyse_tp
-from executor.validate import validate
+from executor.apply.recompute import apply_checkpointing
+from executor.apply.context_parallel import apply_context_parallel
+from executor.apply.expert_parallel import ExpertGradients, apply_expert_parallel
+from executor.apply.data_parallel import apply_data_parallel
+from executor.apply.optimizer import ChunkOptimizers, build_optimizer
+from executor.apply.layers import LayerMap, layer_map
+from executor.runtime.mesh import build_mesh, local_device
+from executor.apply.pipeline import apply_pipeline, build_schedule
+from executor.apply.tensor_parallel import apply_tensor_parallel
+from executor.apply.tied import TiedGradients, aliases, tied_groups
+from executor.apply.tp_styles import TPAnalysis, analyse_tp
+from executor.apply.validate import validate
 
 APPLY_ORDER = ("pipeline", "tensor_parallel", "checkpointing", "data_parallel")
 

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from layout.plan import Plan
-from executor.compare import canonical_name
-from executor.layers import LayerMap
+from executor.runtime.compare import canonical_name
+from executor.apply.layers import LayerMap
 
 
 def tied_groups(module: nn.Module) -> list[tuple[str, ...]]:

@@ -75,7 +75,7 @@ class FolderLock:
 def check_resume(root: Path, *, model: str, seed: int, steps: int, parameters: dict[str, list[int]]) -> str:
     """The checkpoint a resume would load, checked against this run; "" when there is none,
     else one line naming it. Raises PlanError naming what differs."""
-    from executor.checkpoint import PREFIX, latest_valid
+    from executor.checkpoints.store import PREFIX, latest_valid
 
     folder, manifest, _ = latest_valid(Path(root))
     if folder is None:
@@ -100,7 +100,7 @@ def _extras_are_data(folder: Path) -> None:
 
     import torch
 
-    from executor.checkpoint_read import UnsafeCheckpoint
+    from executor.checkpoints.read import UnsafeCheckpoint
 
     for path in sorted((folder / "extra").glob("*.pt")):
         try:

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
-from executor.dry_run_trackers import CategoryPeaks, tracker_for
+from executor.measure.dry_run_trackers import CategoryPeaks, tracker_for
 from hardware.errors import PlanError
 
 
@@ -92,8 +92,8 @@ def _predicted_stage(plan: Plan, pp_rank: int) -> dict[str, float]:
 
 
 def with_estimate(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> Plan:
-    """`plan` with a fresh estimate, priced through the run report's door (`executor.predict`)."""
-    from executor.predict import estimate_of
+    """`plan` with a fresh estimate, priced through the run report's door (`executor.runtime.predict`)."""
+    from executor.runtime.predict import estimate_of
 
     return plan.model_copy(update={"estimate": estimate_of(plan, model_name, cluster, trust_module)})
 
@@ -136,7 +136,7 @@ def capacity_of(plan: Plan, pp_rank: int) -> float:
 
 def build_model_check(name: str, trust_module: bool = False) -> None:
     """Fail on an unknown or untrusted model before any process group starts (one line, not a traceback)."""
-    from executor.models import _builder
+    from executor.runtime.models import _builder
 
     _builder(name, trust_module)
 
@@ -166,9 +166,9 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) 
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from executor.materialize import materialize_rank
-    from executor.mesh import build_mesh
-    from executor.models import build_model
+    from executor.apply.materialize import materialize_rank
+    from executor.runtime.mesh import build_mesh
+    from executor.runtime.models import build_model
     from planner.trace.hf import masks_as_in_a_real_run
 
     if dist.is_initialized():
@@ -204,7 +204,7 @@ def _create_optimizer_state(run) -> None:
 
 
 def _replay_step(run, plan: Plan, hidden: int) -> None:
-    from executor.train import _plain_step, precision
+    from executor.runtime.train import _plain_step, precision
 
     rows = plan.global_batch // plan.dp
     tokens = torch.zeros(rows, plan.seq_len // plan.cp, dtype=torch.long)
@@ -222,7 +222,7 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
     """This rank's actions in torch's own schedule order, its stages fed stand-ins for what
     the schedule would receive; FSDP2 defers resharding and the reduction to the last backward,
     as the schedule sets it."""
-    from executor.materialize import lm_loss
+    from executor.apply.materialize import lm_loss
 
     pp_rank = run.mesh.get_local_rank("pp")
     stages = {s.stage_index: s for s in _stages(run.schedule)}

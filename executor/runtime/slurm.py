@@ -7,7 +7,7 @@ allocation's first node. The rendezvous id is the SLURM job id, so a requeued jo
 meets afresh. With `--max-restarts` torchrun's elastic agent restarts the workers
 after a failure and they resume from the newest valid checkpoint; with `min_nodes`
 below the plan's node count the job goes on when nodes are lost, re-planned for the
-ranks that are left (executor/elastic.py).
+ranks that are left (executor/runtime/elastic.py).
 
 NCCL's environment follows the profile's fabric (variable names as NCCL's
 environment-variable documentation gives them); the CPU profile runs gloo.

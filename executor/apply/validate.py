@@ -12,8 +12,8 @@ from hardware.errors import PlanError
 from layout.rules import ModelFacts, check_plan_runs, check_world
 from planner.executable import tp_split_classes
 
-from executor.context_parallel import cp_supported
-from executor.layers import LayerMap, layer_map
+from executor.apply.context_parallel import cp_supported
+from executor.apply.layers import LayerMap, layer_map
 
 
 def validate(plan: Plan, model: nn.Module, world_size: int | None = None) -> None:
@@ -61,7 +61,7 @@ def _max_positions(model: nn.Module) -> int | None:
 
 
 def _n_experts(model: nn.Module) -> int:
-    from executor.expert_parallel import is_experts
+    from executor.apply.expert_parallel import is_experts
 
     return max((m.num_experts for m in model.modules() if is_experts(m)), default=0)
 

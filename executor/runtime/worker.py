@@ -1,6 +1,6 @@
 """What torchrun starts on every rank: read the plan, materialise, train, report.
 
-    python -m executor.worker PLAN.json --model NAME --steps N --out report.json
+    python -m executor.runtime.worker PLAN.json --model NAME --steps N --out report.json
         [--seed S] [--checkpoint-dir DIR --checkpoint-every K] [--fail-at 3,5,7 --fail-rank 1] [--trust-module]
 
 Everything the worker does comes from the plan and these arguments; from the
@@ -18,9 +18,9 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
-from executor.mesh import device_and_backend, init_distributed
-from executor.report import RunReport
-from executor.train import run_rank, steady_step_time
+from executor.runtime.mesh import device_and_backend, init_distributed
+from executor.runtime.report import RunReport
+from executor.runtime.train import run_rank, steady_step_time
 
 
 def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport | None:
@@ -53,9 +53,9 @@ def _plan_for_world(plan: Plan, model: str, trust_module: bool) -> tuple[Plan, s
         return plan, ""
     answer: list = [None, ""]
     if dist.get_rank() == 0:
-        from executor.elastic import replan
-        from executor.launch import layer_kinds
-        from executor.models import build_model
+        from executor.runtime.elastic import replan
+        from executor.runtime.launch import layer_kinds
+        from executor.runtime.models import build_model
         from hardware.errors import ParallaxError
 
         try:

@@ -38,8 +38,8 @@ def _aliased(flat: dict, groups: list[tuple[str, ...]]) -> dict:
 def chunk_states(run, tied: list[tuple[str, ...]]) -> list[tuple[dict, dict]]:
     """Per chunk: its own flat state (model entries and its optimizers' flattened state, as
     `get_state_dict` gives them) and what DCP saves of it: tied weights' entries under every
-    name, each expert under its own (executor/checkpoint_experts.py)."""
-    from executor.checkpoint_experts import expert_rows, split_experts
+    name, each expert under its own (executor/checkpoints/experts.py)."""
+    from executor.checkpoints.experts import expert_rows, split_experts
 
     out = []
     for chunk, optimizers in zip(run.modules, run.optimizer.per_chunk):

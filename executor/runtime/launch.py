@@ -3,7 +3,7 @@
 One node runs `torchrun --standalone`; several meet at torchrun's own c10d rendezvous
 (`Nodes`): the same command on every node, each starting its share of the ranks, and
 an elastic range `--nnodes MIN:MAX` lets the job go on when nodes are lost (the
-workers re-plan for the ranks that are left, executor/elastic.py).
+workers re-plan for the ranks that are left, executor/runtime/elastic.py).
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ from pathlib import Path
 from layout.plan import Plan
 from hardware.errors import ParallaxError, PlanError, RunError
 
-from executor.models import build_model, parameter_shapes
-from executor.predict import predict
-from executor.report import RunReport
-from executor.validate import validate
+from executor.runtime.models import build_model, parameter_shapes
+from executor.runtime.predict import predict
+from executor.runtime.report import RunReport
+from executor.apply.validate import validate
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, npro
     ckpt = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)] if checkpoint_dir else []
     fail = ["--fail-at", ",".join(str(s) for s in fail_at), "--fail-rank", str(fail_rank)] if fail_at else []
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
-            "-m", "executor.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
+            "-m", "executor.runtime.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
             "--out", out_path, *ckpt, *fail, *(["--failure-dir", log_dir] if log_dir else []),
             *(["--profile-dir", profile_dir] if profile_dir else []), *(["--trust-module"] if trust_module else [])]
 
@@ -107,9 +107,9 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
     Everything the workers do comes from `plan` (compression options included) and these
     arguments, passed on their command line. With `checkpoint_dir`, the job saves every
     `checkpoint_every` steps (and at the end) and resumes from the newest valid checkpoint
-    there, checked first (`executor.checkpoint_guard`: owner, lock, step, model, seed,
+    there, checked first (`executor.checkpoints.guard`: owner, lock, step, model, seed,
     parameters); torchrun restarts it up to `max_restarts` times after a worker dies. A rank
-    count other than the plan's re-plans the job (executor/elastic.py) and the checkpoint is
+    count other than the plan's re-plans the job (executor/runtime/elastic.py) and the checkpoint is
     resharded on load. `seed` seeds the model, the data and compression's randomness.
 
     `fail_at` / `fail_rank` are fault injection for the restart tests: on torchrun attempt i,
@@ -123,11 +123,11 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
     module = build_model(model, trust_module=trust.module)
     replanned = ""
     if checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
-        from executor.elastic import replan
+        from executor.runtime.elastic import replan
 
         plan, replanned = replan(plan.model_copy(update={"model": model}), nproc * nodes.max_nodes, layer_kinds(module))
     if plan.compression != "none":
-        from executor.compression import check_compression
+        from executor.apply.compression import check_compression
 
         check_compression(plan)
     validate(plan, module, world_size=nproc * nodes.max_nodes)
@@ -148,7 +148,7 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
 
 def _check_checkpoint(root: Path, held: ExitStack, nodes: Nodes, trust: Trust, **run) -> None:
     """Owner and lock (the first node's launcher holds it for the job), then what a resume would load."""
-    from executor.checkpoint_guard import FolderLock, check_owner, check_resume
+    from executor.checkpoints.guard import FolderLock, check_owner, check_resume
 
     check_owner(root, trust.checkpoint_dir)
     if nodes.node_rank == 0:
@@ -159,7 +159,7 @@ def _check_checkpoint(root: Path, held: ExitStack, nodes: Nodes, trust: Trust, *
 def _launch(plan, model, steps, nproc, nodes, timeout_s, checkpoint_dir, checkpoint_every, max_restarts, seed,
             fail_at, fail_rank, profile_dir, trust: Trust) -> RunReport:
     """torchrun for this node's ranks, stopped whole on an interrupt; the workers' report."""
-    from executor.process_tree import run_interruptible
+    from executor.runtime.process_tree import run_interruptible
 
     logs = tempfile.mkdtemp(prefix="parallax-logs-")
     with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
@@ -190,7 +190,7 @@ def worker_env(model: str, nproc: int, trust_module: bool) -> dict[str, str]:
     # CPU threads: the node's cores split among its ranks (at least 1 each), so that the ranks'
     # intra-op thread pools do not oversubscribe the cores; a caller's OMP_NUM_THREADS is kept.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    own = [str(Path(__file__).resolve().parents[1])]
+    own = [str(Path(__file__).resolve().parents[2])]
     if trust_module and names_factory(model):
         own.append(factory_folder(model))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [*own, env.get("PYTHONPATH")]))
@@ -215,14 +215,14 @@ def _elsewhere(plan: Plan, device: str, cluster) -> str:
 
 def layer_kinds(module) -> list[str]:
     """The executor's expanded layers as the plan's stages name them."""
-    from executor.layers import layer_map
+    from executor.apply.layers import layer_map
 
     lmap = layer_map(module)
     return ["embedding"] + ["block"] * (lmap.n_layers - 2) + ["head"]
 
 
 def executed_dtype_notes(plan: Plan, device: str) -> list[str]:
-    """How the plan's dtype ran (see executor.train.precision)."""
+    """How the plan's dtype ran (see executor.runtime.train.precision)."""
     if plan.dtype == "fp32":
         return []
     if plan.dtype == "fp8":

@@ -14,7 +14,7 @@ from hardware.errors import ParallaxError
 def profile_report(folder: str | Path, plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> list[str]:
     """Write `folder`/trace.json and `folder`/report.html; return the lines to print."""
     from costmodel.simulate.step import simulate
-    from executor.predict import workload_of
+    from executor.runtime.predict import workload_of
     from planner.run_report import write_run_report
 
     folder = Path(folder)

@@ -8,11 +8,11 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
-from executor.data_parallel import sync_context
-from executor.materialize import Materialized, lm_loss, materialize_rank
-from executor.memory import PeakMemory
-from executor.mesh import coords
-from executor.models import build_model, parameter_shapes, vocab_size
+from executor.apply.data_parallel import sync_context
+from executor.apply.materialize import Materialized, lm_loss, materialize_rank
+from executor.measure.memory import PeakMemory
+from executor.runtime.mesh import coords
+from executor.runtime.models import build_model, parameter_shapes, vocab_size
 
 MEMORY_STEPS = 2  # steps 0-1 run under the CPU memory tracker (its dispatch overhead would skew timing)
 
@@ -26,7 +26,7 @@ def global_batch(plan: Plan, step: int, seed: int, vocab: int) -> torch.Tensor:
 def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This data-parallel rank's contiguous slice of sequences, split into inputs and next-token
     targets; under context parallelism (dp_rank = replica * cp + cp rank) its two sequence chunks."""
-    from executor.context_parallel import shard_sequence
+    from executor.apply.context_parallel import shard_sequence
 
     replica, cp_rank = divmod(dp_rank, plan.cp)
     first = plan.first_sequence_of(replica)
@@ -43,7 +43,7 @@ def precision(plan: Plan, device: torch.device):
     activations where autocast casts (GEMM inputs and outputs)."""
     import contextlib
 
-    if plan.dtype == "fp32":  # fp8 plans compute in bf16 here: see executor.launch.executed_dtype_notes
+    if plan.dtype == "fp32":  # fp8 plans compute in bf16 here: see executor.runtime.launch.executed_dtype_notes
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
                                               "fp8": torch.bfloat16}[plan.dtype])
@@ -94,8 +94,8 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
 
     With a checkpointer, state is saved after every step it says is due (and after the last).
     `kill_at` (fault injection): this process SIGKILLs itself mid-step at that step.
-    `profile_dir`: the last steps run under torch.profiler (executor/profiling.py)."""
-    from executor.profiling import StepProfiler, profiled_steps
+    `profile_dir`: the last steps run under torch.profiler (executor/measure/profiling.py)."""
+    from executor.measure.profiling import StepProfiler, profiled_steps
 
     at = coords(run.mesh)
     params = [p for m in run.modules for p in m.parameters()]
@@ -185,7 +185,7 @@ def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float =
     run = materialize_rank(plan, model, lr=lr, seed=seed)
     checkpointer, start = None, 0
     if checkpoint_dir:
-        from executor.checkpoint import Checkpointer
+        from executor.checkpoints.store import Checkpointer
 
         checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names,
                                     model=model_name, parameters=shapes)
@@ -196,7 +196,7 @@ def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float =
     result["rank"] = dist.get_rank()
     result["start_step"] = start
     result["notes"] = checkpointer.notes if checkpointer else []
-    from executor.compression import compression_states
+    from executor.apply.compression import compression_states
 
     states = compression_states(run.modules)
     if states and steps > start:

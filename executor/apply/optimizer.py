@@ -118,7 +118,7 @@ def _chunk_optimizers(module: nn.Module, mesh: DeviceMesh, plan: Plan, lr: float
         return []
     if plan.ep == 1:
         return [_one(params, mesh["dp"].get_group(), plan.data_parallel, plan, lr)]
-    from executor.expert_parallel import ep_meshes
+    from executor.apply.expert_parallel import ep_meshes
 
     _, edp = ep_meshes(mesh, plan)
     dense = [p for p in params if not hasattr(p, "expert_parallel")]

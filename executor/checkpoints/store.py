@@ -48,8 +48,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from layout.plan import Plan
-from executor.checkpoint_read import DataOnlyPlanner, DataOnlyReader, UnsafeCheckpoint, referenced_files
-from executor.checkpoint_state import (chunk_states, from_plain, layout_words, load_chunks, merged, restore_rng,
+from executor.checkpoints.read import DataOnlyPlanner, DataOnlyReader, UnsafeCheckpoint, referenced_files
+from executor.checkpoints.state import (chunk_states, from_plain, layout_words, load_chunks, merged, restore_rng,
                                        rng_states, to_plain)
 from hardware.errors import PlanError
 
@@ -172,7 +172,7 @@ class Checkpointer:
         self.group = dist.new_group(backend="gloo")
 
     def _extra(self, run) -> dict:
-        from executor.compression import compression_states
+        from executor.apply.compression import compression_states
 
         return to_plain({**rng_states(), "compression": [s.state_dict() for s in compression_states(run.modules)]})
 
@@ -276,7 +276,7 @@ class Checkpointer:
 
     def _restore_extra(self, run, folder: Path, same: bool) -> None:
         """RNG states and compression residuals: each rank's own when the layout is `same`, else rank 0's RNG."""
-        from executor.compression import compression_states
+        from executor.apply.compression import compression_states
 
         rank = dist.get_rank()
         path = folder / "extra" / f"rank{(rank if same else 0):05d}.pt"

@@ -23,8 +23,8 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from layout.plan import Plan
-from executor.layers import get_or_none
-from executor.tp_styles import TPAnalysis
+from executor.apply.layers import get_or_none
+from executor.apply.tp_styles import TPAnalysis
 from planner.executable import tp_split_classes
 
 log = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
 from layout.plan import Plan
-from executor.layers import LayerMap, layer_map
-from executor.models import HFStage
+from executor.apply.layers import LayerMap, layer_map
+from executor.runtime.models import HFStage
 
 
 class Skipped(nn.Module):

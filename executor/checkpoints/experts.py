@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import _get_fqns
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from executor.expert_parallel import EXPERT_WEIGHTS, ExpertParallelExperts, is_experts
+from executor.apply.expert_parallel import EXPERT_WEIGHTS, ExpertParallelExperts, is_experts
 
 
 def expert_rows(chunk: nn.Module) -> dict[str, int]:

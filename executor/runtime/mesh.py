@@ -52,7 +52,7 @@ def init_distributed(timeout_s: float = 120.0, init_method: str | None = None,
 
 def build_mesh(plan: Plan) -> DeviceMesh:
     """The (pp, dp, tp) mesh of `plan`, "dp" holding all dp x cp data-parallel ranks (context
-    parallelism unflattens it, executor/context_parallel.py); the degrees multiply to the world size."""
+    parallelism unflattens it, executor/apply/context_parallel.py); the degrees multiply to the world size."""
     world = dist.get_world_size()
     check_world(plan, world, "processes run", f"launch {plan.n_gpus} processes or change the degrees")
     kind, _ = device_and_backend()

@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 from costmodel.memory import OPTIMIZER_TRAFFIC_BYTES  # the cost model's AdamW traffic per parameter
-from executor.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, _LOCKSTEP,
+from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, _LOCKSTEP,
                                  attention_flops, collective_in_training, collective_passes, fit_half_dim,
                                  fresh_page_bytes_per_s, link_from_all_reduce, matmul_curve,
                                  memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,

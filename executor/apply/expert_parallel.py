@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from layout.plan import Plan
-from executor.mesh import dp_view
+from executor.runtime.mesh import dp_view
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 
@@ -49,7 +49,7 @@ class ExpertParallelExperts(nn.Module):
         for name in EXPERT_WEIGHTS:
             full = getattr(original, name)
             param = nn.Parameter(full.detach()[lo:lo + self.local].clone(), requires_grad=full.requires_grad)
-            param.expert_parallel = (group, ep)  # executor.compare gathers the full tensor by it
+            param.expert_parallel = (group, ep)  # executor.runtime.compare gathers the full tensor by it
             setattr(self, name, param)
 
     def _exchange(self, rows: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:

@@ -19,7 +19,7 @@ def _traceable(model_name: str, trust_module: bool = False):
     """A catalog name as it is; any other model as the module the workers build."""
     if model_name in list_models():
         return model_name
-    from executor.models import HFStage, build_model
+    from executor.runtime.models import HFStage, build_model
 
     module = build_model(model_name, trust_module=trust_module)
     return module.model if isinstance(module, HFStage) else module

@@ -7,7 +7,7 @@ way the planner chooses a layout for the new world afresh (any dp, tp, pp, vpp,
 zero: the layout that was best for 8 ranks need not be for 4), on the plan's own
 hardware profile resized to the new rank count, keeping the global batch, sequence
 length and dtype so the loss stays on its curve (every step's tokens depend on the
-seed and the step only, executor/checkpoint.py). The checkpoint, named by parameter,
+seed and the step only, executor/checkpoints/store.py). The checkpoint, named by parameter,
 is resharded onto that layout by torch.distributed.checkpoint on load.
 
 A model the planner cannot trace by name (an importable "package.module:function")
