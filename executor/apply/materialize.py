@@ -1,18 +1,21 @@
 """Turn (plan, model) into what one rank trains: chunks, schedule, optimizer.
 
-The appliers run in one fixed order, each `apply_x(module, mesh, plan)`:
+The appliers run in one fixed order (`APPLY_ORDER`), each `apply_x(module, mesh, plan, ...)`:
 
-1. pipeline   - cut first, so later appliers only touch what this rank keeps;
-2. tensor     - DTensor sharding needs the plain nn.Linear/nn.Embedding modules;
-3. checkpoint - wraps whole layers, whose inner linears are already split;
-4. data       - FSDP2/DDP go outermost: they must see the final (DTensor)
-                parameters and the checkpointed forward.
+1. pipeline  - cut first, so later appliers only touch what this rank keeps;
+2. tensor    - DTensor sharding needs the plain nn.Linear/nn.Embedding modules;
+3. expert    - the experts split over the ep ranks, tokens routed by all-to-all;
+4. context   - attention routed through the cp ranks' gathered keys and values;
+5. recompute - wraps whole layers, whose inner linears are already split;
+6. data      - FSDP2/DDP go outermost: they must see the final (DTensor)
+               parameters and the checkpointed forward.
 
 The pipeline schedule is built last, around the fully wrapped chunks.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from layout.plan import Plan
-from executor.apply.recompute import apply_checkpointing
+from executor.apply.recompute import apply_recompute
 from executor.apply.context_parallel import apply_context_parallel
 from executor.apply.expert_parallel import ExpertGradients, apply_expert_parallel
 from executor.apply.data_parallel import apply_data_parallel
@@ -33,7 +36,29 @@ from executor.apply.tied import TiedGradients, aliases, tied_groups
 from executor.apply.tp_styles import TPAnalysis, analyse_tp
 from executor.apply.validate import validate
 
-APPLY_ORDER = ("pipeline", "tensor_parallel", "checkpointing", "data_parallel")
+
+
+@dataclass(frozen=True)
+class _Rank:
+    """What the appliers after the pipeline read: this rank's mesh, the plan, the model's layer
+    map and TP styles, and the run's seed."""
+
+    mesh: DeviceMesh
+    plan: Plan
+    lmap: LayerMap
+    analysis: TPAnalysis | None
+    seed: int
+
+
+# Each model chunk goes through these in this order, after the pipeline cut it into chunks.
+APPLIERS: tuple[tuple[str, Callable[[nn.Module, _Rank], nn.Module]], ...] = (
+    ("tensor_parallel", lambda c, r: apply_tensor_parallel(c, r.mesh, r.plan, r.analysis) if r.analysis else c),
+    ("expert_parallel", lambda c, r: apply_expert_parallel(c, r.mesh, r.plan)),
+    ("context_parallel", lambda c, r: apply_context_parallel(c, r.mesh, r.plan)),
+    ("recompute", lambda c, r: apply_recompute(c, r.mesh, r.plan, r.lmap)),
+    ("data_parallel", lambda c, r: apply_data_parallel(c, r.mesh, r.plan, r.lmap, r.seed)),
+)
+APPLY_ORDER = ("pipeline",) + tuple(name for name, _ in APPLIERS)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -85,14 +110,12 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     analysis = tp_analysis(model, plan)
     groups = tied_groups(model)
     chunks = apply_pipeline(model, mesh, plan)
+    rank = _Rank(mesh, plan, lmap, analysis, seed)
     replicated: list[str] = []
-    if analysis is not None:
-        chunks = [apply_tensor_parallel(c, mesh, plan, analysis) for c in chunks]
-        replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
-    chunks = [apply_expert_parallel(c, mesh, plan) for c in chunks]
-    chunks = [apply_context_parallel(c, mesh, plan) for c in chunks]
-    chunks = [apply_checkpointing(c, mesh, plan, lmap) for c in chunks]
-    chunks = [apply_data_parallel(c, mesh, plan, lmap, seed) for c in chunks]
+    for name, applier in APPLIERS:
+        chunks = [applier(c, rank) for c in chunks]
+        if name == "tensor_parallel":
+            replicated = sorted({n for c in chunks for n in getattr(c, "tp_replicated", [])})
     schedule = build_schedule(chunks, mesh, plan, lm_loss, device)
     optimizer = build_optimizer(chunks, mesh, plan, lr)
     tied = TiedGradients(groups, lmap, plan, mesh, chunks) if groups and plan.pp > 1 else None

@@ -33,7 +33,7 @@ def recompute_by_layer(plan: Plan) -> dict[int, str]:
     return {stage.start + i: policy for stage in plan.stages for i, policy in enumerate(stage.recompute)}
 
 
-def apply_checkpointing(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap) -> nn.Module:
+def apply_recompute(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: LayerMap) -> nn.Module:
     """Checkpoint every layer whose policy is not "none" (layers this chunk dropped are skipped)."""
     for layer, policy in recompute_by_layer(plan).items():
         if policy == "none":
