@@ -133,13 +133,25 @@ def pipeline_ranks(workload, plan, mixed, clusters):
     lays = [layout_of(plan, clusters[owner[r]], workload) for r in range(plan.pp)]
     ranks = [RankTime() for _ in range(plan.pp)]
     for index in range(plan.n_virtual_stages):
-        r, nxt = index % plan.pp, (index + 1) % plan.pp
-        stage_time(plan, workload, lays[r], index, ranks[r])
-        if index + 1 < plan.n_virtual_stages and owner[r] != owner[nxt]:
-            last = workload.layers[plan.stages[index].end - 1]
-            across = crossing_layout(plan, mixed, clusters[owner[r]], workload)
-            ranks[r].pp_comm += p2p_time(last, plan, across) - p2p_time(last, plan, lays[r])
+        stage_time(plan, workload, lays[index % plan.pp], index, ranks[index % plan.pp])
+    for rank, extra in zip(ranks, crossing_seconds(workload, plan, mixed, [clusters[owner[r]] for r in range(plan.pp)])):
+        rank.pp_comm += extra
     return owner, lays, ranks
+
+
+def crossing_seconds(workload: Workload, plan: Plan, mixed: MixedCluster, rank_clusters: list[Cluster]) -> list[float]:
+    """Per pipeline rank, what its sends to a rank of another GPU group cost per micro-batch
+    beyond a send inside its own group: they cross the inter-group network (a stage's last
+    layer is a block, whatever the partition; the solver adds these to its ranks' fixed time)."""
+    block = next(layer for layer in workload.layers if layer.kind == "block")
+    extra = [0.0] * plan.pp
+    for index in range(plan.n_virtual_stages - 1):
+        r, nxt = index % plan.pp, (index + 1) % plan.pp
+        if rank_clusters[r] is not rank_clusters[nxt]:
+            own = layout_of(plan, rank_clusters[r], workload)
+            across = crossing_layout(plan, mixed, rank_clusters[r], workload)
+            extra[r] += p2p_time(block, plan, across) - p2p_time(block, plan, own)
+    return extra
 
 
 def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:

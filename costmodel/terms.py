@@ -95,15 +95,42 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     )
 
 
+def pipeline_seconds(slowest: float, total: float, m: int, vpp: int) -> float:
+    """A pipeline of m micro-batches whose ranks take `total` per micro-batch together, the
+    slowest `slowest`, with vpp chunks per rank: m * slowest + (total - slowest) / vpp (the
+    textbook (m + (p-1)/v) * T for even stages). The solver's objective and bounds call it too."""
+    return m * slowest + (total - slowest) / vpp
+
+
 def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
     totals = [r.per_micro_batch for r in ranks]
-    slowest = max(totals)
-    return m * slowest + (sum(totals) - slowest) / vpp
+    return pipeline_seconds(max(totals), sum(totals), m, vpp)
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime, cluster: Cluster) -> dict[str, float]:
     """Memory by category at the rank's peak (`peak_moments`, the largest of its four moments)."""
     return peak_moments(plan, workload, rank_index, rank, cluster)[0]
+
+
+def device_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> dict[str, float]:
+    """The model states of a rank's `params` parameters on its device, by category: expert
+    states shard over the ranks holding the same experts; offloaded ones are on the host."""
+    if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
+        return device_state_bytes(params, plan)
+    states = model_state_bytes(params - expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if expert_params:
+        experts = model_state_bytes(expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
+                                    plan.stack)
+        states = {k: states[k] + experts[k] for k in states}
+    return states
+
+
+def owned_shares(plan: Plan) -> tuple[float, float]:
+    """The fractions of its parameters and of its largest weight a rank owns (steps) under
+    ZeRO: a 1/shard_degree share of each (FSDP2's shards; ZeRO-1's owners hold about that
+    share of the parameters, the largest weight whole)."""
+    shard = plan.shard_degree if plan.zero >= 1 else 1
+    return 1 / shard, (1 / shard if plan.zero >= 2 else 1.0)
 
 
 def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
@@ -125,13 +152,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
     FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
     in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
-    states = model_state_bytes(rank.params - rank.expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    if rank.expert_params:  # expert states shard over the ranks holding the same experts
-        experts = model_state_bytes(rank.expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
-                                    plan.stack)
-        states = {k: states[k] + experts[k] for k in states}
-    if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
-        states = device_state_bytes(rank.params, plan)
+    states = device_states(rank.params, rank.expert_params, plan, cluster)
     stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
         states["gradients"] = 0.0
@@ -154,12 +175,8 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
-    moments = [
-        ({"activations": saved + end_temporaries, "buffers": 0.0}),
-        ({"activations": saved - head_saved, "buffers": gathered["root"]}),
-        ({"activations": saved - head_saved + max(rebuild, block_temporaries) + accumulation_transient(plan, workload, rank),
-          "buffers": gathered["block"]}),
-    ]
+    moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),
+                                 accumulation_transient(plan, workload, rank), gathered["root"], gathered["block"])
     held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     if held:
         moments = [{**m, "buffers": held} for m in moments]
@@ -169,6 +186,21 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     if sum(stepping.values()) > sum(peak.values()):
         return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
     return peak, saved
+
+
+def activation_moments(saved: float, end_temporaries: float, head_saved: float, block_work: float,
+                       accumulation: float, root_buffer: float, block_buffer: float) -> list[dict[str, float]]:
+    """The three moments of a rank's activation peak (`peak_moments`), by category: the loss
+    (every in-flight micro-batch's `saved` activations and the last layers' temporaries), the
+    root unit's backward (the head's one micro-batch of saved activations freed, ZeRO-3's
+    gathered root weights), and a block's backward (the larger of its temporaries and a
+    rebuilt block, the accumulation transient, the block's gather buffers). The solver calls
+    it with `saved` 0 and adds its own linear saved term (`_rank_extra_bytes`)."""
+    return [
+        {"activations": saved + end_temporaries, "buffers": 0.0},
+        {"activations": saved - head_saved, "buffers": root_buffer},
+        {"activations": saved - head_saved + block_work + accumulation, "buffers": block_buffer},
+    ]
 
 
 def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:
@@ -181,10 +213,8 @@ def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, c
     for est in rank.stage_estimates:
         for layer, _, _ in stage_runs(plan, workload, est.index):
             largest = max(largest, layer.largest_weight / (plan.tp if layer.tp_shardable else 1))
-    shard = plan.shard_degree if plan.zero >= 1 else 1
-    if plan.zero >= 2:
-        largest /= shard
-    return optimizer_step_bytes(rank.params / shard, largest, cluster.gpu.device_type, plan.stack)
+    params_share, largest_share = owned_shares(plan)
+    return optimizer_step_bytes(rank.params * params_share, largest * largest_share, cluster.gpu.device_type, plan.stack)
 
 
 def gradients_at_peak(plan: Plan) -> bool:

@@ -65,14 +65,17 @@ def test_the_pick_is_never_slower_than_the_side_search_subsets_or_uniform(gpt_3b
 
 
 def test_cp_sat_refines_a_pipeline_split(gpt_3b):
-    """The stage model with per-rank coefficients finds what one policy per stage cannot."""
+    """The stage model with per-rank coefficients finds what the single-policy balance cannot
+    (it balances on the same coefficients, so the deep pipelines are where blocks of
+    unequal stages leave the model room)."""
     from planner.mixed.refine import refine
     from planner.search.coefficients import LayerTimes
 
     mixed = load_mixed(SPEC)
     pipes = pipeline_splits(gpt_3b, mixed, global_batch=64, dtype="bf16", name="gpt-3b", reserve=0.1)
     gains = []
-    for plan, order in sorted(pipes, key=lambda po: po[0].estimate.step_time_s)[:6]:
+    deep = [po for po in pipes if po[0].pp >= 8]
+    for plan, order in sorted(deep, key=lambda po: po[0].estimate.step_time_s)[:6]:
         better = refine(gpt_3b, plan, mixed, order, 0.1, LayerTimes())
         assert better.estimate.step_time_s <= plan.estimate.step_time_s
         gains.append(plan.estimate.step_time_s - better.estimate.step_time_s)

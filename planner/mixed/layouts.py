@@ -21,12 +21,9 @@ import math
 import time
 from itertools import permutations
 
-from costmodel import collectives as coll
-from costmodel.compute import Context, layer_time
 from costmodel.estimate import estimate
 from costmodel.terms import price_ranks, usable_memory_bytes
-from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
-from costmodel.mixed import spanning
+from costmodel.mixed import crossing_seconds, spanning
 from layout.plan import Plan, uniform_stages
 from layout.groups import GroupShare
 from costmodel.workload import Workload
@@ -35,12 +32,12 @@ from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from layout.axes import ZERO_STAGES
+from layout.axes import TP_DEGREES, ZERO_STAGES
 from layout.rules import plan_problem
 from planner.executable import facts_of_workload
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
-from planner.search.coefficients import POLICIES
+from planner.search.coefficients import POLICIES, StageModelData, stage_model_data, with_crossing
 from planner.search.space import divisors
 
 MICRO_BATCHES = (1, 2, 4)
@@ -65,27 +62,22 @@ def priced(workload: Workload, plan: Plan, mixed: MixedCluster, reserve: float) 
 
 # --- pipeline split: the single-policy balance CP-SAT starts from -------------------
 
-def pipeline_balance(workload, stage_group, tp, dp, mb, m, zero, policy, dtype, reserve) -> list[int] | None:
-    """Exact min-max block counts per stage (one policy) under each stage's memory; None if nothing fits."""
-    layers = workload.layers
-    block = next(l for l in layers if l.kind == "block")
-    first = layers.index(block)
-    last = max(i for i, l in enumerate(layers) if l.kind == "block") + 1
-    pp = len(stage_group)
-    state = lambda p: sum(model_state_bytes(p / tp, dtype, zero, dp).values())  # noqa: E731
-    t_block, mem_block, extra_t, extra_mem, cap = [], [], [], [], []
-    for s, g in enumerate(stage_group):
-        ctx = Context(cluster=g, dtype=dtype, tp=tp, sp=False, micro_batch=mb, tp_group=coll.group_of(tp, 1, g),
-                      seq_len=workload.seq_len)
-        inflight = in_flight_micro_batches("1f1b", s, pp, 1, m)
-        ends = (layers[:first] if s == 0 else []) + (layers[last:] if s == pp - 1 else [])
-        t_block.append(layer_time(block, ctx, policy).total)
-        extra_t.append(sum(layer_time(l, ctx, "none").total for l in ends))
-        mem_block.append(state(block.params) + activation_bytes(block, policy, tp=tp, sp=False, micro_batch=mb) * inflight)
-        extra_mem.append(sum(state(l.params) + activation_bytes(l, "none", tp=tp, sp=False, micro_batch=mb) * inflight for l in ends))
-        cap.append(usable_memory_bytes(g, reserve))
+def pipeline_balance(workload, stage_data: list[StageModelData], policy) -> list[int] | None:
+    """Exact min-max block counts per stage (one policy, one chunk per rank) under each stage's
+    memory, from each stage's own group's coefficients (`stage_data`: the solver's, which are
+    the estimator's terms); None if nothing fits."""
+    pp = len(stage_data)
+    t_block, extra_t, mem_cap = [], [], []
+    for s, data in enumerate(stage_data):
+        fixed, inflight, block = data.fixed[s], data.in_flight[s], data.block
+        t_block.append(block.time[policy])
+        extra_t.append(fixed.time)
+        used = (fixed.states + fixed.activation * inflight + data.extra_bytes(s)
+                + (data.rebuild_bytes(s) if policy == "full" else 0.0))
+        at_peak = (data.capacity - used) / (block.states + block.activation[policy] * inflight)
+        at_step = (data.capacity - data.step_bytes(s, fixed.step_states)) / max(block.step_states, 1e-30)
+        mem_cap.append(math.floor(min(at_peak, at_step)))  # the blocks its activation peak and its optimizer step hold
     n = workload.n_blocks
-    mem_cap = [math.floor((cap[s] - extra_mem[s]) / mem_block[s]) for s in range(pp)]
     if min(mem_cap) < 1 or sum(mem_cap) < n:
         return None
 
@@ -119,10 +111,19 @@ def pipeline_template(workload, mixed, order, *, tp, dp, mb, zero, global_batch,
                 dp=dp, tp=tp, pp=pp, zero=zero, micro_batch=mb, stages=uniform_stages(kinds, pp), groups=groups)
 
 
+def rank_data(workload, plan: Plan, mixed, order, reserve: float, times=None) -> list[StageModelData]:
+    """The solver's coefficients of each pipeline rank of a pipeline split: taken on the GPU group
+    holding it, at that group's capacity, its sends to another group over their network."""
+    clusters = {g.spec(): g.for_stack(plan.stack) for g in order}
+    per_group = {spec: stage_model_data(workload, plan, cluster, usable_memory_bytes(cluster, reserve), times)
+                 for spec, cluster in clusters.items()}
+    owner = {s: share.hardware for share in plan.groups for s in share.stages}
+    crossing = crossing_seconds(workload, plan, mixed, [clusters[owner[r]] for r in range(plan.pp)])
+    return [with_crossing(per_group[owner[r]], crossing, plan.vpp) for r in range(plan.pp)]
+
+
 def balanced_pipeline(workload, mixed, template: Plan, order, policy, reserve) -> Plan | None:
-    stage_group = [g for g, s in zip(order, template.groups) for _ in s.stages]
-    counts = pipeline_balance(workload, stage_group, template.tp, template.dp, template.micro_batch,
-                              template.num_micro_batches, template.zero, policy, template.dtype, reserve)
+    counts = pipeline_balance(workload, rank_data(workload, template, mixed, order, reserve), policy)
     if counts is None:
         return None
     per_policy = [{k: (c if k == policy else 0) for k in POLICIES} for c in counts]
@@ -195,7 +196,8 @@ def data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype
         except PlanError:
             return None
         totals = [r.per_micro_batch for r in ranks]
-        paces.append((max(totals), sum(totals) - max(totals)))  # pipeline time = m * slowest + the rest
+        # costmodel.terms.pipeline_seconds with one chunk per rank: m * slowest + the rest, linear in m
+        paces.append((max(totals), sum(totals) - max(totals)))
     ms = split_micro_batches(units, dp_of, paces)
     if ms is None:
         return None
@@ -231,7 +233,7 @@ def data_splits(workload, mixed, *, global_batch, dtype, name, reserve, deadline
 
 def tp_choices(workload: Workload, mixed: MixedCluster) -> list[int]:
     node = min(g.gpus_per_node for g in mixed.groups)
-    return [t for t in (1, 2, 4, 8, 16) if t <= node and node % t == 0 and workload.tp_divides(t)]
+    return [t for t in TP_DEGREES if t <= node and node % t == 0 and workload.tp_divides(t)]
 
 
 def common_divisors(values: list[int]) -> list[int]:

@@ -13,10 +13,9 @@ from layout.plan import Plan
 from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 
-from costmodel.terms import usable_memory_bytes
-from planner.mixed.layouts import priced
+from planner.mixed.layouts import priced, rank_data
 from planner.search.branch_and_bound import LAYOUT_SOLVE_LIMIT_S, stages_from_counts
-from planner.search.coefficients import POLICIES, LayerTimes, block_span, stage_model_data
+from planner.search.coefficients import POLICIES, LayerTimes, block_span
 from planner.search.solver import StageModel
 
 
@@ -36,12 +35,7 @@ def counts_of(workload: Workload, plan: Plan) -> list[dict[str, int]]:
 def refine(workload: Workload, plan: Plan, mixed: MixedCluster, order, reserve: float, times: LayerTimes,
            time_limit_s: float = LAYOUT_SOLVE_LIMIT_S) -> Plan:
     """`plan` (a priced pipeline split) or the CP-SAT partition of its layout, whichever is faster."""
-    per_group = {}
-    for group in order:
-        cluster = group.for_stack(plan.stack)
-        per_group[group.spec()] = stage_model_data(workload, plan, cluster, usable_memory_bytes(cluster, reserve), times)
-    owner = {s: g.hardware for g in plan.groups for s in g.stages}
-    model = StageModel([per_group[owner[r]] for r in range(plan.pp)], plan.pp, plan.vpp, plan.num_micro_batches)
+    model = StageModel(rank_data(workload, plan, mixed, order, reserve, times), plan.pp, plan.vpp, plan.num_micro_batches)
     model.hint(counts_of(workload, plan))
     solution = model.solve(time_limit_s)
     if solution is None:

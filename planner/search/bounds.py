@@ -19,6 +19,7 @@ import heapq
 import math
 from typing import Callable
 
+from costmodel.terms import pipeline_seconds
 from layout.axes import RECOMPUTE
 from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
 
@@ -33,7 +34,7 @@ def _pipeline(total: float, slowest: float, vpp: int, m: int, core_sharing: floa
         return float("inf")
     if core_sharing > 1.0:
         return m * slowest / core_sharing
-    return (m - 1 / vpp) * slowest + total / vpp
+    return pipeline_seconds(slowest, total, m, vpp)
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -46,7 +47,7 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
         return float("inf")
     if pp == 1:
         fixed = data.prefix + data.suffix
-        room = (data.capacity - params * data.state_bytes_per_param - data.extra_bytes(0)
+        room = (data.capacity - _states(data) - data.extra_bytes(0)
                 - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
         work = (cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
                 + sum(data.stage_fill(s, vpp) for s in range(vpp)))
@@ -139,8 +140,13 @@ def _params(data: StageModelData) -> float:
     return data.n_blocks * data.block.params + sum(l.params for l in data.prefix + data.suffix)
 
 
+def _states(data: StageModelData) -> float:
+    """Every layer's states at the activation peak, over all pipeline ranks."""
+    return data.n_blocks * data.block.states + sum(l.states for l in data.prefix + data.suffix)
+
+
 def _optimizer(data: StageModelData, params: float, pp: int) -> float:
-    return params / pp * data.optimizer_seconds_per_param
+    return params / pp * data.optimizer_seconds_per_param  # the all-gathers and experts' reduction left out: still below
 
 
 def _fixed_times(data: StageModelData, pp: int, vpp: int) -> list[float]:
@@ -153,7 +159,7 @@ def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> boo
     blocks at the fewest micro-batches in flight) already exceeds one rank's capacity; the
     fullest rank holds at least the average."""
     leanest = min(data.block.activation.values()) * data.n_blocks * min(data.in_flight)
-    average = (params * data.state_bytes_per_param + leanest + sum(data.extra_bytes(r) for r in range(pp))) / pp
+    average = (_states(data) + leanest + sum(data.extra_bytes(r) for r in range(pp))) / pp
     return average > data.capacity
 
 
@@ -165,11 +171,11 @@ class _RankCost:
         self.data, self.rebuild = data, data.rebuild_bytes(r)
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
-        self.fixed_bytes = fixed.params * data.state_bytes_per_param + data.extra_bytes(r) + fixed.activation * self.in_flight
+        self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.activation * self.in_flight
 
     def blocks_time(self, n: int) -> float:
         d = self.data
-        room = d.capacity - self.fixed_bytes - n * d.block.params * d.state_bytes_per_param
+        room = d.capacity - self.fixed_bytes - n * d.block.states
         return cheapest_mix(d, n, room, self.in_flight)
 
     def whole_block_mix(self, n: int) -> dict[str, int] | None:
@@ -179,7 +185,7 @@ class _RankCost:
         should selective be the faster)."""
         d, block = self.data, self.data.block
         act, sec = block.activation, block.time
-        room = d.capacity - self.fixed_bytes - n * block.params * d.state_bytes_per_param
+        room = d.capacity - self.fixed_bytes - n * block.states
         saved_by_selective = self.in_flight * (act["none"] - act["selective"])
         best, best_time = None, float("inf")
         for full in range(n + 1):

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodel.compute import Context, LayerTime, layer_time
-from costmodel.data_parallel import (dp_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
+from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_exposed, weight_gather_time)
-from costmodel.terms import block_buffer_bytes, gradients_at_peak, p2p_time, root_buffer_bytes
+from costmodel.terms import (activation_moments, block_buffer_bytes, device_states, gradients_at_peak, owned_shares,
+                             p2p_time, pipeline_seconds, root_buffer_bytes)
 from costmodel.layout import layout_of
-from costmodel.offload import device_state_bytes, states_on_host
+from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
-                              in_flight_micro_batches, model_state_bytes, transient_bytes)
+                              in_flight_micro_batches, optimizer_step_bytes, transient_bytes)
 from layout.axes import RECOMPUTE
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -33,6 +34,9 @@ class LayerCoefficients:
     backward: dict[str, float]  # bwd + recompute (the DP-overlap window)
     activation: dict[str, float]  # bytes kept per micro-batch
     params: float  # parameters on the rank
+    expert_params: float = 0.0  # of `params`: expert weights, reduced over their own replicas after the backward
+    states: float = 0.0  # bytes of its states on the rank at the activation peak (experts shard over fewer ranks)
+    step_states: float = 0.0  # bytes at the optimizer step: every state and AdamW's per-parameter temporaries
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,8 @@ class RankFixed:
     time: float
     activation: float  # bytes kept per micro-batch in flight
     params: float
+    states: float = 0.0  # see LayerCoefficients
+    step_states: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,20 +62,35 @@ class StageModelData:
     n_blocks: int
     p2p: float  # per virtual stage boundary, per micro-batch
     in_flight: list[float]  # per pipeline rank
-    state_bytes_per_param: float
-    dp_seconds_per_param: float
+    dp_seconds_per_param: float  # the overlapped reduction of the dense parameters (not the experts)
     dp_latency: float
-    optimizer_seconds_per_param: float
+    optimizer_seconds_per_param: float  # AdamW's step over every parameter the rank holds
     capacity: float
     core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
     fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
     extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`_rank_extra_bytes`)
     fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
     rebuild: tuple[float, ...] = ()  # per pipeline rank: what a fully recomputed block adds to its peak
+    crossing: tuple[float, ...] = ()  # per pipeline rank: sends to another GPU group (`costmodel.mixed.crossing_seconds`)
+    gather_seconds_per_param: float = 0.0  # ZeRO-1's weight all-gather after the step, of the dense parameters
+    expert_seconds_per_param: float = 0.0  # the experts' reduction after the backward (`expert_reduction_time`)
+    expert_latency: float = 0.0
+    step_fixed: tuple[float, ...] = ()  # per pipeline rank: the step's temporaries that do not scale with its parameters
 
     def extra_bytes(self, r: int) -> float:
         """Rank r's memory at its peak besides states and saved activations (`_rank_extra_bytes`)."""
         return self.extra[r] if self.extra else 0.0
+
+    def after_backward_seconds(self, params: float, experts: float) -> float:
+        """What follows a rank's backward unhidden (`costmodel.terms._assemble`), linear in its
+        parameters: the optimizer step, ZeRO-1's all-gather of the dense weights, the experts' reduction."""
+        return (params * self.optimizer_seconds_per_param + (params - experts) * self.gather_seconds_per_param
+                + (experts * self.expert_seconds_per_param + self.expert_latency if experts else 0.0))
+
+    def step_bytes(self, r: int, step_states: float) -> float:
+        """Rank r's memory at its optimizer step (`costmodel.terms.peak_moments`'s stepping moment):
+        activations gone, its layers' `step_states` and the temporaries of its largest weight."""
+        return step_states + (self.step_fixed[r] if self.step_fixed else 0.0)
 
     def rebuild_bytes(self, r: int) -> float:
         """What rank r's peak grows by once it fully recomputes a block (`_rank_extra_bytes`)."""
@@ -100,9 +121,10 @@ class LayerTimes:
         return self._memo[key]
 
 
-def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes) -> LayerCoefficients:
+def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
+    states, step_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
     time, backward, activation = {}, {}, {}
     for policy in POLICIES:
         t = times(layer, ctx, policy)
@@ -110,7 +132,20 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes) -> LayerCoef
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes))
-    return LayerCoefficients(time=time, backward=backward, activation=activation, params=params)
+    return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
+                             step_states=step_states, expert_params=layer.expert_params / plan.ep)
+
+
+def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
+    """A layer's states on the rank at the activation peak and at the optimizer step, as
+    `costmodel.terms.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
+    no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights)."""
+    device = device_states(params, expert_params, plan, cluster)
+    held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    at_peak = sum(device.values()) - (0.0 if gradients_at_peak(plan) else device["gradients"]) + held
+    temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
+        params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack)
+    return at_peak, sum(device.values()) + temporaries
 
 
 def block_span(workload: Workload) -> tuple[int, int]:
@@ -137,13 +172,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     coeff = {}
     for layer in layers:
         if id(layer) not in coeff:
-            coeff[id(layer)] = _layer(layer, plan, lay, times)
+            coeff[id(layer)] = _layer(layer, plan, lay, times, cluster)
     block = coeff[id(layers[first])]
-    states = model_state_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    if states_on_host(plan, cluster):  # offloaded: what stays on the device (costmodel/offload.py)
-        states = device_state_bytes(1.0, plan)
-    per_param = (sum(states.values()) - (0.0 if gradients_at_peak(plan) else states["gradients"])
-                 + gathered_weight_bytes(1.0, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack))
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
     # latency (`dp_latency`) plus their least marginal cost per parameter, from a billion
     # parameters on, bound them from below at every size (a chord from zero would count the
@@ -159,19 +189,44 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         in_flight=[
             in_flight_micro_batches(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)
         ],
-        state_bytes_per_param=per_param,
         dp_seconds_per_param=dp_slope,
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 else 0.0,
+        optimizer_seconds_per_param=optimizer_seconds_per_param(plan, cluster),
         # ZeRO-1's weight all-gather follows the step as the optimizer does: linear in the rank's parameters
-        optimizer_seconds_per_param=(optimizer_seconds_per_param(plan, cluster)
-                                     + (weight_gather_time(2 * probe, plan, lay) - weight_gather_time(probe, plan, lay)) / probe),
+        gather_seconds_per_param=(weight_gather_time(2 * probe, plan, lay) - weight_gather_time(probe, plan, lay)) / probe,
+        expert_seconds_per_param=(expert_reduction_time(2 * probe, plan, lay) - expert_reduction_time(probe, plan, lay)) / probe,
+        expert_latency=expert_reduction_time(1.0, plan, lay),
         capacity=capacity,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
     )
     extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"])
-    return replace(data, extra=extra, rebuild=rebuild,
+    return replace(data, extra=extra, rebuild=rebuild, step_fixed=_step_fixed(layers[:first], layers[first], layers[last:],
+                                                                              plan, cluster),
                    fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
+
+
+def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
+                cluster: Cluster) -> tuple[float, ...]:
+    """Per pipeline rank, the optimizer step's temporaries that do not scale with its parameters
+    (`costmodel.terms.optimizer_step_temporaries`: on a CPU, those of its largest weight)."""
+    if states_on_host(plan, cluster):
+        return (0.0,) * plan.pp
+    largest_share, device, S = owned_shares(plan)[1], cluster.gpu.device_type, plan.n_virtual_stages
+    fixed = []
+    for r in range(plan.pp):
+        own = [block] + (prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else [])
+        largest = max(layer.largest_weight / (plan.tp if layer.tp_shardable else 1) for layer in own)
+        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack))
+    return tuple(fixed)
+
+
+def with_crossing(data: StageModelData, crossing: list[float], vpp: int) -> StageModelData:
+    """`data` for the ranks of a mixed pipeline split whose sends to other groups cost `crossing`
+    (per pipeline rank)."""
+    pp = len(crossing)
+    data = replace(data, crossing=tuple(crossing))
+    return replace(data, fixed=tuple(rank_fixed(data, r, pp, pp * vpp) for r in range(pp)))
 
 
 def fixed_per_rank(data: StageModelData, pp: int, vpp: int) -> tuple[RankFixed, ...]:
@@ -184,8 +239,11 @@ def fixed_per_rank(data: StageModelData, pp: int, vpp: int) -> tuple[RankFixed, 
 def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     stages = range(r, S, pp)
     layers = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
-    return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in stages),
-                     activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers))
+    crossing = data.crossing[r] if data.crossing else 0.0
+    return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in stages)
+                     + crossing,
+                     activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
+                     states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers))
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
@@ -210,16 +268,18 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
 
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
+    block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0
     without, growth = [], []
     for own in ends:
-        at_loss = max((transient_bytes(layer, **kw) for layer in own), default=0.0)
-        head_saved = sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head")
-        at_root = root_buffer_bytes(_params(own, plan), plan.dtype) - head_saved if sharded else 0.0
-        at_block = ((block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0)
-                    + (max(largest([block]), largest(own)) if accumulating else 0.0) - head_saved)
-        plain = max(at_loss, at_root, at_block + block_temporaries)
+        terms = dict(end_temporaries=max((transient_bytes(layer, **kw) for layer in own), default=0.0),
+                     head_saved=sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head"),
+                     accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
+                     root_buffer=root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0,
+                     block_buffer=block_buffer)
+        plain = max(sum(m.values()) for m in activation_moments(0.0, block_work=block_temporaries, **terms))
+        rebuilding = max(sum(m.values()) for m in activation_moments(0.0, block_work=max(block_temporaries, rebuilt), **terms))
         without.append(plain)
-        growth.append(max(at_loss, at_root, at_block + max(block_temporaries, rebuilt)) - plain)
+        growth.append(rebuilding - plain)
     return tuple(without), tuple(growth)
 
 
@@ -268,15 +328,17 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         rank_time.append(f.time + none * t_none + sel * t_sel + full * t_full)
         window = none * b_none + sel * b_sel + full * b_full
         params = (none + sel + full) * block.params + f.params
-        exposed = max(exposed, params * data.dp_seconds_per_param + data.dp_latency - window - slack)
+        experts = (none + sel + full) * block.expert_params
+        exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
         slack += window
-        optimizer = max(optimizer, params * data.optimizer_seconds_per_param)
+        optimizer = max(optimizer, data.after_backward_seconds(params, experts))
         act = f.activation + none * a_none + sel * a_sel + full * a_full
-        used = (params * data.state_bytes_per_param + act * data.in_flight[r] + (data.rebuild_bytes(r) if full else 0.0)
+        blocks = none + sel + full
+        used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if full else 0.0)
                 + data.extra_bytes(r))
-        headroom = min(headroom, data.capacity - used)
-    slowest = max(rank_time)
-    pipeline = m * slowest + (sum(rank_time) - slowest) / vpp
+        stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
+        headroom = min(headroom, data.capacity - max(used, stepping))
+    pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp)
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
 
@@ -317,7 +379,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
         fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
         b = sum(blocks[s] for s in stages)
         infl = data.in_flight[r]
-        base = ((b * block.params + sum(l.params for l in fixed)) * data.state_bytes_per_param
+        base = (b * block.states + sum(l.states for l in fixed)
                 + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
 
         def used(f: int) -> float:
@@ -325,7 +387,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
             return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
-        if f is None:
+        if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
             return None
         for s in stages:
             take = min(f, blocks[s])

@@ -82,7 +82,7 @@ class StageModel:
             params = d.n_blocks * d.block.params + sum(l.params for l in fixed)
             return (d.n_blocks * max(d.block.time.values()) + sum(max(l.time.values()) for l in fixed) + d.p2p * self.S
                     + sum(d.stage_fill(s, self.S) for s in range(self.S))
-                    + params * (d.dp_seconds_per_param + d.optimizer_seconds_per_param) + d.dp_latency)
+                    + params * d.dp_seconds_per_param + d.dp_latency + d.after_backward_seconds(params, d.n_blocks * d.block.expert_params))
 
         return _i(max(seconds(d) for d in self.ranks), NS) + 1
 
@@ -117,6 +117,7 @@ class StageModel:
             d = self.ranks[r]
             terms = [self.n[s][k] * _i(d.block.time[k], NS) for s in self._stages_of(r) for k in POLICIES]
             fixed = sum(self._fixed(s, "time") + (d.p2p if s < self.S - 1 else 0.0) for s in self._stages_of(r))
+            fixed += d.crossing[r] if d.crossing else 0.0  # a mixed split's sends to another GPU group
             rt = self.model.NewIntVar(0, self.ub, f"R_{r}")
             self.model.Add(rt == sum(terms) + _i(fixed, NS))
             R.append(rt)
@@ -131,8 +132,8 @@ class StageModel:
             full_here = self.model.NewBoolVar(f"full_{r}")
             for s in self._stages_of(r):
                 self.model.Add(self.n[s]["full"] <= d.n_blocks * full_here)
-            states = self._blocks(r) * _i(d.block.params * d.state_bytes_per_param, KIB)
-            fixed_states = self._fixed_params(r) * d.state_bytes_per_param
+            states = self._blocks(r) * _i(d.block.states, KIB)
+            fixed_states = sum(self._fixed(s, "states") for s in self._stages_of(r))
             self.model.Add(
                 sum(act)
                 + states
@@ -140,6 +141,10 @@ class StageModel:
                 + _i(fixed_act + fixed_states + d.extra_bytes(r), KIB)
                 <= _i(d.capacity, KIB)
             )
+            # the optimizer step's moment: every state and AdamW's temporaries, no activations
+            fixed_step = sum(self._fixed(s, "step_states") for s in self._stages_of(r))
+            self.model.Add(self._blocks(r) * _i(d.block.step_states, KIB) + _i(d.step_bytes(r, fixed_step), KIB)
+                           <= _i(d.capacity, KIB))
 
     def add_dp_overlap(self):
         E = self.model.NewIntVar(0, self.ub, "E")
@@ -147,7 +152,7 @@ class StageModel:
         for r in range(self.pp):
             d = self.ranks[r]
             window = sum(self.n[s][k] * _i(d.block.backward[k], NS) for s in self._stages_of(r) for k in POLICIES)
-            dp = self._blocks(r) * _i(d.block.params * d.dp_seconds_per_param, NS)
+            dp = self._blocks(r) * _i((d.block.params - d.block.expert_params) * d.dp_seconds_per_param, NS)
             dp_fixed = self._fixed_params(r) * d.dp_seconds_per_param + d.dp_latency
             self.model.Add(E >= dp + _i(dp_fixed, NS) - window - slack)
             slack = slack + window
@@ -160,8 +165,9 @@ class StageModel:
         for r in range(self.pp):
             d = self.ranks[r]
             o = self.model.NewIntVar(0, self.ub, f"opt_{r}")
-            per_block = _i(d.block.params * d.optimizer_seconds_per_param, NS)
-            self.model.Add(o == self._blocks(r) * per_block + _i(self._fixed_params(r) * d.optimizer_seconds_per_param, NS))
+            per_block = _i(d.after_backward_seconds(d.block.params, d.block.expert_params) - d.expert_latency, NS)
+            self.model.Add(o == self._blocks(r) * per_block + _i(d.after_backward_seconds(self._fixed_params(r), 0.0)
+                                                                 + d.expert_latency, NS))
             opt_per_rank.append(o)
         opt = self.model.NewIntVar(0, self.ub, "opt")
         self.model.AddMaxEquality(opt, opt_per_rank)
