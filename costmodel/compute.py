@@ -51,6 +51,8 @@ class LayerTime:
     backward: float  # compute of one backward, without recomputation
     recompute: float  # extra compute in backward for the layer's policy
     tp_comm: float  # TP collectives of forward + backward (+ recomputed forward)
+    weight_grad: float = 0.0  # of `backward`: the weight gradients (dW GEMMs, as many FLOPs as the forward's, and
+    # an embedding's dense table gradient), which a zero-bubble schedule runs apart from the input gradients
 
     @property
     def total(self) -> float:
@@ -203,6 +205,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         extra, extra_comm = 0.0, 0.0
     return LayerTime(
         forward=forward,
+        weight_grad=gemm + dense_gradient_time(layer, ctx),
         backward=(BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward
                   + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
         recompute=extra,

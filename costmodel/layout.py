@@ -28,6 +28,7 @@ class RankTime:
     params: float = 0.0
     expert_params: float = 0.0  # of `params`: expert weights, sharded and reduced over their own replicas
     ep_comm: float = 0.0  # of `tp_comm`: expert parallelism's all-to-alls
+    weight_grad: float = 0.0  # of `backward`: the weight gradients (`LayerTime.weight_grad`)
     stage_estimates: list[StageEstimate] = field(default_factory=list)
 
     @property

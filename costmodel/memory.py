@@ -120,13 +120,15 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
 
     GPipe runs all forwards first; 1F1B holds at most pp - rank; interleaved
     1F1B warms up with 2*(pp-rank-1) + (vpp-1)*pp chunk forwards (Narayanan et
-    al. 2021), each holding 1/vpp of the rank's layers.
+    al. 2021), each holding 1/vpp of the rank's layers; torch's zero-bubble ZB1P
+    with (pp-rank-1) + (vpp-1)*pp (one hop each, not two: its 1x-memory design).
     """
     m = num_micro_batches
     if schedule == "gpipe":
         return float(m)
-    if schedule == "interleaved":
-        chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
+    if schedule in ("interleaved", "zero-bubble"):
+        hops = 2 if schedule == "interleaved" else 1
+        chunks = min(m * vpp, hops * (pp - rank - 1) + (vpp - 1) * pp + 1)
         return chunks / vpp
     return float(min(m, pp - rank))
 

@@ -157,7 +157,7 @@ def crossing_seconds(workload: Workload, plan: Plan, mixed: MixedCluster, rank_c
 def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     owner, lays, ranks = pipeline_ranks(workload, plan, mixed, clusters)
     m = plan.num_micro_batches
-    pipe = pipeline_time(ranks, m, plan.vpp)
+    pipe = pipeline_time(ranks, m, plan.vpp, plan.schedule)
     dp = exposed_dp(ranks, plan, lays) + max(weight_gather_time(rank.params, plan, lay)
                                              for rank, lay in zip(ranks, lays))
     opt = max(optimizer_time([rank], plan, clusters[owner[r]]) for r, rank in enumerate(ranks))

@@ -40,9 +40,11 @@ def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluste
     n = cluster.gpus_per_node
     pp_per_node = max(1, n // per_pp)
     work = []
+    split = plan.schedule == "zero-bubble"  # its backward runs as input gradients (B), then weight gradients (W)
     for r in ranks:
         comm = (r.tp_comm + r.pp_comm + r.zero_comm) / 2
-        work.append({"F": (r.forward + comm) / vpp, "B": (r.backward + r.recompute + comm) / vpp})
+        w = r.weight_grad if split else 0.0
+        work.append({"F": (r.forward + comm) / vpp, "B": (r.backward - w + r.recompute + comm) / vpp, "W": w / vpp})
     last = pp * vpp - 1
     done: set = set()
     pos, left = [0] * pp, [None] * pp
@@ -51,6 +53,8 @@ def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluste
     def ready(op) -> bool:
         if op.phase == "F":
             return op.stage == 0 or ("F", op.micro_batch, op.stage - 1) in done
+        if op.phase == "W":
+            return ("B", op.micro_batch, op.stage) in done
         return op.stage == last or ("B", op.micro_batch, op.stage + 1) in done
 
     while any(pos[r] < len(orders[r]) for r in range(pp)):

@@ -77,6 +77,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
         params += sum(layer.tied_params / (plan.tp if layer.tp_shardable else 1) * n for layer, _, n in runs)
     rank.forward += fwd
     rank.backward += bwd
+    rank.weight_grad += sum(t.weight_grad * n for t, n in times)
     rank.recompute += sum(t.recompute * n for t, n in times)
     rank.tp_comm += sum(t.tp_comm * n for t, n in times)
     rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
@@ -95,16 +96,28 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     )
 
 
-def pipeline_seconds(slowest: float, total: float, m: int, vpp: int) -> float:
+def pipeline_seconds(slowest: float, total: float, m: int, vpp: int, fill: float = 0.0) -> float:
     """A pipeline of m micro-batches whose ranks take `total` per micro-batch together, the
-    slowest `slowest`, with vpp chunks per rank: m * slowest + (total - slowest) / vpp (the
-    textbook (m + (p-1)/v) * T for even stages). The solver's objective and bounds call it too."""
-    return m * slowest + (total - slowest) / vpp
+    slowest `slowest`, with vpp chunks per rank: m * slowest + (total - slowest - fill) / vpp
+    (the textbook (m + (p-1)/v) * T for even stages), `fill` being the ramps' idle time a
+    zero-bubble schedule fills with weight gradients (`bubble_fill`). The solver's objective
+    and bounds call it too."""
+    return m * slowest + (total - slowest - fill) / vpp
 
 
-def pipeline_time(ranks: list[RankTime], m: int, vpp: int) -> float:
+def bubble_fill(schedule: str, weight_grads: float, pp: int) -> float:
+    """What a zero-bubble schedule takes off the ramps, per micro-batch of ranks: with the
+    backward split into input gradients (B) and weight gradients (W), ZB-H1's bubble is
+    (p-1)(F + B - W) where 1F1B's is (p-1)(F + B + W) (Qi et al. 2023, "Zero Bubble Pipeline
+    Parallelism", the mechanism; torch's ZB1P keeps 1F1B's memory): 2 W per rank off the
+    p-1 ramp slots, W being the ranks' mean weight-gradient time (`weight_grads` their sum)."""
+    return 2.0 * weight_grads * (pp - 1) / pp if schedule == "zero-bubble" else 0.0
+
+
+def pipeline_time(ranks: list[RankTime], m: int, vpp: int, schedule: str = "1f1b") -> float:
     totals = [r.per_micro_batch for r in ranks]
-    return pipeline_seconds(max(totals), sum(totals), m, vpp)
+    fill = bubble_fill(schedule, sum(r.weight_grad for r in ranks), len(ranks))
+    return pipeline_seconds(max(totals), sum(totals), m, vpp, fill)
 
 
 def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime, cluster: Cluster) -> dict[str, float]:
@@ -289,7 +302,7 @@ def step_breakdown(crit: RankTime, m: int, pipe: float, dp: float, opt: float) -
 def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
     m = lay.m
     shared = shared_core_pipeline_time(ranks, plan, cluster)
-    pipe = pipeline_time(ranks, m, plan.vpp) if shared is None else shared
+    pipe = pipeline_time(ranks, m, plan.vpp, plan.schedule) if shared is None else shared
     dp = exposed_dp(ranks, plan, lay) + max(weight_gather_time(r.params - r.expert_params, plan, lay)
                                             + expert_reduction_time(r.expert_params, plan, lay) for r in ranks)
     opt = optimizer_time(ranks, plan, cluster)

@@ -16,7 +16,8 @@ from hardware.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
 from hardware.schema import Stack
 
 RECOMPUTE = ("none", "selective", "full")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+CHUNKED_SCHEDULES = ("interleaved", "zero-bubble")  # several model chunks per pipeline rank (vpp), placed looped
 COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 STACKS: tuple[str, ...] = get_args(Stack)  # the profiles' efficiencies are keyed by these (hardware.schema)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -76,9 +77,11 @@ AXES: tuple[Axis, ...] = (
     Axis("sp", bool, False, "sequence parallel (needs tp > 1): norms and dropout on sequence shards, all-gathers "
          "and reduce-scatters instead of all-reduces", choices=(False, True)),
     _count("pp", "pipeline stages (torch.distributed.pipelining)"),
-    Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, or interleaved (vpp chunks per rank)",
-         choices=SCHEDULES),
-    _count("vpp", "model chunks per pipeline rank (interleaved schedule)", high=MAX_LAYERS, searched=(2, 3, 4)),
+    Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (vpp chunks per rank), or "
+         "zero-bubble (ZB1P: the backward split into input and weight gradients, the weights' filling the "
+         "bubble; vpp chunks per rank)", choices=SCHEDULES),
+    _count("vpp", "model chunks per pipeline rank (interleaved and zero-bubble schedules)", high=MAX_LAYERS,
+           searched=(2, 3, 4)),
     _count("ep", "expert parallel: a mixture-of-experts layer's experts split over ep of the data-parallel ranks, "
            "tokens routed to them by all-to-all"),
     Axis("zero", int, 0, "ZeRO stage: 0 replicated, 1 optimizer state sharded, 2 and gradients, 3 and weights "

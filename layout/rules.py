@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from hardware.errors import PlanError
 
-from .axes import COMPRESSION, SCHEDULES, TP_DEGREES
+from .axes import CHUNKED_SCHEDULES, COMPRESSION, RECOMPUTE, SCHEDULES, TP_DEGREES
 from .layout import Layout
 
 if TYPE_CHECKING:
@@ -60,8 +60,8 @@ def layout_problem(layout: Layout, facts: ModelFacts, seq_len: int, micro_batche
     """The first reason the executor cannot run `layout` on the model, or None.
     `micro_batches` (per step and pipeline) is checked against the schedule when given."""
     problem = structural_problem(layout, seq_len)
-    checks = (_stack_problem, _tp_problem, _sp_problem, _pp_problem, _cp_problem, _ep_problem, _offload_problem,
-              _compression_problem, _seq_problem)
+    checks = (_stack_problem, _tp_problem, _sp_problem, _pp_problem, _zero_bubble_problem, _cp_problem, _ep_problem,
+              _offload_problem, _compression_problem, _seq_problem)
     for check in checks:
         if problem is not None:
             return problem
@@ -76,6 +76,9 @@ def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
     data-parallel shares, which run on DDP's path alone (each replica runs its own count and
     the gradients reduce once per step; FSDP2 reduces per micro-batch, and a pipeline
     schedule runs one count on every stage)."""
+    if plan.schedule == "zero-bubble" and any(p != "none" for stage in plan.stages for p in stage.recompute):
+        return PlanError("recompute", "the zero-bubble schedule runs without activation recomputation (torch's "
+                         "composable checkpoint fails under its split backward)", "use recompute none, or 1f1b")
     if plan.dp_micro_batches and not plan.reduces_through_ddp:
         return PlanError("dp_micro_batches", "uneven data-parallel shares run on DDP's path: dp > 1 with zero 0 "
                          "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")
@@ -108,10 +111,11 @@ def _sp_structure(f: Layout) -> PlanError | None:
 
 
 def _schedule_structure(f: Layout) -> PlanError | None:
-    if f.schedule != "interleaved" and f.vpp != 1:
-        return PlanError("vpp", f"vpp={f.vpp} needs schedule 'interleaved'", "use vpp 1, or the interleaved schedule")
-    if f.schedule == "interleaved" and f.pp < 2:
-        return PlanError("schedule", "the interleaved schedule needs pp >= 2", "use 1f1b")
+    if f.schedule not in CHUNKED_SCHEDULES and f.vpp != 1:
+        return PlanError("vpp", f"vpp={f.vpp} needs a schedule of model chunks ({' or '.join(CHUNKED_SCHEDULES)})",
+                         "use vpp 1, or the interleaved schedule")
+    if f.schedule in CHUNKED_SCHEDULES and f.pp < 2:
+        return PlanError("schedule", f"the {f.schedule} schedule needs pp >= 2", "use 1f1b")
     return None
 
 
@@ -147,8 +151,8 @@ def _micro_batch_problem(f: Layout, m: int) -> PlanError | None:
         return PlanError("micro_batch", f"1F1B over pp={f.pp} stages needs at least {f.pp} micro-batches, "
                          f"the plan has {m}", "use a smaller micro_batch, the gpipe schedule, or a smaller pp")
     rounds = max(1, m // f.pp)
-    if f.pp > 1 and f.schedule == "interleaved" and m % rounds:
-        return PlanError("micro_batch", f"interleaved 1F1B needs a micro-batch count that is a multiple of "
+    if f.pp > 1 and f.schedule in CHUNKED_SCHEDULES and m % rounds:
+        return PlanError("micro_batch", f"the {f.schedule} schedule needs a micro-batch count that is a multiple of "
                          f"{rounds} rounds, the plan has {m}", f"use a multiple of pp={f.pp} micro-batches")
     return None
 
@@ -193,6 +197,29 @@ def _pp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
     if f.pp * f.vpp > facts.n_blocks:
         return PlanError("pp", f"pp*vpp = {f.pp * f.vpp} stages for {facts.n_blocks} blocks",
                          f"use pp*vpp <= {facts.n_blocks}")
+    return None
+
+
+def allowed_recompute(layout: Layout) -> tuple[str, ...]:
+    """The recompute policies the executor runs with `layout` (see `plan_problem`)."""
+    return ("none",) if layout.schedule == "zero-bubble" else RECOMPUTE
+
+
+def _zero_bubble_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
+    """torch's zero-bubble schedule splits each backward into input and weight gradients; run
+    on CPU against the single-process reference, that matches over DDP-style replication
+    (zero 0/1) and TP, but FSDP2's sharded gradients (zero 2/3) come out wrong and SP's
+    DTensor backward fails to split, so those are refused rather than offered."""
+    if f.schedule != "zero-bubble":
+        return None
+    if f.zero >= 2:
+        return PlanError("zero", f"zero={f.zero} with the zero-bubble schedule: FSDP2's sharded gradients miss "
+                         "the split weight gradients", "use zero 0 or 1 with zero-bubble, or another schedule")
+    if f.sp:
+        return PlanError("sp", "sequence parallelism with the zero-bubble schedule: its backward does not split",
+                         "turn sp off with zero-bubble, or use another schedule")
+    if f.ep > 1:
+        return PlanError("ep", "expert parallelism with the zero-bubble schedule is not run", "use ep 1 or another schedule")
     return None
 
 

@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -141,6 +142,9 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "tp": dict(tp=2), "tp_sp": dict(tp=2, sp=True),
         "pp_gpipe": dict(pp=2, schedule="gpipe"), "pp_1f1b": dict(pp=2, schedule="1f1b"),
         "pp_interleaved": dict(pp=2, schedule="interleaved", vpp=2),
+        "pp_zero_bubble": dict(pp=2, schedule="zero-bubble", vpp=2), "pp_zero_bubble_1": dict(pp=2, schedule="zero-bubble"),
+        "pp_tp_zero_bubble": dict(pp=2, tp=2, schedule="zero-bubble", vpp=2),
+        "pp_dp_zero_bubble_zero1": dict(pp=2, dp=2, schedule="zero-bubble", vpp=2, zero=1),
         "dp_full_ac": dict(dp=2, recompute="full"), "zero3_full_ac": dict(dp=2, zero=3, recompute="full"),
         "tp_selective_ac": dict(tp=2, recompute="selective"), "pp_selective_ac": dict(pp=2, recompute="selective"),
         "dp_tp": dict(dp=2, tp=2), "dp_tp_zero3": dict(dp=2, tp=2, zero=3, recompute="full"),
@@ -183,19 +187,34 @@ def _check_all(world: int, cases: dict[str, Plan]) -> dict[str, list[str]]:
 def test_reference_gpt_two_ranks_matches_single_process():
     _check_all(2, _cases("reference-tiny", ("dp", "zero1", "zero2", "zero3", "zero3_accumulate", "cp", "tp", "tp_sp", "pp_gpipe", "pp_1f1b",
                                             "pp_interleaved", "dp_full_ac", "zero3_full_ac", "tp_selective_ac",
-                                            "pp_selective_ac")))
+                                            "pp_selective_ac", "pp_zero_bubble", "pp_zero_bubble_1")))
 
 
 def test_four_rank_layouts_match_single_process():
     _check_all(4, {**_cases("reference-tiny", ("dp_tp", "dp_tp_zero3", "pp_dp", "pp_dp_zero3", "pp_dp_interleaved_zero1",
                                                "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac", "hsdp",
-                                               "cp_dp_zero3_ac", "cp_tp")),
-                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp", "pp_dp_interleaved", "pp_tp_sp", "cp_dp_zero3_ac", "cp_tp"))})
+                                               "cp_dp_zero3_ac", "cp_tp", "pp_dp_zero_bubble_zero1", "pp_tp_zero_bubble")),
+                   **_cases("hf-llama-tiny", ("dp_tp", "pp_dp", "pp_dp_interleaved", "pp_tp_sp", "cp_dp_zero3_ac", "cp_tp",
+                                              "pp_dp_zero_bubble_zero1"))})
 
 
 def test_hf_llama_two_ranks_matches_single_process():
     _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
-                                           "tp_selective_ac", "zero3_full_ac")))
+                                           "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac")))
+
+
+def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():
+    """FSDP2's sharded gradients, SP and recomputation under the zero-bubble schedule: refused
+    by the rulebook before launch (measured wrong or failing on CPU), never offered."""
+    from executor.apply.validate import validate
+    from hardware.errors import PlanError
+
+    model = build_model("reference-tiny")
+    for pins, field in ((dict(pp=2, dp=2, zero=3), "zero"), (dict(pp=2, tp=2, sp=True), "sp"),
+                        (dict(pp=2, recompute="full"), "recompute")):
+        with pytest.raises(PlanError) as refused:
+            validate(make_plan("reference-tiny", schedule="zero-bubble", vpp=2, **pins), model)
+        assert refused.value.field == field
 
 
 def test_hf_mixtral_expert_parallel_matches_single_process():

@@ -175,6 +175,10 @@ AGREEMENT = [
     ("llama", 64, dict(dp=8, tp=4, pp=2, m=32, zero=2, policy="full")),
     ("llama", 64, dict(dp=4, tp=8, pp=2, m=16, zero=3, mb=4, policy="none")),
     ("gpt3", 1024, dict(dp=16, tp=8, pp=8, m=192, policy="selective")),
+    # zero-bubble: the estimate's ramp fill (costmodel.terms.bubble_fill) against the played ZB1P order
+    ("llama", 64, dict(dp=2, tp=8, pp=4, m=32, schedule="zero-bubble", zero=1, policy="none")),
+    ("llama", 64, dict(dp=2, tp=8, pp=4, m=32, schedule="zero-bubble", vpp=2, policy="none")),
+    ("gpt3", 1024, dict(dp=16, tp=8, pp=8, m=64, schedule="zero-bubble", vpp=3, zero=1, policy="none")),
 ]
 
 

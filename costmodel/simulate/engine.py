@@ -75,7 +75,7 @@ class Engine:
         """Positions of each stage's final backward: its gradients are complete there."""
         last: dict[int, int] = {}
         for pos, op in enumerate(order):
-            if op.phase == "B":
+            if op.phase in ("B", "W"):  # a zero-bubble schedule's weight gradients (W) follow their B
                 last[op.stage] = pos
         return set(last.values())
 
@@ -130,7 +130,9 @@ class Engine:
         if tpl.comm_tail:  # ZeRO-3 traffic is priced inside the op; it does not queue with sends
             out.dp_end[r] = max(out.dp_end[r], start + tpl.comm_tail)
         kept, transient = self.s.activation[op.stage]
-        if op.phase == "F":
+        if op.phase == "W":  # weight gradients: ready once their input gradients are (`_ready`)
+            self._buckets(r, op, start, last_backward)
+        elif op.phase == "F":
             out.memory_deltas[r].append((start, kept))
             if op.stage < self.s.n_stages - 1:
                 self._push(end, "send", (r, "F", op.micro_batch, op.stage + 1, self.s.p2p_fwd[op.stage]))
@@ -141,9 +143,14 @@ class Engine:
             out.memory_deltas[r].append((end, -kept - transient))
             if op.stage > 0:
                 self._push(end, "send", (r, "B", op.micro_batch, op.stage - 1, self.s.p2p_bwd[op.stage]))
-            if last_backward:
-                for n, bucket in enumerate(self.s.buckets.get(op.stage, ())):
-                    self._push(start + bucket.ready_offset, "bucket", (r, n, bucket))
+            self.avail[("W", op.micro_batch, op.stage)] = end
+            self._buckets(r, op, start, last_backward)
+
+    def _buckets(self, r: int, op: Op, start: float, last_backward: bool) -> None:
+        """The stage's gradient buckets, once its last backward op makes them final."""
+        if last_backward:
+            for n, bucket in enumerate(self.s.buckets.get(op.stage, ())):
+                self._push(start + bucket.ready_offset, "bucket", (r, n, bucket))
 
     def _arrive(self, key: tuple[str, int, int], t: float) -> None:
         self.avail[key] = t

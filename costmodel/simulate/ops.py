@@ -92,20 +92,23 @@ class Pricer:
     def template(self, index: int, phase: str) -> OpTemplate:
         """Lay out one op: per layer compute then TP comm, ZeRO-3 comm with one-layer prefetch."""
         rows = self.stage_layers(index)
-        if phase == "B":
+        if phase != "F":
             rows = rows[::-1]
+        split = self.plan.schedule == "zero-bubble"  # the backward as input gradients (B), then weights' (W)
         work, gathers, scatters, comp, recomp = [], [], [], 0.0, 0.0
         for _, layer, policy in rows:
             lt, fwd_comm, (fwd_gather, bwd_gather, scatter) = self.layer(layer, policy)
             if phase == "F":
                 c, t = lt.forward, fwd_comm
+            elif phase == "W":
+                c, t, fwd_gather, bwd_gather, scatter = lt.weight_grad, 0.0, 0.0, 0.0, 0.0
             else:
-                c, t = lt.backward + lt.recompute, lt.tp_comm - fwd_comm
+                c, t = lt.backward - (lt.weight_grad if split else 0.0) + lt.recompute, lt.tp_comm - fwd_comm
                 recomp += lt.recompute
             comp += c
             work.append((c, t))
             gathers.append(fwd_gather if phase == "F" else bwd_gather)
-            scatters.append(scatter if phase == "B" else 0.0)
+            scatters.append(scatter if phase != "F" else 0.0)
         return _lay_out(rows, work, gathers, scatters, comp - recomp, recomp, phase, self)
 
 
@@ -136,7 +139,7 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
             comm_free = s0 + scatters[k]
             segments.append(Segment(pricer.dp_stream, "zero_scatter", f"reduce-scatter L{i}", s0, scatters[k]))
     duration = max(comp_free, comm_free)
-    if phase == "B":
+    if phase != "F":
         done = done[::-1]
     busy = compute + recompute + tp_total
     return OpTemplate(duration=duration, compute=compute, recompute=recompute, tp_comm=tp_total,

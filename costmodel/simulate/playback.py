@@ -104,13 +104,15 @@ def play(workload: Workload, plan: Plan, clusters: list[Cluster], lays: list, ra
 def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: float,
                   transients: list[float]) -> EngineInput:
     n, pp = plan.n_virtual_stages, plan.pp
-    templates = {(s, ph): pricers[s % pp].template(s, ph) for s in range(n) for ph in ("F", "B")}
+    phases = ("F", "B", "W") if plan.schedule == "zero-bubble" else ("F", "B")
+    templates = {(s, ph): pricers[s % pp].template(s, ph) for s in range(n) for ph in phases}
     fwd = [p2p_seconds(plan, pricers[s % pp].workload, sends[s], plan.stages[s].end - 1) if s < n - 1 else 0.0
            for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
     if plan.data_parallel > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
-        grads = {s: buckets(plan, pricers[s % pp], s, templates[(s, "B")], bucket_bytes) for s in range(n)}
+        last = phases[-1]  # the gradients are final in the last backward op: the weights' (W) under zero-bubble
+        grads = {s: buckets(plan, pricers[s % pp], s, templates[(s, last)], bucket_bytes) for s in range(n)}
     reducers = [_bucket_pricer(plan, pricer.lay) for pricer in pricers]
     return EngineInput(
         n_stages=n,

@@ -15,7 +15,7 @@ from hardware.errors import PlanError
 
 
 class Op(NamedTuple):
-    phase: str  # "F" or "B"
+    phase: str  # "F", "B" (the whole backward; a zero-bubble schedule's input gradients) or "W" (its weight gradients)
     micro_batch: int
     stage: int  # virtual stage index; it runs on rank stage % pp
 
@@ -61,6 +61,33 @@ def interleaved(rank: int, pp: int, m: int, vpp: int) -> list[Op]:
     return ops
 
 
+def zero_bubble(rank: int, pp: int, m: int, vpp: int) -> list[Op]:
+    """torch's interleaved zero-bubble order (ZB1P, Qi et al. 2023): (vpp-1)*pp + (pp-rank-1)
+    warm-up chunk forwards (one hop per rank, not interleaved 1F1B's two), then a forward and
+    an input-gradient backward each step, the weight gradients trailing their backwards by
+    `rank` steps, and a cool-down of input gradients each followed by the oldest weight
+    gradient still owed, the rest of those at the end."""
+    fwd = _chunk_sequence(m, pp, vpp, reverse=False)
+    bwd = _chunk_sequence(m, pp, vpp, reverse=True)
+    total = m * vpp
+    warmup = min(total, (vpp - 1) * pp + (pp - rank - 1))
+    ops = [Op("F", j, c * pp + rank) for j, c in fwd[:warmup]]
+    owed: list[Op] = []
+    for i in range(total - warmup):
+        j, c = fwd[warmup + i]
+        ops.append(Op("F", j, c * pp + rank))
+        j, c = bwd[i]
+        ops.append(Op("B", j, c * pp + rank))
+        owed.append(Op("W", j, c * pp + rank))
+        if i >= rank:
+            ops.append(owed.pop(0))
+    for j, c in bwd[total - warmup:]:
+        ops.append(Op("B", j, c * pp + rank))
+        owed.append(Op("W", j, c * pp + rank))
+        ops.append(owed.pop(0))
+    return ops + owed
+
+
 def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
     """One op list per pipeline rank."""
     if schedule == "gpipe":
@@ -74,4 +101,6 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
             raise PlanError("micro_batch", f"interleaved needs the {m} micro-batches to be a multiple of pp={pp}",
                             "change micro_batch or global_batch, or use schedule 1f1b")
         return [interleaved(r, pp, m, vpp) for r in range(pp)]
-    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b or interleaved")
+    if schedule == "zero-bubble":
+        return [zero_bubble(r, pp, m, vpp) for r in range(pp)]
+    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b, interleaved or zero-bubble")

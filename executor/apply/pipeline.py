@@ -14,11 +14,17 @@ import copy
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
+                                          ScheduleInterleavedZeroBubble)
 
 from layout.plan import Plan
 from executor.apply.layers import LayerMap, layer_map
 from executor.runtime.models import HFStage
+
+
+# Schedules of model chunks (vpp per rank, stage i on rank i % pp); zero-bubble is torch's ZB1P,
+# which splits each backward into input and weight gradients.
+CHUNKED = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
 
 
 class Skipped(nn.Module):
@@ -113,7 +119,7 @@ def build_schedule(chunks: list[nn.Module], mesh: DeviceMesh, plan: Plan, loss_f
     stages = [PipelineStage(chunk, index, plan.n_virtual_stages, device, group=group)
               for chunk, index in zip(chunks, owned_stages(plan, mesh.get_local_rank("pp")))]
     n = plan.num_micro_batches
-    if plan.schedule == "interleaved":
-        return ScheduleInterleaved1F1B(stages, n, loss_fn=loss_fn)
+    if plan.schedule in CHUNKED:
+        return CHUNKED[plan.schedule](stages, n, loss_fn=loss_fn)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[plan.schedule]
     return kind(stages[0], n, loss_fn=loss_fn)

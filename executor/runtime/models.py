@@ -30,8 +30,13 @@ class HFStage(nn.Module):
         if self.first:
             extra = {} if self.position_ids is None else {
                 "position_ids": self.position_ids.to(x.device)[None].expand(x.shape[0], -1)}
-            return self.model(input_ids=x, use_cache=False, **extra).logits
-        return self.model(inputs_embeds=x, use_cache=False).logits
+            out = self.model(input_ids=x, use_cache=False, **extra).logits
+        else:
+            out = self.model(inputs_embeds=x, use_cache=False).logits
+        # A stage whose head another stage owns returns HF's slice of its hidden states, a view:
+        # the zero-bubble schedule detaches stage outputs in place, and FSDP2 warns that an
+        # in-place op on a view drops its hooks. The copy replaces the base, which nothing keeps.
+        return out.clone() if out._is_view() else out
 
 
 def _builder(name: str, trust_module: bool):

@@ -19,14 +19,14 @@ import heapq
 import math
 from typing import Callable
 
-from costmodel.terms import pipeline_seconds
+from costmodel.terms import bubble_fill, pipeline_seconds
 from layout.axes import RECOMPUTE
 from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
 
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
 
-def _pipeline(total: float, slowest: float, vpp: int, m: int, core_sharing: float = 1.0) -> float:
+def _pipeline(total: float, slowest: float, vpp: int, m: int, core_sharing: float = 1.0, fill: float = 0.0) -> float:
     """The closed form; where CPU ranks share cores (`costmodel.shared_cores`) a rank runs
     up to `core_sharing` times faster while peers wait, so only its own m micro-batches at
     that speed bound the step."""
@@ -34,7 +34,7 @@ def _pipeline(total: float, slowest: float, vpp: int, m: int, core_sharing: floa
         return float("inf")
     if core_sharing > 1.0:
         return m * slowest / core_sharing
-    return pipeline_seconds(slowest, total, m, vpp)
+    return pipeline_seconds(slowest, total, m, vpp, fill)
 
 
 def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -55,7 +55,8 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
     block = data.block.time["none"]
     costs = [lambda n, f=fixed: n * block + f for fixed in _fixed_times(data, pp, vpp)]
     total = data.n_blocks * block + sum(_fixed_times(data, pp, vpp))
-    return _pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m, data.core_sharing) + _optimizer(data, params, pp)
+    return (_pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m, data.core_sharing, _fill(data, pp))
+            + _optimizer(data, params, pp))
 
 
 def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
@@ -71,7 +72,7 @@ def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float
     if total == float("inf"):
         return total
     whole = [lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time for rank in ranks]
-    return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m, data.core_sharing)
+    return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m, data.core_sharing, _fill(data, pp))
             + _optimizer(data, _params(data), pp))
 
 
@@ -138,6 +139,13 @@ def balanced_split(data: StageModelData, pp: int, vpp: int) -> list[dict[str, in
 
 def _params(data: StageModelData) -> float:
     return data.n_blocks * data.block.params + sum(l.params for l in data.prefix + data.suffix)
+
+
+def _fill(data: StageModelData, pp: int) -> float:
+    """A zero-bubble schedule's ramp fill (`costmodel.terms.bubble_fill`): every weight gradient's
+    time, whatever the partition, so exact in a bound."""
+    grads = data.n_blocks * data.block.weight_grad + sum(l.weight_grad for l in data.prefix + data.suffix)
+    return bubble_fill(data.schedule, grads, pp)
 
 
 def _states(data: StageModelData) -> float:

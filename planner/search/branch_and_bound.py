@@ -191,8 +191,8 @@ def _rank_uniform(workload: Workload, entries: list[_Entry], fixed: dict) -> lis
     with the linear stage model (exactly the estimator's composition, without
     building plans)."""
     first, last = block_span(workload)
-    allowed = recompute_choices(fixed)
     for entry in entries:
+        allowed = recompute_choices(fixed, entry.layout)
         blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
         lay, m = entry.layout, entry.template.num_micro_batches
         per_rank = [sum(blocks[r::lay.pp]) for r in range(lay.pp)]
@@ -223,7 +223,7 @@ def _refine_order(priced: list[_Entry]) -> list[_Entry]:
 
 def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[Candidate]:
     out = []
-    for policy in recompute_choices(fixed):
+    for policy in recompute_choices(fixed, layout):
         kinds = [layer.kind for layer in workload.layers]
         stages = [s.model_copy(update={"recompute": [policy if kinds[i] == "block" else "none" for i in range(s.start, s.end)]})
                   for s in template.stages]
@@ -236,9 +236,9 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     the greedy least-recompute assignment (also priced on its own)."""
     layout, template = entry.layout, entry.template
     model = StageModel(entry.data, layout.pp, layout.vpp, template.num_micro_batches)
-    allowed = recompute_choices(fixed)
-    if "recompute" in fixed:
-        model.forbid_policies_except(fixed["recompute"])
+    allowed = recompute_choices(fixed, layout)
+    if len(allowed) == 1:
+        model.forbid_policies_except(allowed[0])
     first, last = block_span(workload)
     blocks = [min(st.end, last) - max(st.start, first) for st in template.stages]
     greedy = least_recompute_counts(entry.data, blocks, layout.pp, allowed)

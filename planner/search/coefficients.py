@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from costmodel.compute import Context, LayerTime, layer_time
 from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_exposed, weight_gather_time)
-from costmodel.terms import (activation_moments, block_buffer_bytes, device_states, gradients_at_peak, owned_shares,
+from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
@@ -37,6 +37,7 @@ class LayerCoefficients:
     expert_params: float = 0.0  # of `params`: expert weights, reduced over their own replicas after the backward
     states: float = 0.0  # bytes of its states on the rank at the activation peak (experts shard over fewer ranks)
     step_states: float = 0.0  # bytes at the optimizer step: every state and AdamW's per-parameter temporaries
+    weight_grad: float = 0.0  # of `time`: the weight gradients a zero-bubble schedule moves into the bubble
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,7 @@ class RankFixed:
     params: float
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
+    weight_grad: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class StageModelData:
     extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`_rank_extra_bytes`)
     fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
     rebuild: tuple[float, ...] = ()  # per pipeline rank: what a fully recomputed block adds to its peak
+    schedule: str = "1f1b"  # the layout's: a zero-bubble one fills its ramps with weight gradients (`bubble_fill`)
     crossing: tuple[float, ...] = ()  # per pipeline rank: sends to another GPU group (`costmodel.mixed.crossing_seconds`)
     gather_seconds_per_param: float = 0.0  # ZeRO-1's weight all-gather after the step, of the dense parameters
     expert_seconds_per_param: float = 0.0  # the experts' reduction after the backward (`expert_reduction_time`)
@@ -133,7 +136,8 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes))
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
-                             step_states=step_states, expert_params=layer.expert_params / plan.ep)
+                             step_states=step_states, expert_params=layer.expert_params / plan.ep,
+                             weight_grad=times(layer, ctx, "none").weight_grad)
 
 
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
@@ -197,6 +201,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         expert_seconds_per_param=(expert_reduction_time(2 * probe, plan, lay) - expert_reduction_time(probe, plan, lay)) / probe,
         expert_latency=expert_reduction_time(1.0, plan, lay),
         capacity=capacity,
+        schedule=plan.schedule,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
     )
@@ -243,7 +248,8 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in stages)
                      + crossing,
                      activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
-                     states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers))
+                     states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
+                     weight_grad=sum(l.weight_grad for l in layers))
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
@@ -321,11 +327,12 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
     t_none, t_sel, t_full = (block.time[k] for k in POLICIES)
     b_none, b_sel, b_full = (block.backward[k] for k in POLICIES)
     a_none, a_sel, a_full = (block.activation[k] for k in POLICIES)
-    rank_time = []
+    rank_time, weight_grads = [], 0.0
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
     for r, (f, mine) in enumerate(zip(fixed, per_rank)):
         none, sel, full = mine.get("none", 0), mine.get("selective", 0), mine.get("full", 0)
         rank_time.append(f.time + none * t_none + sel * t_sel + full * t_full)
+        weight_grads += f.weight_grad + (none + sel + full) * block.weight_grad
         window = none * b_none + sel * b_sel + full * b_full
         params = (none + sel + full) * block.params + f.params
         experts = (none + sel + full) * block.expert_params
@@ -338,7 +345,7 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
                 + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
         headroom = min(headroom, data.capacity - max(used, stepping))
-    pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp)
+    pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
 

@@ -45,7 +45,7 @@ def uniform_candidates(
 ):
     """Yield every uniform candidate, priced (fitting or not)."""
     for layout in layouts(workload, cluster, global_batch, fixed):
-        for policy in recompute_choices(fixed):
+        for policy in recompute_choices(fixed, layout):
             plan = to_plan(layout, workload, cluster, global_batch=global_batch, dtype=dtype, recompute=policy, model=model or workload.name)
             yield Candidate(layout, policy, plan, estimate(workload, plan, cluster, memory_reserve=memory_reserve))
 

@@ -65,7 +65,7 @@ def pinned_plan(workload: Workload, cluster: Cluster, *, global_batch: int, fixe
     when none does, the one with the smallest peak), flagged where it falls outside."""
     layout = pinned_layout(fixed, cluster)
     priced = []
-    for policy in recompute_choices(fixed):
+    for policy in recompute_choices(fixed, layout):
         plan = _as_plan(layout, workload, cluster, policy, global_batch=global_batch, dtype=dtype,
                         model=model or workload.name)
         priced.append((plan, estimate(workload, plan, cluster, memory_reserve=memory_reserve)))

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from costmodel.terms import bubble_fill
 from planner.search.coefficients import POLICIES, StageModelData
 
 NS = 1e9  # seconds -> integer nanoseconds
@@ -175,7 +176,18 @@ class StageModel:
         # 1 ns per checkpointed block breaks ties (flash attention makes
         # selective cost the same as none) in favour of simpler plans.
         checkpointed = sum(stage[k] for stage in self.n for k in POLICIES if k != "none")
-        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) + v * (self.E + opt) + checkpointed)
+        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) - self._fill() + v * (self.E + opt) + checkpointed)
+
+    def _fill(self):
+        """A zero-bubble schedule's ramp fill (`costmodel.terms.bubble_fill`), linear in each rank's
+        blocks (on a mixed split their weight gradients differ by GPU)."""
+        fill = []
+        for r in range(self.pp):
+            d = self.ranks[r]
+            per_block = bubble_fill(d.schedule, d.block.weight_grad, self.pp)
+            fixed = sum(bubble_fill(d.schedule, self._fixed(s, "weight_grad"), self.pp) for s in self._stages_of(r))
+            fill.append(self._blocks(r) * _i(per_block, NS) + _i(fixed, NS))
+        return sum(fill)
 
     def forbid_policies_except(self, policy: str) -> None:
         """Honour a pinned checkpointing policy."""

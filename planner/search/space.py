@@ -20,7 +20,7 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 from layout.axes import AXIS, RECOMPUTE, axis_problem
 from layout.layout import Layout
-from layout.rules import layout_problem, moe_sp_problem
+from layout.rules import allowed_recompute, layout_problem, moe_sp_problem
 from planner.executable import facts_of_workload
 
 MAX_MICRO_BATCH = 16
@@ -65,6 +65,9 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
                                 f"use any of {', '.join(AXIS['compression'].choices)}")
         elif (why := axis_problem(key, value)) is not None:
             raise PlanError("fixed" if key not in AXIS else key, why)
+    if "recompute" in fixed and fixed["recompute"] not in allowed_recompute(Layout(schedule=fixed.get("schedule", "1f1b"))):
+        raise PlanError("recompute", f"{fixed['recompute']!r} with the {fixed['schedule']} schedule: the executor runs it "
+                        "without recomputation", "pin recompute none, or another schedule")
     if workload is not None and cluster is not None:
         _check_pins_fit(fixed, workload, cluster)
 
@@ -119,6 +122,9 @@ def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None,
         for v in depths:
             if n_blocks >= pp * v:
                 yield "interleaved", v
+        for v in (1, *depths):  # zero-bubble (ZB1P) over one chunk per rank too
+            if n_blocks >= pp * v:
+                yield "zero-bubble", v
 
 
 def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict | None = None) -> Iterator[Layout]:
@@ -141,7 +147,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                             for ep in ep_choices(workload, dp * cp, fixed):
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
                                                 vpp=vpp, dp_shard=shard, cp=cp, ep=ep, stack=fixed.get("stack", "eager"))
-                                if _honours(layout, fixed):
+                                if _honours(layout, fixed) and recompute_choices(fixed, layout):
                                     for method, offload in _method_offload(layout, cluster, fixed):
                                         offered = layout.model_copy(update=dict(compression=method, offload=offload))
                                         # a pinned stack the executor does not run is still priced (a what-if)
@@ -225,6 +231,8 @@ def _honours(layout: Layout, fixed: dict) -> bool:
                if key not in ("recompute", "compression", "offload"))
 
 
-def recompute_choices(fixed: dict | None) -> tuple[str, ...]:
+def recompute_choices(fixed: dict | None, layout: Layout | None = None) -> tuple[str, ...]:
+    """The policies searched: a pinned one, else every one the executor runs with `layout`."""
     fixed = fixed or {}
-    return (fixed["recompute"],) if "recompute" in fixed else RECOMPUTE
+    allowed = allowed_recompute(layout) if layout is not None else RECOMPUTE
+    return tuple(p for p in ((fixed["recompute"],) if "recompute" in fixed else RECOMPUTE) if p in allowed)
