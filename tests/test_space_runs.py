@@ -77,9 +77,9 @@ def test_golden_gpt2_pick_on_a_cpu_profile_runs_end_to_end(tmp_path, capsys):
 
     cluster = hardware.load(str(PROFILE))
     plan = planner.plan("gpt2", cluster, global_batch=4, seq_len=32, dtype="fp32", top_k=1, time_limit_s=2.0)
-    # golden: a 4-stage pipeline, whose idle ranks hand their cores to the busy ones (gpt2's tied
-    # embedding then spans the first and last stage)
-    assert (plan.dp, plan.tp, plan.pp, plan.schedule, plan.vpp) == (1, 1, 4, "1f1b", 1)
+    # golden: a 4-stage zero-bubble pipeline (its weight gradients fill the ramps), whose idle ranks
+    # hand their cores to the busy ones (gpt2's tied embedding then spans the first and last stage)
+    assert (plan.dp, plan.tp, plan.pp, plan.schedule, plan.vpp) == (1, 1, 4, "zero-bubble", 1)
     assert plan.hardware_profile is not None  # a profile file is carried inside the plan
     path, out = tmp_path / "plan.json", tmp_path / "report.json"
     path.write_text(plan.to_json())

@@ -115,6 +115,7 @@ class LayerTimes:
 
     def __init__(self) -> None:
         self._memo: dict[tuple, LayerTime] = {}
+        self.layers: dict[tuple, LayerCoefficients] = {}  # `_layer`'s, by `layer_key`
 
     def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
         key = (id(layer), policy, id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
@@ -122,6 +123,14 @@ class LayerTimes:
         if key not in self._memo:
             self._memo[key] = layer_time(layer, ctx, policy)
         return self._memo[key]
+
+
+def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
+    """What a layer's coefficients depend on: every field `_layer` reads, and not the schedule,
+    vpp or the pipeline's depth beyond whether there is one (held_zero, gradients_at_peak), so
+    the layouts that differ only there share them."""
+    return (id(layer), id(cluster), plan.dtype, plan.tp, plan.sp, plan.micro_batch, plan.cp, plan.ep, plan.stack,
+            plan.zero, plan.dp_shard, plan.dp, plan.pp > 1, plan.num_micro_batches == 1, plan.offload)
 
 
 def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
@@ -176,7 +185,10 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     coeff = {}
     for layer in layers:
         if id(layer) not in coeff:
-            coeff[id(layer)] = _layer(layer, plan, lay, times, cluster)
+            key = layer_key(layer, plan, cluster)
+            if key not in times.layers:
+                times.layers[key] = _layer(layer, plan, lay, times, cluster)
+            coeff[id(layer)] = times.layers[key]
     block = coeff[id(layers[first])]
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
     # latency (`dp_latency`) plus their least marginal cost per parameter, from a billion
@@ -208,7 +220,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"])
     return replace(data, extra=extra, rebuild=rebuild, step_fixed=_step_fixed(layers[:first], layers[first], layers[last:],
                                                                               plan, cluster),
-                   fixed=tuple(rank_fixed(data, r, plan.pp, plan.n_virtual_stages) for r in range(plan.pp)))
+                   fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))
 
 
 def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
@@ -231,14 +243,28 @@ def with_crossing(data: StageModelData, crossing: list[float], vpp: int) -> Stag
     (per pipeline rank)."""
     pp = len(crossing)
     data = replace(data, crossing=tuple(crossing))
-    return replace(data, fixed=tuple(rank_fixed(data, r, pp, pp * vpp) for r in range(pp)))
+    return replace(data, fixed=all_rank_fixed(data, pp, pp * vpp))
 
 
 def fixed_per_rank(data: StageModelData, pp: int, vpp: int) -> tuple[RankFixed, ...]:
     """Each pipeline rank's `RankFixed`: the layout's own, computed once, or for another split."""
     if len(data.fixed) == pp:
         return data.fixed
-    return tuple(rank_fixed(data, r, pp, pp * vpp) for r in range(pp))
+    return all_rank_fixed(data, pp, pp * vpp)
+
+
+def all_rank_fixed(data: StageModelData, pp: int, S: int) -> tuple[RankFixed, ...]:
+    """`rank_fixed` of every rank; the ranks holding neither end nor a crossing send (every
+    middle rank of a uniform layout) are alike, so one of them is priced for all."""
+    out, middle = [], None
+    for r in range(pp):
+        plain = r != 0 and r != (S - 1) % pp and not (data.crossing and data.crossing[r])
+        if plain and middle is not None:
+            out.append(middle)
+            continue
+        out.append(rank_fixed(data, r, pp, S))
+        middle = out[-1] if plain else middle
+    return tuple(out)
 
 
 def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
@@ -275,8 +301,13 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
     block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0
-    without, growth = [], []
+    without, growth, seen = [], [], {}
     for own in ends:
+        if len(own) in seen and seen[len(own)][0] == own:  # the middle ranks hold no ends: priced once
+            plain, grows = seen[len(own)][1]
+            without.append(plain)
+            growth.append(grows)
+            continue
         terms = dict(end_temporaries=max((transient_bytes(layer, **kw) for layer in own), default=0.0),
                      head_saved=sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head"),
                      accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
@@ -286,6 +317,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
         rebuilding = max(sum(m.values()) for m in activation_moments(0.0, block_work=max(block_temporaries, rebuilt), **terms))
         without.append(plain)
         growth.append(rebuilding - plain)
+        seen[len(own)] = (own, (plain, rebuilding - plain))
     return tuple(without), tuple(growth)
 
 
