@@ -165,9 +165,10 @@ def split_tp(og: OpGraph) -> None:
                 data["tp"], data["gather"], data["whole"] = "R", True, True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":
-            from_input = any(_from_input(g, p) for p in preds)
-            data["tp"], data["allreduce"] = "R", from_input
-            _set_style(og, data["module"], "rowwise" if from_input else "replicate")
+            # as the executor splits every nn.Embedding (executor/apply/tp_styles.py): rowwise, its
+            # output all-reduced, the tokens' table and a learned position table alike
+            data["tp"], data["allreduce"] = "R", True
+            _set_style(og, data["module"], "rowwise")
         elif data["kind"] == "matmul":
             shape = data["shape"]
             data["scores"] = len(shape) >= 2 and shape[-1] == s and shape[-2] == s

@@ -28,11 +28,16 @@ def reference_config(name: str, n_layers: int | None = None) -> GPTConfig:
                      max_seq_len=cfg["max_position_embeddings"], tie_embeddings=bool(cfg.get("tie_word_embeddings", False)))
 
 
-def build_module(name: str) -> nn.Module:
-    """The catalog model `name`: a ReferenceGPT, or an HF causal LM from its config."""
+def build_module(name: str, depth: int | None = None) -> nn.Module:
+    """The catalog model `name`: a ReferenceGPT, or an HF causal LM from its config (`depth`:
+    that many blocks, as the tracer builds it)."""
     if is_reference(name):
-        return ReferenceGPT(reference_config(name))
+        return ReferenceGPT(reference_config(name, depth))
     config = hf_config(name)
+    if depth is not None:
+        from planner.trace.hf import reduced_config
+
+        config = reduced_config(config, depth)[0]
     config._attn_implementation = "sdpa"
     from transformers import AutoModelForCausalLM
 

@@ -1,0 +1,57 @@
+"""The model described once: the TP split the tracer prices (`planner.trace.blocks.split_tp`,
+from the traced graph) is the split the executor applies (`executor.apply.tp_styles.analyse_tp`,
+from a forward on the live module), for every catalog model the executor builds and for a
+user's own module (`examples/llama_module.py`)."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from executor.apply.tp_styles import analyse_tp
+from hardware.errors import ModelError
+from planner.trace.blocks import split_tp
+from planner.trace.models.build import build_module
+from planner.trace.models.catalog import list_models
+from planner.trace.module import trace_module
+
+SEQ = 16
+
+
+def _split(model: torch.nn.Module) -> tuple[dict[str, str], dict[str, str]]:
+    """(executed, priced): module -> colwise/rowwise, the blocks' numbers as the tracer's `*`."""
+    executed = analyse_tp(model, torch.randint(0, 8, (1, SEQ), device="meta")).styles
+    graph = trace_module(model, (torch.zeros(1, SEQ, dtype=torch.long),), seq_len=SEQ, dtype="bf16")
+    split_tp(graph)
+    executed = {re.sub(r"\.\d+\.", ".*.", name): style for name, style in executed.items() if style != "replicate"}
+    return executed, {name: style for name, style in graph.tp_styles.items() if style != "replicate"}
+
+
+def _on_meta(build) -> torch.nn.Module:
+    with torch.device("meta"):
+        return build().to(torch.bfloat16)  # grouped expert GEMMs take bf16 only
+
+
+# BERT's prediction head normalises a colwise dense layer's output: the executor sees the norm
+# mix the split features and replicates the dense (tp_styles' conflict rule), the tracer's
+# graph pass does not and prices it colwise. Known, left for the one derivation (issue 29, item 3).
+KNOWN = {"bert-large": "the tracer misses the executor's norm-conflict rule on BERT's prediction head"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN
+                                  else n for n in list_models()])
+def test_the_priced_split_is_the_executed_split(name):
+    try:
+        model = _on_meta(lambda: build_module(name, depth=2))
+    except ModelError:
+        pytest.skip(f"{name} is priced but not run (not a causal LM)")
+    executed, priced = _split(model)
+    assert executed and executed == priced
+
+
+def test_a_users_own_module_is_split_as_priced():
+    from examples.llama_module import build
+
+    executed, priced = _split(_on_meta(build))
+    assert executed and executed == priced
