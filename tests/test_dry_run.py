@@ -35,12 +35,14 @@ def test_full_size_fsdp_rank_holds_its_shard():
     assert rank.predicted_peak == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-6)
 
 
-def test_pipeline_ranks_each_measured():
-    """An interleaved pipeline: every pipeline rank replays its own chunks in torch's schedule
-    order; the first and last ranks hold the embedding and head on top of their blocks."""
+@pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
+def test_pipeline_ranks_each_measured(schedule):
+    """A pipeline of two chunks per rank: every pipeline rank replays its own chunks in torch's
+    schedule order (zero-bubble's input-gradient step as the whole backward); the first and last
+    ranks hold the embedding and head on top of their blocks."""
     plan = planner.plan("hf-llama-tiny", "8xh100-sxm", global_batch=16, seq_len=32,
-                        fixed={"tp": 1, "pp": 2, "vpp": 2, "zero": 0}, dtype="fp32")
-    assert plan.schedule == "interleaved" and replay_micro_batches(plan) <= plan.num_micro_batches
+                        fixed={"tp": 1, "pp": 2, "vpp": 2, "zero": 0, "schedule": schedule}, dtype="fp32")
+    assert plan.schedule == schedule and replay_micro_batches(plan) <= plan.num_micro_batches
     result = dry_run(plan)
     assert [r.pp_rank for r in result.ranks] == roles(plan) == [0, 1]
     own = {0: 0, 1: 0}  # fp32 bytes of the parameters each pipeline rank's chunks keep

@@ -239,7 +239,10 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
     for action in order:
         kind, index = action.computation_type.name, action.stage_index
         stage = stages[index]
-        step = "F" if kind in ("FORWARD", "F") else "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD") else None
+        # a zero-bubble schedule's input-gradient backward (I) runs here as the whole backward: its
+        # weight gradients (W) then appear at I, not later, and its activations free there
+        step = ("F" if kind in ("FORWARD", "F") else
+                "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD", "BACKWARD_INPUT", "I") else None)
         if step is None:
             continue
         mb, turn[(index, step)] = turn[(index, step)], turn[(index, step)] + 1
