@@ -178,12 +178,13 @@ def test_prediction_keeps_gathered_logits_on_every_tp_rank():
 def test_prediction_prices_the_tp_collectives_the_executor_issues():
     """DTensor TP on the reference GPT (separate q/k/v projections): a block all-reduces twice in
     forward and four times in backward (6 gloo all-reduces counted with torch.profiler); the head
-    all-gathers its logits in forward and all-reduces its input gradient; the embedding reduces in forward only."""
+    all-gathers its logits in forward and all-reduces its input gradient; the embedding layer reduces
+    in forward only, once per table: the tokens' and the learned positions', both split rowwise."""
     plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
                 stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
     layers = {seg.layer.kind: seg.layer for seg in _workload(plan).segments}
     assert (layers["block"].tp_allreduces_fwd, layers["block"].tp_allreduces_bwd) == (2, 4)
-    assert (layers["embedding"].tp_allreduces_fwd, layers["embedding"].tp_allreduces_bwd) == (1, 0)
+    assert (layers["embedding"].tp_allreduces_fwd, layers["embedding"].tp_allreduces_bwd) == (2, 0)
     head = layers["head"]
     assert (head.tp_allreduces_fwd, head.tp_allreduces_bwd) == (0, 1)
     assert head.tp_gather_bytes == 256 * 8192 * 4
