@@ -21,6 +21,7 @@ from pathlib import Path
 
 from layout.plan import Plan
 from executor.measure.calibrate import calibrate
+from executor.runtime.config import RunConfig  # noqa: E402
 from executor.runtime.launch import run
 from hardware import load
 
@@ -60,7 +61,7 @@ def main() -> None:
     for name in names:
         profile = cluster or calibrate("cpu", ranks=4)
         load_avg = os.getloadavg()[0]
-        report = run(layout(**LAYOUTS[name]), steps=args.steps, cluster=profile)
+        report = run(layout(**LAYOUTS[name]), RunConfig(steps=args.steps), cluster=profile)
         failures += _print_row(name, report, load_avg)
     print(f"{failures} of {len(names)} layouts outside the targets (time {TIME_TARGET:.0%}, memory {MEMORY_TARGET:.0%}); "
           f"{os.cpu_count()} cores")

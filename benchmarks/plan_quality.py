@@ -31,6 +31,7 @@ from pathlib import Path
 import hardware
 import planner
 from executor.measure.calibrate import calibrate
+from executor.runtime.config import RunConfig  # noqa: E402
 from executor.runtime.launch import run
 from hardware.errors import ParallaxError
 
@@ -71,7 +72,7 @@ def measure(model: str, cluster, name: str, pins: dict | None, steps: int) -> di
         print(f"  {name:16} not offered: {plan}")
         return None
     load = os.getloadavg()[0]
-    report = run(plan, steps=steps)
+    report = run(plan, RunConfig(steps=steps))
     row = dict(name=name, layout=describe(plan), load=load, meas=report.step_time_s,
                pred=report.predicted_step_time_s, mem=max(report.peak_memory_bytes),
                pred_mem=report.predicted_peak_memory_bytes, terr=report.step_time_error, merr=report.memory_error)

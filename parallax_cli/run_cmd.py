@@ -58,7 +58,8 @@ def run_command(
     (elastic resume). On several nodes, run the same command on each with --nnodes,
     --node-rank and --rdzv-endpoint (torchrun's c10d rendezvous); `parallax launch --slurm`
     writes the batch script that does so."""
-    from executor.runtime.launch import Nodes, Trust, run
+    from executor.runtime.config import RunConfig, Trust
+    from executor.runtime.launch import Nodes, run
 
     nodes = Nodes(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint, rdzv_id=rdzv_id,
                   last_call_s=rdzv_last_call)
@@ -73,11 +74,11 @@ def run_command(
         from hardware import load
 
         cluster = load(hardware)
-    every = checkpoint_interval(plan, checkpoint_dir, checkpoint_every)
-    report = run(plan, model=model, steps=steps, nproc=nproc, nodes=nodes, cluster=cluster,
-                 checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None, checkpoint_every=every,
-                 max_restarts=max_restarts, seed=seed, profile_dir=str(profile_dir) if profile_dir else None,
-                 trust=Trust(module=trust_module, checkpoint_dir=trust_checkpoint_dir))
+    config = RunConfig(model=model, steps=steps, seed=seed, checkpoint_dir=str(checkpoint_dir) if checkpoint_dir else None,
+                       checkpoint_every=checkpoint_interval(plan, checkpoint_dir, checkpoint_every),
+                       max_restarts=max_restarts, profile_dir=str(profile_dir) if profile_dir else None,
+                       trust=Trust(module=trust_module, checkpoint_dir=trust_checkpoint_dir))
+    report = run(plan, config, nproc=nproc, nodes=nodes, cluster=cluster)
     if out:
         write_output(out, report.model_dump_json(indent=2))
     guess = (cluster or plan.cluster()).guess_warning()

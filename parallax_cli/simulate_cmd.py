@@ -3,6 +3,8 @@
 On other hardware (`--hw`) a plan that no longer fits — wrong GPU count or
 out of memory — is re-planned for the target, and the output says so: a
 simulation of a layout that cannot run would be a confident wrong answer.
+On its own hardware a plan whose degrees miss the GPU count is refused: that
+file is broken, and re-planning it would answer a question nobody asked.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rich.table import Table
 
 from costmodel.estimate import estimate
 from layout.plan import Plan
+from layout.rules import check_world
 from hardware.errors import ModelError, ParallaxError
 from parallax_cli import TRUST_MODULE_HELP, app, load_plan, wide_console
 from planner.resolve import resolve_hardware
@@ -113,6 +116,8 @@ def simulate_command(
 
     plan = load_plan(plan_path, trust_module)
     cluster = resolve_hardware(hw) if hw else plan.cluster()
+    if not hw:  # on its own hardware a plan whose degrees miss its GPU count is broken, not a what-if
+        check_world(plan, cluster.n_gpus, "GPUs on the plan's hardware", "fix the degrees, or pass --hw to re-plan")
     workload = load_workload(plan, cluster)
     plan, notes = fit_plan(plan, workload, cluster)
     sim = simulate(workload, plan, cluster)

@@ -47,10 +47,11 @@ def test_validate_refuses_world_size_mismatch_and_accepts_a_good_plan():
 
 
 def test_run_refuses_before_launching():
+    from executor.runtime.config import RunConfig
     from executor.runtime.launch import run
 
     with pytest.raises(PlanError):
-        run(make_plan("reference-tiny", tp=3), steps=1)
+        run(make_plan("reference-tiny", tp=3), RunConfig(steps=1))
 
 
 @pytest.mark.parametrize("name, prefix", [("reference-tiny", "layers.0."), ("hf-llama-tiny", "model.model.layers.0.")])

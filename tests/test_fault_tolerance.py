@@ -19,6 +19,7 @@ from costmodel.goodput import (daly_interval, expected_goodput, first_order_good
 from layout.plan import Plan, uniform_stages
 from executor.checkpoints.store import latest_valid, verify
 from executor.runtime.elastic import replan
+from faults import killing
 
 STEPS = 8
 EVERY = 2
@@ -33,8 +34,10 @@ def make_plan(dp: int = 4, zero: int = 3) -> Plan:
 def launch(folder: Path, nproc: int = 4, **kwargs):
     from executor.runtime.launch import run
 
-    return run(make_plan(), steps=STEPS, nproc=nproc, checkpoint_dir=str(folder), checkpoint_every=EVERY,
-               timeout_s=600, **kwargs)
+    from executor.runtime.config import RunConfig
+
+    config = RunConfig(steps=STEPS, checkpoint_dir=str(folder), checkpoint_every=EVERY, **kwargs)
+    return run(make_plan(), config, nproc=nproc, timeout_s=600)
 
 
 def saved_state(folder: Path, tmp: Path) -> dict:
@@ -89,25 +92,36 @@ def test_kill_one_rank_three_times_and_resume_bit_identical(reference, tmp_path)
     each time and it resumes from the last checkpoint. The final parameters and optimizer
     state equal the uninterrupted run's, bit for bit."""
     folder, ref = reference
-    from executor.runtime.launch import run
-
-    report = run(make_plan(), steps=STEPS, nproc=4, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=EVERY,
-                 max_restarts=3, timeout_s=600, fail_at=[3, 5, 7], fail_rank=1)
+    report = launch(tmp_path / "ckpt", max_restarts=3, step_hook=killing([3, 5, 7], rank=1))
     assert any("restarted the workers 3 time" in n for n in report.notes), report.notes
     assert any("resumed from step-00000006" in n for n in report.notes), report.notes
     assert report.losses == ref.losses[6:]
     assert_identical(saved_state(folder / "step-00000008", tmp_path), saved_state(tmp_path / "ckpt" / "step-00000008", tmp_path))
 
 
-def test_fault_injection_is_a_worker_argument():
+def test_fault_injection_is_a_step_hook_outside_the_run_signatures(tmp_path):
+    """The workers read the run's configuration from a file; the hook kills the named rank on
+    the named attempt only."""
+    from executor.runtime.config import RunConfig
     from executor.runtime.launch import torchrun_command
-    from executor.runtime.train import kill_step
 
-    cmd = torchrun_command("p.json", "r.json", "reference-tiny", 8, 4, fail_at=[3, 5, 7], fail_rank=2)
-    assert cmd[cmd.index("--fail-at") + 1] == "3,5,7" and cmd[cmd.index("--fail-rank") + 1] == "2"
-    assert "--fail-at" not in torchrun_command("p.json", "r.json", "reference-tiny", 8, 4)
-    assert [kill_step([3, 5, 7], 1, rank=1, attempt=a) for a in range(4)] == [3, 5, 7, None]
-    assert kill_step([3, 5, 7], 1, rank=0, attempt=0) is None and kill_step(None, 1, rank=1, attempt=0) is None
+    cmd = torchrun_command("p.json", "run.json", "r.json", 4)
+    assert cmd[cmd.index("executor.runtime.worker") + 1:] == ["p.json", "run.json", "--out", "r.json"]
+    config = RunConfig(step_hook=killing([3, 5, 7], rank=1))
+    assert RunConfig.model_validate_json(config.model_dump_json()) == config
+    calls = []
+    hook = config.step_hook.build()
+    import faults
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(faults.os, "kill", lambda pid, sig: calls.append(sig))
+        for attempt in range(4):
+            for step in range(8):
+                hook(step, 1, attempt)
+                hook(step, 0, attempt)
+    assert len(calls) == 3  # steps 3, 5, 7 of attempts 0-2 on rank 1; none on rank 0 or attempt 3
+    with pytest.raises(ValueError, match="package.module:function"):
+        RunConfig(step_hook={"function": "os.system"})
 
 
 def test_corrupted_checkpoint_is_detected_and_the_previous_one_used(reference, tmp_path):

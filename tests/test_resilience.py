@@ -19,10 +19,12 @@ from hypothesis import strategies as st
 
 import hardware
 from layout.plan import Plan, uniform_stages
+from executor.runtime.config import RunConfig
 from executor.runtime.launch import Nodes, run
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 from test_executor import make_plan
+from faults import killing
 from test_fault_tolerance import assert_identical, saved_state
 
 KINDS = ["embedding"] + ["block"] * 4 + ["head"]
@@ -70,10 +72,9 @@ def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factor
     plans.append(MOE_SOURCE)  # expert parallel: each expert saved under its own name
     for plan in plans:
         tmp = tmp_path_factory.mktemp("kill")
-        kwargs = dict(steps=6, checkpoint_every=2, timeout_s=600)
-        whole = run(plan, checkpoint_dir=str(tmp / "whole"), **kwargs)
-        killed = run(plan, checkpoint_dir=str(tmp / "killed"), max_restarts=1, fail_at=[3], fail_rank=plan.n_gpus - 1,
-                     **kwargs)
+        whole = run(plan, RunConfig(steps=6, checkpoint_every=2, checkpoint_dir=str(tmp / "whole")), timeout_s=600)
+        killed = run(plan, RunConfig(steps=6, checkpoint_every=2, checkpoint_dir=str(tmp / "killed"), max_restarts=1,
+                                     step_hook=killing([3], rank=plan.n_gpus - 1)), timeout_s=600)
         assert any("resumed from step-00000002" in n for n in killed.notes), (plan.layout_tag, killed.notes)
         assert killed.losses == whole.losses[2:], plan.layout_tag
         assert_identical(saved_state(tmp / "whole" / "step-00000006", tmp),
@@ -99,7 +100,7 @@ def sources(tmp_path_factory):
     out = {}
     for name, plan in SOURCES.items():
         folder = tmp_path_factory.mktemp(name) / "ckpt"
-        out[name] = (folder, run(plan, steps=6, checkpoint_dir=str(folder), checkpoint_every=2, timeout_s=600))
+        out[name] = (folder, run(plan, RunConfig(steps=6, checkpoint_dir=str(folder), checkpoint_every=2), timeout_s=600))
     return out
 
 
@@ -108,7 +109,7 @@ def test_a_checkpoint_resumes_on_another_layout(sources, tmp_path, source, targe
     folder, whole = sources[source]
     work = tmp_path / "ckpt"
     shutil.copytree(folder / "step-00000004", work / "step-00000004")
-    report = run(target, steps=6, checkpoint_dir=str(work), checkpoint_every=2, timeout_s=600)
+    report = run(target, RunConfig(steps=6, checkpoint_dir=str(work), checkpoint_every=2), timeout_s=600)
     assert report.notes[0] == line, report.notes
     assert report.losses == pytest.approx(whole.losses[4:], abs=1e-5)
     assert report.plan["ep"] == target.ep
@@ -136,7 +137,7 @@ def test_two_nodes_on_localhost_train_as_one(tmp_path):
     plan = two_node_plan()
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    one = run(plan, steps=4, timeout_s=600)
+    one = run(plan, RunConfig(steps=4), timeout_s=600)
     outputs = [p.communicate(timeout=600)[0] for p in start_nodes(path, tmp_path, 4, "2", free_port())]
     expected = "losses: " + ", ".join(f"{l:.4f}" for l in one.losses)
     for output in outputs:  # every node prints the report
@@ -168,7 +169,7 @@ def test_a_node_dies_and_the_job_goes_on_replanned(tmp_path):
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
     steps = 24
-    whole = run(plan, steps=steps, timeout_s=600)
+    whole = run(plan, RunConfig(steps=steps), timeout_s=600)
     procs = start_nodes(path, tmp_path, steps, "1:2", free_port(),
                         ["--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--max-restarts", "2",
                          "--rdzv-last-call", "2"])
@@ -219,7 +220,7 @@ def test_the_slurm_script_passes_bash_and_trains_under_a_stand_in_srun(tmp_path)
            "SLURM_JOB_ID": "7", "PYTHONPATH": str(ROOT)}
     ran = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert ran.returncode == 0, ran.stdout + ran.stderr
-    one = run(plan, steps=4, timeout_s=600)
+    one = run(plan, RunConfig(steps=4), timeout_s=600)
     expected = "losses: " + ", ".join(f"{l:.4f}" for l in one.losses)
     assert ran.stdout.count(expected) == 2, ran.stdout
     assert (tmp_path / "ckpt" / "step-00000004" / "manifest.json").exists()

@@ -152,7 +152,8 @@ def test_plans_with_impossible_estimates_are_refused(tmp_path, capsys):
     path.write_text(json.dumps({**data, "tp": 3}))  # 6 ranks on the plan's 8: priced as written nowhere
     assert "= 6, but 8 GPUs on the hardware" in _one_line(capsys, ["estimate", "--plan", str(path)])
     assert "= 6, but 8 GPUs on the hardware" in _one_line(capsys, ["dry-run", str(path)])
-    assert main(["simulate", str(path)]) == 0  # a what-if: re-planned for the hardware, and it says so first
+    assert "= 6, but 8 GPUs on the plan's hardware" in _one_line(capsys, ["simulate", str(path)])
+    assert main(["simulate", str(path), "--hw", "8xh100-sxm"]) == 0  # a what-if: re-planned, and it says so first
     assert capsys.readouterr().out.startswith("note: re-planned for")
 
 

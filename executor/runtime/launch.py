@@ -20,6 +20,7 @@ from pathlib import Path
 from layout.plan import Plan
 from hardware.errors import ParallaxError, PlanError, RunError
 
+from executor.runtime.config import RunConfig, Trust
 from executor.runtime.models import build_model, parameter_shapes
 from executor.runtime.predict import predict
 from executor.runtime.report import RunReport
@@ -68,61 +69,43 @@ class Nodes:
                 + (f",last_call_timeout={self.last_call_s}" if self.last_call_s is not None else "")]
 
 
-def torchrun_command(plan_path: str, out_path: str, model: str, steps: int, nproc: int, nodes: Nodes = Nodes(),
-                     checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-                     max_restarts: int = 0, seed: int = 0, fail_at: list[int] | None = None,
-                     fail_rank: int = 1, log_dir: str | None = None, profile_dir: str | None = None,
-                     trust_module: bool = False) -> list[str]:
-    """`python -m torch.distributed.run` for this node's ranks.
-    With `log_dir`, torchrun keeps every rank's stdout and stderr there and each
-    failing rank writes its exception there too (see `first_failure`)."""
+def torchrun_command(plan_path: str, config_path: str, out_path: str, nproc: int, nodes: Nodes = Nodes(),
+                     max_restarts: int = 0, log_dir: str | None = None) -> list[str]:
+    """`python -m torch.distributed.run` for this node's ranks: each reads the plan and the run's
+    configuration from their files. With `log_dir`, torchrun keeps every rank's stdout and stderr
+    there and each failing rank writes its exception there too (see `first_failure`)."""
     node_args = nodes.torchrun_args()
     if log_dir:
         node_args += ["--log-dir", log_dir, "--redirects", "3"]
     if max_restarts:
         node_args += ["--max-restarts", str(max_restarts)]
-    ckpt = ["--checkpoint-dir", checkpoint_dir, "--checkpoint-every", str(checkpoint_every)] if checkpoint_dir else []
-    fail = ["--fail-at", ",".join(str(s) for s in fail_at), "--fail-rank", str(fail_rank)] if fail_at else []
     return [sys.executable, "-m", "torch.distributed.run", *node_args, "--nproc-per-node", str(nproc),
-            "-m", "executor.runtime.worker", plan_path, "--model", model, "--steps", str(steps), "--seed", str(seed),
-            "--out", out_path, *ckpt, *fail, *(["--failure-dir", log_dir] if log_dir else []),
-            *(["--profile-dir", profile_dir] if profile_dir else []), *(["--trust-module"] if trust_module else [])]
+            "-m", "executor.runtime.worker", plan_path, config_path, "--out", out_path,
+            *(["--failure-dir", log_dir] if log_dir else [])]
 
 
-@dataclass(frozen=True)
-class Trust:
-    """What the user has said may be trusted: a plan's module factory (its code runs on every
-    rank) and a checkpoint folder other users may write (its weights are loaded)."""
-    module: bool = False
-    checkpoint_dir: bool = False
-
-
-def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None = None,
-        nodes: Nodes = Nodes(), cluster=None, timeout_s: float | None = None,
-        checkpoint_dir: str | None = None, checkpoint_every: int = 0, max_restarts: int = 0,
-        seed: int = 0, fail_at: list[int] | None = None, fail_rank: int = 1,
-        profile_dir: str | None = None, trust: Trust = Trust()) -> RunReport:
+def run(plan: Plan, config: RunConfig = RunConfig(), *, nproc: int | None = None, nodes: Nodes = Nodes(),
+        cluster=None, timeout_s: float | None = None) -> RunReport:
     """Validate (before any process starts), launch, and return the report with predictions.
 
-    Everything the workers do comes from `plan` (compression options included) and these
-    arguments, passed on their command line. With `checkpoint_dir`, the job saves every
+    Everything the workers do comes from `plan` (compression options included) and `config`,
+    both written to files they read. With `config.checkpoint_dir`, the job saves every
     `checkpoint_every` steps (and at the end) and resumes from the newest valid checkpoint
     there, checked first (`executor.checkpoints.guard`: owner, lock, step, model, seed,
     parameters); torchrun restarts it up to `max_restarts` times after a worker dies. A rank
     count other than the plan's re-plans the job (executor/runtime/elastic.py) and the checkpoint is
-    resharded on load. `seed` seeds the model, the data and compression's randomness.
+    resharded on load.
 
-    `fail_at` / `fail_rank` are fault injection for the restart tests: on torchrun attempt i,
-    rank `fail_rank` SIGKILLs itself mid-step at step `fail_at[i]`.
-
-    `nodes`: this node's place in a multi-node job; every node runs the same call and
-    prints the same report (each node's first rank writes it). SIGINT or SIGTERM stops
-    torchrun and every worker and raises `hardware.errors.Interrupted`."""
-    model = model or plan.model
+    `nproc`: this node's ranks (default: the plan's, shared among the nodes); `nodes`: this
+    node's place in a multi-node job, where every node runs the same call and prints the same
+    report (each node's first rank writes it); `cluster`: the profile the prediction is for
+    (default: the plan's). SIGINT or SIGTERM stops torchrun and every worker and raises
+    `hardware.errors.Interrupted`."""
+    model = config.model_for(plan.model)
     nproc = nproc or max(1, plan.n_gpus // nodes.max_nodes)
-    module = build_model(model, trust_module=trust.module)
+    module = build_model(model, trust_module=config.trust.module)
     replanned = ""
-    if checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
+    if config.checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
         from executor.runtime.elastic import replan
 
         plan, replanned = replan(plan.model_copy(update={"model": model}), nproc * nodes.max_nodes, layer_kinds(module))
@@ -132,17 +115,16 @@ def run(plan: Plan, model: str | None = None, steps: int = 5, nproc: int | None 
         check_compression(plan)
     validate(plan, module, world_size=nproc * nodes.max_nodes)
     with ExitStack() as held:
-        if checkpoint_dir:
-            _check_checkpoint(Path(checkpoint_dir), held, nodes, trust, model=model, seed=seed, steps=steps,
-                              parameters=parameter_shapes(module))
+        if config.checkpoint_dir:
+            _check_checkpoint(Path(config.checkpoint_dir), held, nodes, config.trust, model=model, seed=config.seed,
+                              steps=config.steps, parameters=parameter_shapes(module))
         del module
-        report = _launch(plan, model, steps, nproc, nodes, timeout_s, checkpoint_dir, checkpoint_every, max_restarts,
-                         seed, fail_at, fail_rank, profile_dir, trust)
+        report = _launch(plan, config, nproc, nodes, timeout_s)
     if replanned:
         report = report.model_copy(update={"notes": [replanned, *report.notes]})
     ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
     report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
-    step, peak, note = predict(ran, model, cluster, trust.module)
+    step, peak, note = predict(ran, model, cluster, config.trust.module)
     return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
 
 
@@ -156,22 +138,22 @@ def _check_checkpoint(root: Path, held: ExitStack, nodes: Nodes, trust: Trust, *
     check_resume(root, **run)
 
 
-def _launch(plan, model, steps, nproc, nodes, timeout_s, checkpoint_dir, checkpoint_every, max_restarts, seed,
-            fail_at, fail_rank, profile_dir, trust: Trust) -> RunReport:
+def _launch(plan: Plan, config: RunConfig, nproc: int, nodes: Nodes, timeout_s: float | None) -> RunReport:
     """torchrun for this node's ranks, stopped whole on an interrupt; the workers' report."""
     from executor.runtime.process_tree import run_interruptible
 
+    resolved = {key: str(Path(value).resolve()) for key in ("checkpoint_dir", "profile_dir")
+                if (value := getattr(config, key))}
+    config = config.model_copy(update=resolved)  # the workers may start in another folder
     logs = tempfile.mkdtemp(prefix="parallax-logs-")
     with tempfile.TemporaryDirectory(prefix="parallax-run-") as tmp:
-        plan_path, out_path = Path(tmp, "plan.json"), Path(tmp, "report.json")
+        plan_path, config_path, out_path = Path(tmp, "plan.json"), Path(tmp, "run.json"), Path(tmp, "report.json")
         plan_path.write_text(plan.to_json())
-        cmd = torchrun_command(str(plan_path), str(out_path), model, steps, nproc, nodes,
-                               str(Path(checkpoint_dir).resolve()) if checkpoint_dir else None, checkpoint_every,
-                               max_restarts, seed=seed, fail_at=fail_at, fail_rank=fail_rank, log_dir=logs,
-                               profile_dir=str(Path(profile_dir).resolve()) if profile_dir else None,
-                               trust_module=trust.module)
+        config_path.write_text(config.model_dump_json())
+        cmd = torchrun_command(str(plan_path), str(config_path), str(out_path), nproc, nodes, config.max_restarts, logs)
+        model = config.model_for(plan.model)
         try:
-            done = run_interruptible(cmd, worker_env(model, nproc, trust.module), timeout_s)
+            done = run_interruptible(cmd, worker_env(model, nproc, config.trust.module), timeout_s)
         except subprocess.TimeoutExpired:
             raise RunError("run", f"no result after {timeout_s:.0f} s", f"per-rank logs are in {logs}") from None
         if done.returncode != 0 or not out_path.exists():

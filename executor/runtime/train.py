@@ -11,6 +11,7 @@ from layout.plan import Plan
 from executor.apply.data_parallel import sync_context
 from executor.apply.materialize import Materialized, lm_loss, materialize_rank
 from executor.measure.memory import PeakMemory
+from executor.runtime.config import RunConfig
 from executor.runtime.mesh import coords
 from executor.runtime.models import build_model, parameter_shapes, vocab_size
 
@@ -89,11 +90,11 @@ def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], devi
 
 
 def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int, start_step: int = 0,
-                checkpointer=None, kill_at: int | None = None, profile_dir: str | None = None) -> dict:
+                checkpointer=None, on_step=None, profile_dir: str | None = None) -> dict:
     """Run optimizer steps `start_step`..`steps - 1`; return losses, step times and this rank's peak memory.
 
     With a checkpointer, state is saved after every step it says is due (and after the last).
-    `kill_at` (fault injection): this process SIGKILLs itself mid-step at that step.
+    `on_step(step)`: called after the step's backward and before its update (a `StepHook`'s).
     `profile_dir`: the last steps run under torch.profiler (executor/measure/profiling.py)."""
     from executor.measure.profiling import StepProfiler, profiled_steps
 
@@ -111,11 +112,8 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
             start = time.perf_counter()
             with profiler.step(step):
                 loss = _forward_backward(run, plan, x, y, at, profiler.phase)
-                if step == kill_at:  # fault injection for the restart tests: die mid-step, before the update
-                    import os
-                    import signal
-
-                    os.kill(os.getpid(), signal.SIGKILL)
+                if on_step is not None:
+                    on_step(step)
                 with profiler.phase("sync"):
                     run.sync_gradients()
                 with profiler.phase("optimizer"):
@@ -141,14 +139,6 @@ def _forward_backward(run: Materialized, plan: Plan, x, y, at: dict[str, int], p
             return _pipeline_step(run, plan, x, y, at["pp"])
 
 
-def kill_step(fail_at: list[int] | None, fail_rank: int, rank: int, attempt: int) -> int | None:
-    """Fault injection: on torchrun attempt `attempt` (0 first), rank `fail_rank` dies at step
-    `fail_at[attempt]`; other ranks and later attempts run normally."""
-    if not fail_at or rank != fail_rank or attempt >= len(fail_at):
-        return None
-    return fail_at[attempt]
-
-
 def _torchrun_attempt() -> int:
     """How many times torchrun has restarted this worker group (its documented TORCHELASTIC_RESTART_COUNT)."""
     import os
@@ -171,27 +161,23 @@ def steady_step_time(times: list[float], profiled: list[int] = ()) -> float:
     return statistics.median(unprofiled or steady)
 
 
-def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float = 1e-3,
-             checkpoint_dir: str | None = None, checkpoint_every: int = 0,
-             fail_at: list[int] | None = None, fail_rank: int = 1, profile_dir: str | None = None,
-             trust_module: bool = False) -> dict:
-    """Build, materialise and train on this rank (resuming from `checkpoint_dir` if it holds a
-    valid checkpoint); every rank returns its own numbers.
-
-    `fail_at`/`fail_rank` inject faults for the restart tests (see `kill_step`)."""
-    model = build_model(model_name, seed, trust_module)
+def run_rank(plan: Plan, config: RunConfig, lr: float = 1e-3) -> dict:
+    """Build, materialise and train on this rank (resuming from `config.checkpoint_dir` if it
+    holds a valid checkpoint); every rank returns its own numbers."""
+    model_name, seed, steps = config.model_for(plan.model), config.seed, config.steps
+    model = build_model(model_name, seed, config.trust.module)
     vocab = vocab_size(model)
     shapes = parameter_shapes(model)
     run = materialize_rank(plan, model, lr=lr, seed=seed)
     checkpointer, start = None, 0
-    if checkpoint_dir:
+    if config.checkpoint_dir:
         from executor.checkpoints.store import Checkpointer
 
-        checkpointer = Checkpointer(checkpoint_dir, checkpoint_every, plan, seed, tied=run.tied_names,
+        checkpointer = Checkpointer(config.checkpoint_dir, config.checkpoint_every, plan, seed, tied=run.tied_names,
                                     model=model_name, parameters=shapes)
         start = checkpointer.resume(run)
-    kill_at = kill_step(fail_at, fail_rank, dist.get_rank(), _torchrun_attempt())
-    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, kill_at, profile_dir)
+    on_step = _step_hook(config)
+    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, on_step, config.profile_dir)
     result["tp_replicated"] = run.tp_replicated
     result["rank"] = dist.get_rank()
     result["start_step"] = start
@@ -203,3 +189,11 @@ def run_rank(plan: Plan, model_name: str, steps: int, seed: int = 0, lr: float =
         result["notes"].append(f"{plan.compression} compression: {sum(s.bytes_sent for s in states) / (steps - start):,.0f} "
                                f"bytes sent per step by rank {dist.get_rank()}")
     return result
+
+
+def _step_hook(config: RunConfig):
+    """The configured hook bound to this rank and torchrun attempt, or None."""
+    if config.step_hook is None:
+        return None
+    hook, rank, attempt = config.step_hook.build(), dist.get_rank(), _torchrun_attempt()
+    return lambda step: hook(step, rank, attempt)

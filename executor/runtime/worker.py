@@ -1,9 +1,9 @@
 """What torchrun starts on every rank: read the plan, materialise, train, report.
 
-    python -m executor.runtime.worker PLAN.json --model NAME --steps N --out report.json
-        [--seed S] [--checkpoint-dir DIR --checkpoint-every K] [--fail-at 3,5,7 --fail-rank 1] [--trust-module]
+    python -m executor.runtime.worker PLAN.json RUN.json --out report.json [--failure-dir DIR]
 
-Everything the worker does comes from the plan and these arguments; from the
+Everything the worker does comes from the plan and the run's configuration
+(executor/runtime/config.py: RunConfig), both written by the launcher; from the
 environment it reads only what torchrun sets (RANK, WORLD_SIZE, LOCAL_RANK,
 TORCHELASTIC_RESTART_COUNT, ...) and OMP_NUM_THREADS.
 """
@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
+from executor.runtime.config import RunConfig
 from executor.runtime.mesh import device_and_backend, init_distributed
 from executor.runtime.report import RunReport
 from executor.runtime.train import run_rank, steady_step_time
@@ -71,27 +72,12 @@ def _plan_for_world(plan: Plan, model: str, trust_module: bool) -> tuple[Plan, s
     return Plan.from_json(answer[0]), answer[1]
 
 
-def _steps(text: str) -> list[int]:
-    """Comma-separated step numbers: "3,5,7" -> [3, 5, 7]."""
-    return [int(s) for s in text.split(",") if s.strip()]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("plan")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("plan", help="the plan, as `Plan.to_json` writes it")
+    parser.add_argument("config", help="the run's configuration, as `RunConfig.model_dump_json` writes it")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--checkpoint-dir", default=None)
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--fail-at", type=_steps, default=None,
-                        help="fault injection: on torchrun attempt i (0 first), rank --fail-rank SIGKILLs "
-                             "itself mid-step at the i-th step of this comma-separated list")
-    parser.add_argument("--fail-rank", type=int, default=1)
     parser.add_argument("--failure-dir", default=None, help="write this rank's exception here if it fails")
-    parser.add_argument("--profile-dir", default=None, help="torch.profiler traces of the last steps, one per rank")
-    parser.add_argument("--trust-module", action="store_true", help="the user trusts the plan's module factory")
     args = parser.parse_args(argv)
     try:
         _work(args)
@@ -117,15 +103,15 @@ def _work(args) -> None:
     if device_and_backend()[0] == "cpu":
         torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     plan = Plan.from_json(open(args.plan).read())
-    model = args.model or plan.model
+    with open(args.config) as fh:
+        config = RunConfig.model_validate_json(fh.read())
+    model = config.model_for(plan.model)
     init_distributed()
-    plan, replanned = _plan_for_world(plan, model, args.trust_module)
-    mine = run_rank(plan, model, args.steps, args.seed, checkpoint_dir=args.checkpoint_dir,
-                    checkpoint_every=args.checkpoint_every, fail_at=args.fail_at, fail_rank=args.fail_rank,
-                    profile_dir=args.profile_dir, trust_module=args.trust_module)
+    plan, replanned = _plan_for_world(plan, model, config.trust.module)
+    mine = run_rank(plan, config)
     if replanned:
         mine["notes"].insert(0, replanned)
-    report = _gather_report(plan, model, args.steps, mine)
+    report = _gather_report(plan, model, config.steps, mine)
     if report is not None:
         with open(args.out, "w") as fh:
             fh.write(report.model_dump_json(indent=2))
