@@ -21,7 +21,7 @@ from pathlib import Path
 
 from layout.plan import Plan
 from executor.measure.calibrate import calibrate
-from executor.runtime.config import RunConfig  # noqa: E402
+from executor.runtime.config import RunConfig
 from executor.runtime.launch import run
 from hardware import load
 

@@ -13,9 +13,9 @@ import time
 
 from rich.console import Console
 
-from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from hardware.mixed import load_mixed
 from planner.mixed.search import plan_mixed, uniform_baseline
+from planner.request import PlanRequest
 from planner.resolve import resolve_workload
 from planner.summary import groups_table
 
@@ -37,12 +37,13 @@ def main() -> None:
     rows, mixed = [], load_mixed(args.hw)
     for name in args.models.split(","):
         start = time.perf_counter()
-        plan = plan_mixed(MODELS[name], args.hw, global_batch=args.global_batch, seq_len=args.seq_len)
+        request = PlanRequest(global_batch=args.global_batch, seq_len=args.seq_len, dtype="bf16")
+        plan = plan_mixed(MODELS[name], args.hw, request)
         wall = time.perf_counter() - start
         if plan.groups:
             console.print(groups_table(plan))
         baseline = uniform_baseline(resolve_workload(MODELS[name], seq_len=args.seq_len, dtype="bf16", cluster=mixed),
-                                    mixed, args.global_batch, args.seq_len, "bf16", 4.0, DEFAULT_MEMORY_RESERVE)
+                                    mixed, request)
         uniform = baseline.estimate.step_time_s if baseline is not None else None
         alone = [a.estimate.step_time_s for a in [plan, *plan.alternatives] if not a.groups]
         rows.append((name, uniform, min(alone) if alone else None, plan, wall))

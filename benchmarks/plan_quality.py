@@ -31,7 +31,7 @@ from pathlib import Path
 import hardware
 import planner
 from executor.measure.calibrate import calibrate
-from executor.runtime.config import RunConfig  # noqa: E402
+from executor.runtime.config import RunConfig
 from executor.runtime.launch import run
 from hardware.errors import ParallaxError
 

@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
+from planner.request import PlanRequest  # noqa: E402
 from planner.search.branch_and_bound import best_plan  # noqa: E402
 
 DEFAULT_CSV = ROOT / "benchmarks" / "data" / "calibration_runs.csv"
@@ -146,8 +147,9 @@ def predict(row: dict) -> tuple[float, float, str, str, list[str]]:
     """(predicted metric, predicted peak GiB per GPU, layout, class, notes)."""
     workload, cluster = row_workload(row), row_cluster(row)
     dtype = (row.get("dtype") or "").strip().lower() or "bf16"
-    plan = best_plan(workload, cluster, global_batch=_int(row, "global_batch"), fixed=row_pins(row), model=row["id"],
-                     dtype=dtype)
+    request = PlanRequest(global_batch=_int(row, "global_batch"), seq_len=workload.seq_len, fixed=row_pins(row),
+                          dtype=dtype, time_limit_s=8.0)
+    plan = best_plan(workload, cluster, request, model=row["id"])
     if plan is None:
         raise ValueError("no layout fits under the unpinned fields; pin tp and pp to estimate the layout as given")
     est = plan.estimate or estimate(workload, plan, cluster)

@@ -31,6 +31,7 @@ from .rules import structural_problem
 SCHEMA_VERSION = 6  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
 # 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups
 
+DTYPES = ("bf16", "fp16", "fp32", "fp8")  # the training precisions: fp8 runs its GEMMs in FP8
 DEFAULT_TOPK_FRACTION = 0.01  # k: the fraction of gradient entries Top-K sends
 DEFAULT_POWERSGD_RANK = 4
 
@@ -64,7 +65,7 @@ class Plan(Layout):
                                              "catalog spec (a calibrated or edited profile)")
     global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
-    dtype: Literal["fp32", "bf16", "fp16", "fp8"] = Field("bf16", description="fp8: GEMMs in FP8 (the GPU's FP8 "
+    dtype: Literal[DTYPES] = Field("bf16", description="fp8: GEMMs in FP8 (the GPU's FP8 "
                                                           "peak), the rest in bf16, fp32 master weights")
     dp_micro_batches: list[int] | None = Field(
         None, description="micro-batches each data-parallel replica runs per step, when the shares are uneven (a "

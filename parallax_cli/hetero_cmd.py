@@ -9,6 +9,7 @@ import typer
 from parallax_cli import app
 from parallax_cli.plan_cmd import print_plan
 from planner.mixed.search import plan_mixed
+from planner.request import PlanRequest
 
 
 @app.command("hetero-plan")
@@ -23,5 +24,5 @@ def hetero_plan_command(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Alias of `parallax plan MODEL --hw A+B` for a cluster of several GPU types."""
-    print_plan(plan_mixed(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit),
-               model, out, as_json)
+    request = PlanRequest.of(global_batch=global_batch, seq_len=seq_len, dtype=dtype, time_limit_s=time_limit)
+    print_plan(plan_mixed(model, hw, request), model, out, as_json)

@@ -10,17 +10,19 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 from layout.plan import Plan, uniform_stages
 from costmodel.validate import default_dtype
-from hardware.errors import PlanError
+from hardware.errors import ParallaxError, PlanError
 from hardware.limits import COUNT_LIMITS, check_count
 from hardware.untrusted import check_name
 from layout.axes import AXES, AXIS
 from planner.api import estimate, is_mixed, plan
+from planner.request import PlanRequest
 from planner.resolve import resolve_hardware, resolve_workload
 from parallax_cli import TRUST_MODULE_HELP, app, emit, load_plan, wide_console
 from parallax_cli.layout_flags import layout_flags
 from planner.summary import render
 
 console = wide_console()
+ASKED = PlanRequest.model_fields  # the defaults of what a plan is asked, declared once
 
 
 def _progress() -> Progress:
@@ -46,12 +48,12 @@ def plan_command(
                                                 "batch,sequence (e.g. 1,2048)"),
     dtype: Optional[str] = typer.Option(None, "--dtype", help="fp32, bf16, fp16 or fp8; default bf16, or fp32 on "
                                         "hardware whose bf16 is no faster than its fp32"),
-    objective: str = typer.Option("time", "--objective", help="time or cost"),
+    objective: str = typer.Option(ASKED["objective"].default, "--objective", help="time or cost"),
     allow_compression: bool = typer.Option(False, "--allow-compression",
                                            help="let the solver pick lossy gradient compression (int8, Top-K) for DDP layouts"),
-    top: int = typer.Option(3, "--top", help="alternatives to keep"),
-    time_limit: float = typer.Option(4.0, "--time-limit", help="most search seconds (it stops sooner once the gap is proven)"),
-    gap: float = typer.Option(0.01, "--gap", min=0.0, max=1.0, help="stop once the pick is proven within this fraction of the best"),
+    top: int = typer.Option(ASKED["top_k"].default, "--top", help="alternatives to keep"),
+    time_limit: float = typer.Option(ASKED["time_limit_s"].default, "--time-limit", help="most search seconds (it stops sooner once the gap is proven)"),
+    gap: float = typer.Option(ASKED["target_gap"].default, "--gap", min=0.0, max=1.0, help="stop once the pick is proven within this fraction of the best"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", min=0.001,
                                                help="mean time between failures per GPU, hours (default: the "
@@ -64,14 +66,14 @@ def plan_command(
     """Find the best layout for MODEL on the hardware and print it (any layout flag pins that axis)."""
     for name in filter(None, (model, module, hw)):  # what the plan will print as its own name
         check_name(name, "model" if name != hw else "--hw")
-    fixed = dict(axes or {})
     model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
+    request = _request(global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
+                       fixed=dict(axes or {}), top_k=top, time_limit_s=time_limit, target_gap=gap,
+                       allow_compression=allow_compression, price_per_gpu_hour=price, mtbf_hours=mtbf_hours)
     if is_mixed(hw):  # one door: a mixed cluster goes through the same command and prints the same way
         with _progress() as progress:
             progress.add_task(f"planning {model} on the mixed cluster {hw}", total=None)
-            result = plan(traced or model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                          objective=objective, fixed=fixed or None, time_limit_s=time_limit,
-                          allow_compression=allow_compression, price_per_gpu_hour=price)
+            result = plan(traced or model, hw, request)
         print_plan(result, model, out, as_json)
         return
     with _progress() as progress:
@@ -80,10 +82,21 @@ def plan_command(
         workload = traced or resolve_workload(model, seq_len=seq_len, dtype=dtype or default_dtype(cluster)[0])
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
-        result = plan(workload, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
-                      fixed=fixed, top_k=top, time_limit_s=time_limit, allow_compression=allow_compression,
-                      target_gap=gap, mtbf_hours=mtbf_hours)
+        result = plan(workload, cluster, request)
     print_plan(result, model, out, as_json)
+
+
+FLAG_OF = {"top_k": "--top", "time_limit_s": "--time-limit", "target_gap": "--gap", "price_per_gpu_hour": "--price-per-gpu-hour"}
+
+
+def _request(**options) -> PlanRequest:
+    """The request, an error in it naming the flag the user typed where the field's name differs."""
+    try:
+        return PlanRequest.of(**options)
+    except ParallaxError as error:
+        if error.field not in FLAG_OF:
+            raise
+        raise PlanError(FLAG_OF[error.field], error.problem, error.hint) from None
 
 
 def _model_door(model: str | None, module: str | None, example_shape: str | None, seq_len: int | None,

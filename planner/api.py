@@ -15,12 +15,11 @@ from costmodel.estimate import estimate as price_plan
 from layout.plan import Plan
 from layout.results import Estimate
 from hardware.errors import PlanError
-from hardware.limits import check_positive
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from planner.resolve import resolve_hardware, resolve_workload
-from planner.search.branch_and_bound import TARGET_GAP
+from planner.request import PlanRequest
 from planner.uniform import plan_uniform
 
 
@@ -29,29 +28,27 @@ def is_mixed(hw: Any) -> bool:
     return isinstance(hw, MixedCluster) or (isinstance(hw, str) and "+" in hw)
 
 
-def plan(model: Any, hw: str | Cluster | MixedCluster, *, global_batch: int, seq_len: int, dtype: str | None = None,
-         objective: str = "time", fixed: dict | None = None, top_k: int = 3, example_inputs: Any = None,
-         time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-         price_per_gpu_hour: float | None = None, allow_compression: bool = False,
-         target_gap: float = TARGET_GAP, mtbf_hours: float | None = None):
+def plan(model: Any, hw: str | Cluster | MixedCluster, request: PlanRequest | None = None, *,
+         example_inputs: Any = None, **options: Any) -> Plan:
     """The fastest (or cheapest per token) layout that fits (see `planner.uniform.plan_uniform`);
     on a mixed cluster the fastest of the heterogeneity-aware layouts and every single-group
-    subset's plan (`planner.mixed.search.plan_mixed`), a Plan whose groups place it."""
-    check_positive("time_limit", time_limit_s, "seconds, e.g. 4")
+    subset's plan (`planner.mixed.search.plan_mixed`), a Plan whose groups place it.
+
+    What is asked is a `PlanRequest`, given whole or as its fields' keywords
+    (`global_batch=1024, seq_len=8192, fixed={"tp": 8}`; keywords beside a request replace
+    its fields); `example_inputs` go with an nn.Module."""
+    request = PlanRequest.of(**{**(request.model_dump() if request else {}), **options})
     if not is_mixed(hw):
-        return plan_uniform(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
-                            fixed=fixed, top_k=top_k, example_inputs=example_inputs, time_limit_s=time_limit_s,
-                            memory_reserve=memory_reserve, price_per_gpu_hour=price_per_gpu_hour,
-                            allow_compression=allow_compression, target_gap=target_gap, mtbf_hours=mtbf_hours)
-    unsupported = {"fixed": fixed, "objective": objective != "time" and objective, "price_per_gpu_hour": price_per_gpu_hour,
-                   "allow_compression": allow_compression, "example_inputs": example_inputs is not None}
+        return plan_uniform(model, hw, request, example_inputs=example_inputs)
+    unsupported = {"fixed": request.fixed, "objective": request.objective != "time" and request.objective,
+                   "price_per_gpu_hour": request.price_per_gpu_hour, "allow_compression": request.allow_compression,
+                   "example_inputs": example_inputs is not None}
     for field, value in unsupported.items():
         if value:
             raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
     from planner.mixed.search import plan_mixed
 
-    return plan_mixed(model, hw, global_batch=global_batch, seq_len=seq_len, dtype=dtype or "bf16", time_limit_s=time_limit_s,
-                       memory_reserve=memory_reserve)
+    return plan_mixed(model, hw, request)
 
 
 def estimate(model: Any, plan_: Plan, hw: str | Cluster | None = None, *, example_inputs: Any = None,

@@ -33,7 +33,8 @@ from hardware.limits import MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positi
 from hardware.schema import Cluster
 from hardware.untrusted import SafeName
 
-from planner.resolve import DTYPES, model_name, resolve_hardware, resolve_workload
+from layout.plan import DTYPES
+from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
 
 GIB = 2**30

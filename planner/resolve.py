@@ -9,11 +9,8 @@ from typing import Any
 
 import hardware
 from costmodel.workload import Workload
-from hardware.errors import PlanError
-from hardware.limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, check_count
 from hardware.schema import Cluster
 
-DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
 def resolve_hardware(hw, **overrides):
@@ -60,14 +57,3 @@ def _traced(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None)
 
 def model_name(model: Any, workload: Workload) -> str:
     return model if isinstance(model, str) else workload.name
-
-
-def check_inputs(global_batch: int, seq_len: int, dtype: str, objective: str, top_k: int) -> None:
-    check_count("global_batch", global_batch, MAX_GLOBAL_BATCH, hint="e.g. 512")
-    check_count("seq_len", seq_len, MAX_SEQ_LEN, hint="e.g. 4096")
-    if dtype not in DTYPES:
-        raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-    if objective not in ("time", "cost"):
-        raise PlanError("objective", f"unknown objective {objective!r}", "use 'time' or 'cost'")
-    if top_k < 1:
-        raise PlanError("top_k", f"must be at least 1, got {top_k}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Any
 
 import hardware
-from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.estimate import estimate as price_plan
 from layout.plan import Plan
 from layout.results import Estimate
@@ -14,74 +13,51 @@ from hardware.errors import InfeasibleError, PlanError
 from hardware.schema import Cluster
 
 from costmodel.attention import backend_note
-from planner.resolve import check_inputs, model_name, resolve_hardware, resolve_workload
-from planner.search.branch_and_bound import TARGET_GAP, search
+from planner.request import PlanRequest
+from planner.resolve import model_name, resolve_hardware, resolve_workload
+from planner.search.branch_and_bound import search
 from planner.search.infeasible import infeasibility_report
 from planner.search.pinned import is_fully_pinned, pinned_plan
 from planner.search.space import check_pins
 
 
-def plan_uniform(
-    model: Any,
-    hw: str | Cluster,
-    *,
-    global_batch: int,
-    seq_len: int,
-    dtype: str | None = None,
-    objective: str = "time",
-    fixed: dict | None = None,
-    top_k: int = 3,
-    example_inputs: Any = None,
-    time_limit_s: float = 4.0,
-    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-    price_per_gpu_hour: float | None = None,
-    allow_compression: bool = False,
-    target_gap: float = TARGET_GAP,
-    mtbf_hours: float | None = None,
-) -> Plan:
-    """The fastest (or cheapest per token) layout that fits, with `top_k - 1` alternatives.
+def plan_uniform(model: Any, hw: str | Cluster, request: PlanRequest, *, example_inputs: Any = None) -> Plan:
+    """The fastest (or cheapest per token) layout that fits, with `request.top_k - 1` alternatives.
 
-    The search stops once its pick is proven within `target_gap` of the best any layout could
-    reach, or after `time_limit_s`; the plan's solver report holds the gap and the time.
-
-    `allow_compression`: the user accepts lossy gradient compression (int8, Top-K,
-    and bf16 for fp32 training); the solver may then pick one for DDP layouts.
+    The search stops once its pick is proven within `request.target_gap` of the best any layout
+    could reach, or after `request.time_limit_s`; the plan's solver report holds the gap and the time.
     `dtype` None: bf16, or fp32 on a profile whose bf16 is no faster (the plan says why).
     `mtbf_hours` (per GPU; default the profile's sourced figure) sets the plan's
     checkpoint interval and expected goodput (costmodel/goodput.py)."""
-    cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
-    dtype, why = (dtype, "") if dtype is not None else default_dtype(cluster)
-    check_inputs(global_batch, seq_len, dtype, objective, top_k)
-    fixed = dict(fixed or {})
-    check_pins(fixed)
-    if allow_compression and "compression" not in fixed:
-        fixed["compression"] = ("none", "int8", "topk") + (("bf16",) if dtype == "fp32" else ())
+    cluster = resolve_hardware(hw, price_per_gpu_hour=request.price_per_gpu_hour)
+    dtype, why = (request.dtype, "") if request.dtype is not None else default_dtype(cluster)
     check_dtype(dtype, cluster)
-    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs, cluster=cluster)
+    request = request.model_copy(update={"dtype": dtype})
+    workload = resolve_workload(model, seq_len=request.seq_len, dtype=dtype, example_inputs=example_inputs, cluster=cluster)
     why = "; ".join(filter(None, [why, backend_note(workload, cluster.gpu.name)]))
+    fixed = request.pins(dtype)
     check_pins(fixed, workload, cluster)
     name = model_name(model, workload)
-    clusters = _cost_clusters(cluster) if objective == "cost" else [cluster]
+    clusters = _cost_clusters(cluster) if request.objective == "cost" else [cluster]
+    share = request.model_copy(update={"time_limit_s": request.time_limit_s / len(clusters)})
     best_result, best_key, best_cluster = None, None, cluster
     for candidate in clusters:
-        result = search(workload, candidate, global_batch=global_batch, fixed=fixed, dtype=dtype, model=name,
-                        top_k=top_k, time_limit_s=time_limit_s / len(clusters), memory_reserve=memory_reserve,
-                        target_gap=target_gap)
+        result = search(workload, candidate, share, model=name)
         if result.best:
-            key = _objective_value(result.best[0].estimate, objective)
+            key = _objective_value(result.best[0].estimate, request.objective)
             if best_key is None or key < best_key:
                 best_result, best_key, best_cluster = result, key, candidate
+    kw = dict(global_batch=request.global_batch, fixed=fixed, dtype=dtype, memory_reserve=request.memory_reserve)
     if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
-        pinned = with_profile(pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype,
-                                          model=name, memory_reserve=memory_reserve), cluster)
-        return _noted(with_checkpointing(pinned, workload, cluster, mtbf_hours), why)
+        pinned = with_profile(pinned_plan(workload, cluster, model=name, **kw), cluster)
+        return _noted(with_checkpointing(pinned, workload, cluster, request.mtbf_hours), why)
     if best_result is None:
-        report = infeasibility_report(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, memory_reserve=memory_reserve)
+        report = infeasibility_report(workload, cluster, **kw)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)
-    best = _to_plan(best_result, objective, best_cluster)
-    if best.compression != "none" and isinstance(fixed.get("compression"), tuple):
-        best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, memory_reserve)]})
-    return _noted(with_checkpointing(best, workload, best_cluster, mtbf_hours), why)
+    best = _to_plan(best_result, request.objective, best_cluster)
+    if best.compression != "none" and request.lets_solver_compress:
+        best = best.model_copy(update={"notes": [*best.notes, _compression_note(workload, best, cluster, request.memory_reserve)]})
+    return _noted(with_checkpointing(best, workload, best_cluster, request.mtbf_hours), why)
 
 
 def _noted(plan_: Plan, note: str) -> Plan:

@@ -139,8 +139,8 @@ def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkey
 
     seen = {}
 
-    def fake_run(plan, **kwargs):
-        seen["plan"], seen["kwargs"] = plan, kwargs
+    def fake_run(plan, config, **launch):
+        seen["plan"], seen["config"] = plan, config
         raise SystemExit(0)
 
     monkeypatch.setattr(executor.runtime.launch, "run", fake_run)
@@ -149,7 +149,7 @@ def test_parallax_run_overrides_compression_options_on_the_plan(tmp_path, monkey
     with pytest.raises(SystemExit):
         main(["run", str(path), "--topk-fraction", "0.1", "--stochastic-rounding", "--powersgd-rank", "2", "--seed", "3"])
     assert (seen["plan"].topk_fraction, seen["plan"].stochastic_rounding, seen["plan"].powersgd_rank) == (0.1, True, 2)
-    assert seen["kwargs"]["seed"] == 3 and "extra_env" not in seen["kwargs"]
+    assert seen["config"].seed == 3  # the run's options travel as one validated object
     with pytest.raises(SystemExit):
         main(["run", str(path)])
     assert seen["plan"] == _plan(compression="topk")

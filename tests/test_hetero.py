@@ -12,6 +12,7 @@ from hardware.errors import HardwareError, PlanError
 from hardware.mixed import load_mixed
 from planner.mixed.layouts import data_splits, pipeline_splits
 from planner.mixed.search import plan_mixed
+from planner.request import PlanRequest
 
 SPEC = "8xa100-80g+8xh100-sxm"
 
@@ -24,7 +25,7 @@ def gpt_3b():
 
 @pytest.fixture(scope="module")
 def picked(gpt_3b):
-    return plan_mixed(gpt_3b, SPEC, global_batch=64, seq_len=2048, time_limit_s=2.0)
+    return plan_mixed(gpt_3b, SPEC, PlanRequest(global_batch=64, seq_len=2048, time_limit_s=2.0))
 
 
 def test_mixed_cluster_network_and_errors():

@@ -6,9 +6,11 @@ import pytest
 import hardware
 import planner
 from costmodel import TransformerDims, estimate, transformer_workload
+from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from layout.plan import Plan
 from hardware.errors import InfeasibleError, PlanError
 from parallax_cli import main
+from planner.request import PlanRequest
 from planner.search.enumerate import best_uniform
 from planner.search.branch_and_bound import search
 from planner.search.space import to_plan
@@ -58,7 +60,7 @@ def test_infeasible_request_reports_the_numbers():
 def test_solver_is_never_worse_than_the_best_uniform_plan(llama_70b):
     cluster = hardware.load("32xh100-sxm")
     uniform = best_uniform(llama_70b, cluster, global_batch=128)
-    result = search(llama_70b, cluster, global_batch=128, top_k=1, time_limit_s=4)
+    result = search(llama_70b, cluster, PlanRequest(global_batch=128, seq_len=llama_70b.seq_len, top_k=1, time_limit_s=4))
     assert result.best[0].estimate.step_time_s <= uniform.estimate.step_time_s * (1 + 1e-9)
 
 
@@ -67,7 +69,8 @@ def test_cpsat_balances_a_heavy_head():
     w = transformer_workload(TransformerDims(name="big-vocab", n_layers=16, hidden=2048, heads=16, vocab=256000, seq_len=2048,
                                              gated_mlp=True, biases=False, learned_positions=False))
     cluster = hardware.load("8xh100-sxm")
-    result = search(w, cluster, global_batch=64, fixed={"pp": 4, "tp": 2, "recompute": "none", "schedule": "1f1b"}, top_k=1)
+    result = search(w, cluster, PlanRequest(global_batch=64, seq_len=2048, top_k=1, time_limit_s=8,
+                                            fixed={"pp": 4, "tp": 2, "recompute": "none", "schedule": "1f1b"}))
     plan = result.best[0].plan
     sizes = [s.end - s.start for s in plan.stages]
     assert sizes[-1] < sizes[1]  # the head's stage holds fewer blocks
@@ -162,7 +165,7 @@ def test_every_bound_stays_below_every_partition_it_bounds():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
     entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None, capacity)[0], {})
     checked = 0
     for e in entries:
@@ -193,7 +196,7 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
 
     cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
     workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")
-    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
     entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, capacity)[0] if e.layout.pp > 1]
     assert entries
     for e in entries:
@@ -212,7 +215,7 @@ def test_layouts_dropped_for_their_states_fit_no_plan():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = search.usable_memory_bytes(cluster, search.DEFAULT_MEMORY_RESERVE)
+    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
     dropped: list = []
     kept, _ = search._entries(workload, cluster, 64, {}, "bf16", None, capacity, dropped)
     assert dropped and kept

@@ -172,7 +172,7 @@ def test_a_plan_naming_a_module_factory_is_refused_until_trusted(tmp_path, capsy
                  ["run", str(tmp_path / "plain.json"), "--model", FACTORY]):
         (tmp_path / "plain.json").write_text(make_plan("reference-tiny", dp=2).to_json())
         assert "--trust-module" in _one_line(capsys, argv)
-    assert main(["simulate", str(path), "--trust-module"]) == 0
+    assert main(["simulate", str(path), "--trust-module", "--hw", "2xcpu"]) == 0
     assert main(["launch", str(path), "--slurm", "--out", str(tmp_path / "job.sbatch"), "--trust-module"]) == 0
     assert "--trust-module" in (tmp_path / "job.sbatch").read_text()
 

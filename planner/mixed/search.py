@@ -24,32 +24,31 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from layout.plan import Plan
 from layout.results import SolverReport
-from hardware.errors import InfeasibleError, PlanError
+from hardware.errors import InfeasibleError
 from hardware.mixed import MixedCluster, load_mixed
 
 from planner.mixed.layouts import data_splits, pipeline_splits, placed
 from planner.mixed.refine import refine
+from planner.request import PlanRequest
 from planner.resolve import model_name, resolve_workload
 from planner.search.coefficients import LayerTimes
 from planner.uniform import plan_uniform
 
 
-def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len: int, dtype: str = "bf16",
-               time_limit_s: float = 4.0, memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-               compare_uniform: bool = True) -> Plan:
+def plan_mixed(model: Any, hw: str | MixedCluster, request: PlanRequest, *, compare_uniform: bool = True) -> Plan:
     """The fastest plan for a mixed cluster: a pipeline or data split over its groups, or the
-    best single group's plan; the others priced are its `alternatives`."""
-    if not isinstance(global_batch, int) or global_batch <= 0:
-        raise PlanError("global_batch", f"must be a positive integer, got {global_batch!r}", "e.g. 256")
+    best single group's plan; the others priced are its `alternatives` (dtype None: bf16)."""
+    request = request.model_copy(update={"dtype": request.dtype or "bf16", "top_k": 1})
+    global_batch, seq_len, dtype = request.global_batch, request.seq_len, request.dtype
+    time_limit_s, memory_reserve = request.time_limit_s, request.memory_reserve
     mixed = load_mixed(hw)
     workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, cluster=mixed)
     start = time.perf_counter()  # the search's budget: tracing (a cold cache) does not spend it
     name = model_name(model, workload)
     kw = dict(global_batch=global_batch, dtype=dtype, name=name, reserve=memory_reserve)
-    uniform = uniform_baseline(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve) if compare_uniform else None
+    uniform = uniform_baseline(workload, mixed, request) if compare_uniform else None
     seeds = placed(workload, mixed, uniform, memory_reserve) if uniform is not None else []
     # the enumerations stop at half and three quarters of the limit: each split is a full estimate,
     # and a cluster of many replicas prices slowly (the baseline and the single groups take their own share)
@@ -62,7 +61,7 @@ def plan_mixed(model: Any, hw: str | MixedCluster, *, global_batch: int, seq_len
             refined.append(plan)
             continue
         refined.append(refine(workload, plan, mixed, order, memory_reserve, times))
-    subsets = _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, memory_reserve)
+    subsets = _subsets(workload, mixed, request)
     found = refined + datas + subsets
     if not found:
         raise InfeasibleError("hw", f"{name} fits no layout on {mixed.spec()} at global batch {global_batch}",
@@ -85,22 +84,25 @@ def _best_of(found: list[Plan], split: str) -> Plan | None:
     return next((p for p in found if p.split == split), None)
 
 
-def _subsets(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> list[Plan]:
+def _quarter(request: PlanRequest) -> PlanRequest:
+    """A side search's request: a quarter of the time limit."""
+    return request.model_copy(update={"time_limit_s": request.time_limit_s / 4})
+
+
+def _subsets(workload, mixed, request: PlanRequest) -> list[Plan]:
     out = []
     for group in mixed.groups:
         try:
-            out.append(plan_uniform(workload, group, global_batch=global_batch, seq_len=seq_len, dtype=dtype, top_k=1,
-                                    time_limit_s=time_limit_s / 4, memory_reserve=reserve))
+            out.append(plan_uniform(workload, group, _quarter(request)))
         except InfeasibleError:
             continue
     return out
 
 
-def uniform_baseline(workload, mixed, global_batch, seq_len, dtype, time_limit_s, reserve) -> Plan | None:
+def uniform_baseline(workload, mixed, request: PlanRequest) -> Plan | None:
     """The best uniform plan of the cluster seen as n GPUs of the slowest type."""
     try:
-        return plan_uniform(workload, mixed.as_uniform(dtype), global_batch=global_batch, seq_len=seq_len, dtype=dtype,
-                            top_k=1, time_limit_s=time_limit_s / 4, memory_reserve=reserve)
+        return plan_uniform(workload, mixed.as_uniform(request.dtype or "bf16"), _quarter(request))
     except InfeasibleError:
         return None
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from costmodel.data_parallel import held_zero, layer_params_on_rank
 from costmodel.estimate import estimate
-from costmodel.terms import DEFAULT_MEMORY_RESERVE, usable_memory_bytes
+from costmodel.terms import usable_memory_bytes
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.offload import states_on_host
 from layout.plan import Plan, StagePlan
@@ -24,6 +24,7 @@ from layout.results import SolverReport
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 
+from planner.request import PlanRequest
 from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
 from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step,
                                          rank_step, single_block_profile, stage_model_data)
@@ -34,7 +35,6 @@ from layout.layout import Layout
 from planner.search.space import layouts, recompute_choices, to_plan
 
 LAYOUT_SOLVE_LIMIT_S = 0.5
-TARGET_GAP = 0.01  # the search stops once its pick is proven within 1% of any layout's best
 
 
 @dataclass
@@ -136,25 +136,15 @@ class _Tally:
         return min((c.estimate.step_time_s for c in self.best.values()), default=float("inf"))
 
 
-def search(
-    workload: Workload,
-    cluster: Cluster,
-    *,
-    global_batch: int,
-    fixed: dict | None = None,
-    dtype: str = "bf16",
-    model: str | None = None,
-    top_k: int = 3,
-    time_limit_s: float = 8.0,
-    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-    target_gap: float = TARGET_GAP,
-) -> SearchResult:
+def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model: str | None = None) -> SearchResult:
     """Phase 1 prices the uniform and greedy plans of every layout with the
     linear model and has the estimator price the best, then tightens the
     bounds of the layouts that could beat it; phase 2 runs the CP-SAT stage
     model on the most promising layouts until the proven gap is at most
-    `target_gap` or the time limit passes."""
-    fixed = fixed or {}
+    `request.target_gap` or its time limit passes (dtype None searches bf16)."""
+    dtype = request.dtype or "bf16"
+    fixed, global_batch, top_k = request.pins(dtype), request.global_batch, request.top_k
+    time_limit_s, memory_reserve, target_gap = request.time_limit_s, request.memory_reserve, request.target_gap
     started = time.perf_counter()
     cluster = cluster.for_stack(fixed.get("stack", "eager"))  # every layout of one search prices one stack
     capacity = usable_memory_bytes(cluster, memory_reserve)
@@ -307,15 +297,15 @@ def _report(ranked, bound, considered, refined, wall) -> SolverReport:
     return SolverReport(status=status, wall_s=wall, layouts_considered=considered, layouts_solved=refined, gap=gap)
 
 
-def best_plan(workload, cluster, *, global_batch, fixed=None, model=None, dtype="bf16", **kwargs) -> Plan | None:
+def best_plan(workload, cluster, request: PlanRequest, *, model: str | None = None) -> Plan | None:
     """The fastest fitting plan with its estimate; a fully pinned layout the search does not
     offer (or that does not fit) estimated as given, with notes saying why; else None."""
-    result = search(workload, cluster, global_batch=global_batch, fixed=fixed, model=model, dtype=dtype, top_k=1, **kwargs)
+    result = search(workload, cluster, request.model_copy(update={"top_k": 1}), model=model)
     if not result.best:
-        if is_fully_pinned(fixed):
-            reserve = kwargs.get("memory_reserve", DEFAULT_MEMORY_RESERVE)
-            return pinned_plan(workload, cluster, global_batch=global_batch, fixed=fixed, dtype=dtype, model=model,
-                               memory_reserve=reserve)
+        dtype = request.dtype or "bf16"
+        if is_fully_pinned(request.fixed):
+            return pinned_plan(workload, cluster, global_batch=request.global_batch, fixed=request.pins(dtype), dtype=dtype,
+                               model=model, memory_reserve=request.memory_reserve)
         return None
     cand = result.best[0]
     return cand.plan.model_copy(update={"estimate": cand.estimate, "solver": result.report})
