@@ -43,9 +43,10 @@ def for_hardware(workload: Workload, cluster) -> Workload:
 def _traced(model: Any, *, seq_len: int, dtype: str, example_inputs: Any = None) -> Workload:
     if isinstance(model, Workload):
         return model
-    from planner.trace.workload_for import workload_for
 
-    def trace() -> Workload:
+    def trace() -> Workload:  # imported here: a cached workload needs no tracer (networkx, torch)
+        from planner.trace.workload_for import workload_for
+
         return workload_for(model, seq_len=seq_len, dtype=dtype, example_inputs=example_inputs)[0]
 
     if isinstance(model, str) and not model.endswith(".onnx"):
