@@ -9,7 +9,7 @@ from rich.table import Table
 from parallax_cli import TRUST_MODULE_HELP, app, check_model, load_plan, wide_console
 
 GIB = 2 ** 30
-ORDER = ("weights", "gradients", "optimizer", "activations", "buffers")
+ORDER = ("weights", "gradients", "optimizer", "activations", "buffers")  # on the device; then the host's
 
 
 @app.command("dry-run")
@@ -36,7 +36,7 @@ def dry_run_command(
     for rank in result.ranks:
         console.print(_table(rank))
         if not rank.fits:
-            console.print(f"rank {rank.rank} would not fit: {rank.measured_peak / GIB:.1f} GiB measured > "
+            console.print(f"rank {rank.rank} would not fit: {rank.measured_peak / GIB:.1f} GiB measured on the device > "
                           f"{rank.capacity / GIB:.1f} GiB usable")
     for note in result.notes:
         typer.echo(f"note: {note}")
@@ -52,9 +52,19 @@ def _table(rank) -> Table:
     names = [n for n in ORDER if n in rank.measured or n in rank.predicted]
     for name in names + ["peak"]:
         measured = rank.measured_peak if name == "peak" else rank.measured.get(name, 0.0)
+        if name == "peak" and "host" in rank.measured:  # offloaded states: the host's, outside the device peak
+            table.add_row(*_host_row(rank))
         at_peak = rank.measured_peak if name == "peak" else rank.at_peak.get(name, 0.0)
         predicted = rank.predicted_peak if name == "peak" else rank.predicted.get(name, 0.0)
         # the prediction is of the peak's moment; a category empty then has no relative error
         error = f"{predicted / at_peak - 1:+.1%}" if at_peak > 2 ** 20 else "-"
-        table.add_row(name, f"{measured / GIB:.2f}", f"{at_peak / GIB:.2f}", f"{predicted / GIB:.2f}", error)
+        table.add_row("device peak" if name == "peak" else name, f"{measured / GIB:.2f}", f"{at_peak / GIB:.2f}",
+                      f"{predicted / GIB:.2f}", error)
     return table
+
+
+def _host_row(rank) -> tuple[str, ...]:
+    measured, predicted = rank.measured["host"], rank.predicted_host
+    if predicted is None:
+        return "host (offloaded)", f"{measured / GIB:.2f}", "-", "-", "-"
+    return "host (offloaded)", f"{measured / GIB:.2f}", "-", f"{predicted / GIB:.2f}", f"{predicted / measured - 1:+.1%}"

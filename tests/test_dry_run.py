@@ -35,6 +35,27 @@ def test_full_size_fsdp_rank_holds_its_shard():
     assert rank.predicted_peak == pytest.approx(plan.estimate.peak_memory_bytes, rel=1e-6)
 
 
+def test_offloaded_states_are_the_hosts_and_fit_is_judged_on_the_device(tmp_path, capsys):
+    """An offloaded ZeRO-3 layout on 8 fake ranks: the shards of the fp32 weights, their
+    gradients and AdamW's moments are counted as host memory, never in the device peak; the same
+    layout without offload holds them on the device."""
+    fixed = {"tp": 1, "pp": 1, "zero": 3, "recompute": "full", "micro_batch": 1}
+    plain = planner.plan("hf-llama-tiny", "8xh100-sxm", global_batch=8, seq_len=64, dtype="fp32",
+                         fixed={**fixed, "offload": False})
+    offloaded = plain.model_copy(update={"offload": True, "estimate": None})
+    (host,), (device,) = dry_run(offloaded).ranks, dry_run(plain).ranks
+    states = sum(device.measured[k] for k in ("weights", "gradients", "optimizer"))
+    assert host.measured["host"] >= 0.99 * states
+    assert host.measured.get("weights", 0.0) == 0.0 and host.measured.get("optimizer", 0.0) == 0.0
+    assert host.measured_peak == pytest.approx(sum(host.at_peak.values()))
+    assert host.measured_peak < device.measured_peak
+    assert host.predicted_host is not None and device.predicted_host is None
+    path = tmp_path / "p.json"
+    path.write_text(offloaded.to_json())
+    assert main(["dry-run", str(path)]) == 0
+    assert "host (offloaded)" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble"])
 def test_pipeline_ranks_each_measured(schedule):
     """A pipeline of two chunks per rank: every pipeline rank replays its own chunks in torch's

@@ -34,7 +34,7 @@ def _space(seq_len: int):
         warnings.simplefilter("ignore")
         workload, _ = workload_for(MODEL, seq_len=seq_len, dtype="bf16")
     cluster = hardware.load(f"{RANKS}xh100-sxm")
-    # offloaded draws left out: on fake CPU tensors host and device are one memory (the dry run says so)
+    # offloaded draws left out: their host column has no per-category prediction to hold (tests/test_dry_run.py holds it apart)
     reach = sorted((l for l in layouts(workload, cluster, GLOBAL_BATCH) if l.pp == 1 and l.zero >= 2 and not l.offload),
                    key=repr)
     random.Random(seq_len).shuffle(reach)  # the simplest draws are the first few: spread them over the space

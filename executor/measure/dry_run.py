@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
-from executor.measure.dry_run_trackers import CategoryPeaks, tracker_for
+from executor.measure.dry_run_trackers import OFFLOADED, CategoryPeaks, tracker_for
 from hardware.errors import PlanError
 
 
@@ -40,12 +40,13 @@ class RankMemory:
 
     rank: int
     pp_rank: int
-    measured: dict[str, float]  # each category's own maximum
-    measured_peak: float
+    measured: dict[str, float]  # each category's own maximum ("host": an offloaded plan's states)
+    measured_peak: float  # on the device
     at_peak: dict[str, float]  # each category at the moment of the peak
     predicted: dict[str, float]
     predicted_peak: float
     capacity: float
+    predicted_host: float | None = None  # an offloaded plan's host bytes per GPU (the estimate's per node, shared)
 
     @property
     def error(self) -> float:
@@ -53,6 +54,7 @@ class RankMemory:
 
     @property
     def fits(self) -> bool:
+        """Judged on device memory only: what an offloaded plan holds on the host is not the GPU's."""
         return self.measured_peak <= self.capacity
 
 
@@ -118,13 +120,20 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak,
                               predicted=predicted, predicted_peak=sum(predicted.values()),
-                              capacity=capacity_of(plan, pp_rank)))
+                              capacity=capacity_of(plan, pp_rank), predicted_host=_host_per_gpu(plan, cluster)))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
     if plan.offload:
-        notes.append("offload: the dry run's fake tensors share one memory with the host, so the offloaded weights, "
-                     "gradients and AdamW state are measured beside the device's; the prediction holds them on the host")
+        notes.append("offload: the sharded weights, gradients and AdamW state are the host's (the host row), "
+                     "outside the device peak that is judged against the GPU")
     return DryRun(plan, out, replay, notes)
+
+
+def _host_per_gpu(plan: Plan, cluster) -> float | None:
+    """The estimate's host memory per node, shared by the node's GPUs (uniform offloaded plans)."""
+    if not plan.offload or plan.groups or not plan.estimate.host_memory_bytes:
+        return None
+    return plan.estimate.host_memory_bytes / (cluster or plan.cluster()).node.gpus_per_node
 
 
 def capacity_of(plan: Plan, pp_rank: int) -> float:
@@ -183,7 +192,7 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) 
         # Outside the mode the fake parameters still compute fake, while the meshes FSDP2 builds
         # over TP (DeviceMesh._concatenate) stay real tensors, as they must.
         run = materialize_rank(plan, model, mesh)
-        peaks = CategoryPeaks()
+        peaks = CategoryPeaks(host=OFFLOADED if plan.offload else ())
         with fake, masks_as_in_a_real_run():  # HF builds no causal mask in a real run of unpadded sequences
             _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
             with tracker_for(run, peaks):

@@ -31,10 +31,16 @@ CATEGORY = {
 TOTAL = "Total"
 
 
-class CategoryPeaks:
-    """The step's peak and each cost-model category's own maximum, in bytes."""
+OFFLOADED = ("weights", "gradients", "optimizer")  # what FSDP2's CPUOffloadPolicy keeps on the host: the shards
 
-    def __init__(self) -> None:
+
+class CategoryPeaks:
+    """The step's device peak and each cost-model category's own maximum, in bytes. The
+    categories in `host` (an offloaded plan's sharded states) are the host's: the fake tensors
+    share one memory, so they are counted apart, as "host", and never in the device peak."""
+
+    def __init__(self, host: tuple[str, ...] = ()) -> None:
+        self.host = host
         self.peak = 0.0
         self.categories: dict[str, float] = {}
         self.at_peak: dict[str, float] = {}
@@ -47,12 +53,14 @@ class CategoryPeaks:
                 if name == TOTAL:
                     continue
                 target = CATEGORY.get(name, "activations")
+                target = "host" if target in self.host else target
                 grouped[target] = grouped.get(target, 0.0) + nbytes
             for name, nbytes in grouped.items():
                 self.categories[name] = max(self.categories.get(name, 0.0), nbytes)
-            total = sum(grouped.values())
+            device = {name: nbytes for name, nbytes in grouped.items() if name != "host"}
+            total = sum(device.values())
             if total > self.peak:
-                self.peak, self.at_peak = total, grouped
+                self.peak, self.at_peak = total, device
 
 
 def _recording(base: type):
