@@ -98,8 +98,9 @@ def main(argv=None) -> int:
         if args.case and args.case not in case[0]:
             continue
         r = run_case(*case, args.time_limit)
+        proven = "-" if r["proven_gap"] is None else f"{r['proven_gap']:.1%}"  # None: the limit cut the enumeration
         print(f"{r['case']:30} {r['cold_s']:6.1f} {r['cli_s']:6.1f} {r['plan_s']:7.1f} {r['trace_s']:7.1f} {r['tokens_per_s']:11,.0f} {r['mfu']:6.1%} {r['gap']:+10.2%} "
-              f"{r['proven_gap']:9.1%} {r['enum_s']:7.1f}  {r['layout']} | {r['uniform']}", flush=True)
+              f"{proven:>9} {r['enum_s']:7.1f}  {r['layout']} | {r['uniform']}", flush=True)
     return 0
 
 
