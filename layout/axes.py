@@ -16,6 +16,15 @@ from hardware.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
 from hardware.schema import Stack
 
 RECOMPUTE = ("none", "selective", "full")
+# What each policy keeps, as the cost model prices it (costmodel/memory.py, costmodel/compute.py) and
+# the executor runs it (executor/apply/recompute.py); the dry run holds the two together.
+RECOMPUTE_MEANS = {
+    "none": "every activation the backward needs is kept",
+    "selective": "the attention core (its s x s scores, softmax and dropout) is recomputed and everything else "
+                 "kept: Megatron's selective recomputation; a fused attention kernel keeps no scores, so there "
+                 "it keeps what none keeps",
+    "full": "only the block's input is kept and the whole block recomputed in its backward",
+}
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
 CHUNKED_SCHEDULES = ("interleaved", "zero-bubble")  # several model chunks per pipeline rank (vpp), placed looped
 COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")

@@ -203,3 +203,48 @@ def test_fresh_page_rate_is_measured_on_cpu_only():
     rate = fresh_page_bytes_per_s("cpu", mbytes=40)
     assert rate is not None and 0 < rate < float("inf")
     assert fresh_page_bytes_per_s("cuda") is None
+
+
+class _Attention(torch.nn.Module):
+    """One attention core on 8 positions: `dropout` > 0 sends torch's CPU dispatcher to the math path."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.qkv, self.dropout = torch.nn.Linear(16, 48), dropout
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(1, 8, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout, is_causal=True)
+        return out.transpose(1, 2).reshape(1, 8, 16)
+
+
+def _saved_bytes_and_grads(module, x):
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel() * t.element_size())
+        return t
+    torch.manual_seed(0)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = module(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in module.parameters()]
+    module.zero_grad(set_to_none=True)
+    return sum(saved), grads
+
+
+@pytest.mark.parametrize("dropout, math", [(0.0, False), (0.1, True)])
+def test_selective_recomputes_the_attention_core_only_on_the_math_path(dropout, math):
+    """Megatron's selective as priced: on the math path the s x s scores are dropped and rebuilt
+    (same gradients, dropout included); a fused kernel keeps no scores and runs as without it."""
+    from executor.apply.recompute import recompute_attention_core, runs_on_math_path
+
+    plain, x = _Attention(dropout), torch.randn(1, 8, 16)
+    q = torch.randn(1, 2, 8, 8)
+    assert runs_on_math_path(q, q, q, dropout_p=dropout, is_causal=True) == math
+    kept, reference = _saved_bytes_and_grads(plain, x)
+    recompute_attention_core(plain)
+    selective, grads = _saved_bytes_and_grads(plain, x)
+    assert all(torch.allclose(a, b) for a, b in zip(grads, reference))
+    scores = 2 * 8 * 8 * 4  # one fp32 [heads, s, s] tensor
+    assert (kept - selective >= scores) if math else selective == kept

@@ -124,6 +124,31 @@ def test_fault_injection_is_a_step_hook_outside_the_run_signatures(tmp_path):
         RunConfig(step_hook={"function": "os.system"})
 
 
+def test_a_rank_that_outgrows_its_device_stops_the_run_in_one_line(reference, tmp_path):
+    """Resumed on a profile whose device holds 1 MiB: the first step's peak is over it, every
+    rank stops (none left running), the line names the rank, the step, measured and predicted
+    memory and the command that re-plans, and the last good checkpoint is kept."""
+    import subprocess
+
+    from executor.runtime.config import RunConfig
+    from executor.runtime.launch import run
+    from hardware.errors import RunError
+
+    folder, _ = reference
+    work = tmp_path / "ckpt"
+    shutil.copytree(folder, work)
+    cluster = hardware.load("4xcpu")
+    small = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gb": 2**-10})})
+    with pytest.raises(RunError) as failed:
+        run(make_plan(), RunConfig(steps=STEPS + 2, checkpoint_dir=str(work)), nproc=4, cluster=small, timeout_s=600)
+    line = str(failed.value)
+    assert "\n" not in line and line.startswith("rank ") and "DoesNotFit" in line, line
+    assert f"in step {STEPS} (the run's first), more than the device's 1.0 MiB; predicted" in line, line
+    assert "re-plan with more memory kept free: parallax plan reference-tiny" in line, line
+    assert subprocess.run(["pgrep", "-f", "executor.runtime.worker"], capture_output=True).stdout == b""
+    assert latest_valid(work)[0].name == f"step-{STEPS:08d}"
+
+
 def test_corrupted_checkpoint_is_detected_and_the_previous_one_used(reference, tmp_path):
     folder, ref = reference
     work = tmp_path / "ckpt"

@@ -1,31 +1,33 @@
-"""Activation checkpointing per layer, as the plan's recompute policies say.
+"""Activation checkpointing per layer, as the plan's recompute policies say
+(`layout.axes.RECOMPUTE_MEANS`, what the cost model prices).
 
-The composable `checkpoint` keeps parameter names intact (unlike a wrapper
-module), so FSDP, pipeline cuts and comparisons see the same names. "selective"
-saves matmul outputs (expensive to recompute, cheap to keep relative to the
-attention and elementwise intermediates) and recomputes everything else.
+"full": the composable `checkpoint` keeps parameter names intact (unlike a
+wrapper module), so FSDP, pipeline cuts and comparisons see the same names.
+
+"selective" is Megatron's: only the attention core is recomputed. Inside the
+layer, each `scaled_dot_product_attention` call that torch will run on its math
+path (scores materialised, softmaxed and saved) runs under `checkpoint`, so its
+s x s intermediates are dropped and rebuilt in the backward; a call torch runs
+with a fused kernel (flash, memory-efficient, cuDNN, the CPU's flash loop) keeps
+no scores and runs as it is, so there selective keeps what none keeps, as priced
+(costmodel/compute.py and memory.py drop `act_attention_scores` only).
+Torch's selective activation checkpointing (an op policy) is not used for it:
+it caches the output of every op it is told to save, needed by the backward or
+not, which holds more than no checkpointing at all.
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.nn.attention import SDPBackend
+from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from layout.plan import Plan
 from executor.apply.layers import LayerMap, get_or_none
-
-_SAVE = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-         torch.ops.aten.linear.default}
-
-
-def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-def _selective_context():
-    return create_selective_checkpoint_contexts(_policy)
 
 
 def recompute_by_layer(plan: Plan) -> dict[int, str]:
@@ -45,5 +47,48 @@ def apply_recompute(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: Layer
             if policy == "full":
                 checkpoint(sub, use_reentrant=False)
             else:
-                checkpoint(sub, use_reentrant=False, context_fn=_selective_context)
+                recompute_attention_core(sub)
     return module
+
+
+def recompute_attention_core(sub: nn.Module) -> None:
+    """While `sub` runs its forward, its math-path attention calls run checkpointed."""
+    mode = _MathAttentionCheckpointed()
+
+    def enter(*_) -> None:  # a pre-hook's return value would replace the forward's arguments
+        mode.__enter__()
+
+    def leave(*_) -> None:
+        mode.__exit__(None, None, None)
+
+    sub.register_forward_pre_hook(enter)
+    sub.register_forward_hook(leave, always_call=True)
+
+
+class _MathAttentionCheckpointed(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention and runs_on_math_path(*args, **kwargs):
+            return checkpoint_call(func, *args, use_reentrant=False, **kwargs)
+        return func(*args, **kwargs)
+
+
+def runs_on_math_path(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False) -> bool:
+    """Whether torch's dispatcher sends this call to the math path, asked with stand-ins of the
+    same shapes, dtypes and device (each one row of storage, expanded): its choice reads those
+    alone, and a stand-in is real where the arguments are fake (the dry run) or distributed."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        stand_ins = [_stand_in(t) for t in (query, key, value, attn_mask)]
+        choice = torch._fused_sdp_choice(*stand_ins, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return SDPBackend(choice) == SDPBackend.MATH
+
+
+def _stand_in(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    if tensor is None:
+        return None
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    row = torch.empty(local.shape[-1], dtype=local.dtype, device=local.device.type)
+    return row.expand(local.shape)

@@ -124,3 +124,29 @@ class PeakMemory:
         if self.cpu is not None:
             return int(self.cpu.peak)
         return int(torch.cuda.max_memory_allocated(self.device))
+
+    @property
+    def reserved_bytes(self) -> int:
+        """What the caching allocator held at most (`max_memory_reserved`): the figure a GPU runs
+        out of. A CPU has no caching allocator: there it is the tensors' peak."""
+        if self.cpu is not None:
+            return int(self.cpu.peak)
+        return int(torch.cuda.max_memory_reserved(self.device))
+
+
+class DoesNotFit(RuntimeError):
+    """A rank's memory ran out, or its first step peaked above the device's: the run stops, and
+    the launcher names the rank (executor.runtime.launch.first_failure)."""
+
+
+def check_fits(memory: PeakMemory, limit: float | None, step: int) -> None:
+    """After the first step: the rank's peak against its device's memory."""
+    if limit is not None and memory.peak_bytes > limit:
+        raise DoesNotFit(f"{memory.peak_bytes / 2**20:,.1f} MiB peaked in step {step} (the run's first), more than "
+                         f"the device's {limit / 2**20:,.1f} MiB")
+
+
+def out_of_memory(error: Exception, phase: str, step: int) -> DoesNotFit:
+    """A device's out-of-memory error as the run's one line: where it happened."""
+    first = " ".join(str(error).split())[:160]
+    return DoesNotFit(f"out of memory in the {phase} of step {step}: {first}")

@@ -56,6 +56,10 @@ class RunConfig(BaseModel):
     max_restarts: int = Field(0, ge=0, le=1000, description="torchrun restarts after a worker dies")
     profile_dir: Optional[str] = Field(None, description="torch.profiler traces of the last steps, one per rank")
     trust: Trust = Trust()
+    device_memory_bytes: Optional[float] = Field(
+        None, gt=0, description="each rank's device memory: a rank whose first step peaks above it stops the run "
+                                "(the profile's, when the run is predicted for one; a GPU's own out-of-memory "
+                                "error stops it the same way)")
     step_hook: Optional[StepHook] = None
 
     def model_for(self, plan_model: str) -> str:

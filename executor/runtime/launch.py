@@ -114,18 +114,38 @@ def run(plan: Plan, config: RunConfig = RunConfig(), *, nproc: int | None = None
 
         check_compression(plan)
     validate(plan, module, world_size=nproc * nodes.max_nodes)
+    if cluster is not None and config.device_memory_bytes is None:  # the profile's memory is the ranks' device
+        config = config.model_copy(update={"device_memory_bytes": cluster.gpu.hbm_gb * 2**30})
     with ExitStack() as held:
         if config.checkpoint_dir:
             _check_checkpoint(Path(config.checkpoint_dir), held, nodes, config.trust, model=model, seed=config.seed,
                               steps=config.steps, parameters=parameter_shapes(module))
         del module
-        report = _launch(plan, config, nproc, nodes, timeout_s)
+        try:
+            report = _launch(plan, config, nproc, nodes, timeout_s)
+        except RunError as error:
+            raise _said_with_prediction(error, plan, model, cluster, config) from None
     if replanned:
         report = report.model_copy(update={"notes": [replanned, *report.notes]})
     ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
     report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
     step, peak, note = predict(ran, model, cluster, config.trust.module)
     return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+
+
+def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, config: RunConfig) -> RunError:
+    """A rank that ran out of memory: its line with the prediction and the command that re-plans
+    with more memory kept free; any other failure as it was."""
+    if "DoesNotFit" not in error.problem:
+        return error
+    _, peak, _ = predict(plan, model, cluster, config.trust.module)
+    predicted = f"; predicted {peak / 2**20:,.1f} MiB at the plan's peak rank" if peak else ""
+    from hardware import loads_back
+
+    where = plan.hardware if cluster is None else cluster.spec() if loads_back(cluster) else "PROFILE (the --hardware file)"
+    command = (f"parallax plan {model} --hw {where} --global-batch {plan.global_batch} --seq-len {plan.seq_len} "
+               f"--memory-reserve 0.2")
+    return RunError(error.field, error.problem + predicted, f"re-plan with more memory kept free: {command}; {error.hint}")
 
 
 def _check_checkpoint(root: Path, held: ExitStack, nodes: Nodes, trust: Trust, **run) -> None:

@@ -17,7 +17,9 @@ class RunReport(BaseModel):
     losses: list[float]
     step_times_s: list[float] = Field(description="max over ranks, per step")
     step_time_s: float = Field(description="median of the steady-state steps")
-    peak_memory_bytes: list[int] = Field(description="per rank")
+    peak_memory_bytes: list[int] = Field(description="per rank: tensors allocated at most (max_memory_allocated)")
+    peak_reserved_bytes: list[int] = Field(default_factory=list, description="per rank: what the caching allocator "
+                                           "held at most (max_memory_reserved; on CPU the tensors' peak)")
     tp_replicated: list[str] = Field(default_factory=list, description="modules TP left replicated")
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: float | None = None

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from layout.plan import Plan
 from executor.apply.data_parallel import sync_context
 from executor.apply.materialize import Materialized, lm_loss, materialize_rank
-from executor.measure.memory import PeakMemory
+from executor.measure.memory import PeakMemory, check_fits, out_of_memory
 from executor.runtime.config import RunConfig
 from executor.runtime.mesh import coords
 from executor.runtime.models import build_model, parameter_shapes, vocab_size
@@ -90,12 +90,15 @@ def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], devi
 
 
 def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int, start_step: int = 0,
-                checkpointer=None, on_step=None, profile_dir: str | None = None) -> dict:
+                checkpointer=None, on_step=None, profile_dir: str | None = None,
+                device_memory: float | None = None) -> dict:
     """Run optimizer steps `start_step`..`steps - 1`; return losses, step times and this rank's peak memory.
 
     With a checkpointer, state is saved after every step it says is due (and after the last).
     `on_step(step)`: called after the step's backward and before its update (a `StepHook`'s).
-    `profile_dir`: the last steps run under torch.profiler (executor/measure/profiling.py)."""
+    `profile_dir`: the last steps run under torch.profiler (executor/measure/profiling.py).
+    `device_memory`: a first step that peaks above it stops the run (`DoesNotFit`), as a
+    device's out-of-memory error does in any step."""
     from executor.measure.profiling import StepProfiler, profiled_steps
 
     at = coords(run.mesh)
@@ -111,24 +114,40 @@ def train_steps(run: Materialized, plan: Plan, steps: int, seed: int, vocab: int
             dist.barrier()
             start = time.perf_counter()
             with profiler.step(step):
-                loss = _forward_backward(run, plan, x, y, at, profiler.phase)
-                if on_step is not None:
-                    on_step(step)
-                with profiler.phase("sync"):
-                    run.sync_gradients()
-                with profiler.phase("optimizer"):
-                    run.optimizer.step()
-                    run.optimizer.zero_grad(set_to_none=True)
-                if run.device.type == "cuda":
-                    torch.cuda.synchronize(run.device)
+                loss = _one_step(run, plan, x, y, at, profiler.phase, on_step, step)
             times.append(time.perf_counter() - start)
+        if step == start_step:
+            check_fits(memory, device_memory, step)
         losses.append(_global_loss(loss, plan, at, run.device))
         if checkpointer is not None:
             checkpointer.finish()  # the previous step's save, written while this step ran
             if checkpointer.due(step + 1, steps):
                 checkpointer.save(run, step + 1, wait=step + 1 == steps)
     return {"losses": losses, "step_times_s": times, "peak_memory_bytes": memory.peak_bytes,
+            "peak_reserved_bytes": memory.reserved_bytes,
             "profiled_steps": [s - start_step for s in profiler.window]}
+
+
+def _one_step(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase, on_step, step: int):
+    """Forward, backward, gradient sync and update; a device's out-of-memory error names the
+    phase it struck in."""
+    where = "forward and backward"
+    try:
+        loss = _forward_backward(run, plan, x, y, at, phase)
+        if on_step is not None:
+            on_step(step)
+        where = "gradient sync"
+        with phase("sync"):
+            run.sync_gradients()
+        where = "optimizer step"
+        with phase("optimizer"):
+            run.optimizer.step()
+            run.optimizer.zero_grad(set_to_none=True)
+        if run.device.type == "cuda":
+            torch.cuda.synchronize(run.device)
+    except torch.OutOfMemoryError as error:
+        raise out_of_memory(error, where, step) from None
+    return loss
 
 
 def _forward_backward(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase):
@@ -177,7 +196,8 @@ def run_rank(plan: Plan, config: RunConfig, lr: float = 1e-3) -> dict:
                                     model=model_name, parameters=shapes)
         start = checkpointer.resume(run)
     on_step = _step_hook(config)
-    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, on_step, config.profile_dir)
+    result = train_steps(run, plan, steps, seed, vocab, start, checkpointer, on_step, config.profile_dir,
+                         config.device_memory_bytes)
     result["tp_replicated"] = run.tp_replicated
     result["rank"] = dist.get_rank()
     result["start_step"] = start

@@ -43,6 +43,7 @@ def _gather_report(plan: Plan, model: str, steps: int, mine: dict) -> RunReport 
                      device=device_and_backend()[0], losses=mine["losses"], step_times_s=times,
                      step_time_s=steady_step_time(times, mine.get("profiled_steps", [])) if times else 0.0,
                      peak_memory_bytes=[r["peak_memory_bytes"] for r in everyone],
+                     peak_reserved_bytes=[r["peak_reserved_bytes"] for r in everyone],
                      tp_replicated=mine["tp_replicated"], notes=notes)
 
 

@@ -1,0 +1,93 @@
+"""One GPU, a few minutes: memory and step time as a plan predicts them, then measured.
+
+    python benchmarks/gpu_check.py                # on the GPU: llama-3.2-1b at 2048 tokens
+    python benchmarks/gpu_check.py --device cpu   # the same loop on a tiny HF Llama (hf-llama-tiny, 64 tokens)
+
+It calibrates the device (`parallax calibrate` at one rank), plans a single-rank
+layout of a 1B-class Llama (FSDP2 over one rank, ZeRO-3) under each recompute
+policy and once offloaded, runs each with torchrun as `parallax run` does, and
+prints measured `max_memory_allocated`, `max_memory_reserved` and step time
+beside the prediction. Reserved memory is what a GPU runs out of; the cost model
+predicts tensors (allocated), so the reserved column says how much the caching
+allocator adds on this device. A run that does not fit says so and the loop
+goes on. Every run is bounded by --timeout.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor.measure.calibrate import calibrate  # noqa: E402
+from executor.runtime.config import RunConfig  # noqa: E402
+from executor.runtime.launch import run  # noqa: E402
+from hardware import load  # noqa: E402
+from hardware.errors import ParallaxError  # noqa: E402
+from layout.axes import RECOMPUTE  # noqa: E402
+from layout.layout import Layout  # noqa: E402
+from planner.search.space import to_plan  # noqa: E402
+from planner.trace.workload_for import workload_for  # noqa: E402
+
+SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
+    "cuda": ("llama-3.2-1b", 2048, 4, 2),
+    "cpu": ("hf-llama-tiny", 64, 2, 1),
+}
+MIB = 2**20
+
+
+def plans(device: str, profile):
+    """(name, plan): one per recompute policy, and the no-recompute layout offloaded."""
+    model, seq_len, global_batch, micro_batch = SETTINGS[device]
+    dtype = "bf16" if device == "cuda" else "fp32"
+    workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
+    for policy in RECOMPUTE:
+        layout = Layout(dp=1, zero=3, micro_batch=micro_batch)
+        yield policy, to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype, recompute=policy,
+                              model=model)
+    layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=True)
+    yield "none, offloaded", to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype,
+                                     recompute="none", model=model)
+
+
+def row(name: str, plan, profile, steps: int, timeout: float) -> str:
+    try:
+        report = run(plan, RunConfig(steps=steps), nproc=1, cluster=profile, timeout_s=timeout)
+    except ParallaxError as error:
+        return f"{name:16} did not run: {' '.join(str(error).split())[:200]}"
+    allocated, reserved = max(report.peak_memory_bytes), max(report.peak_reserved_bytes or report.peak_memory_bytes)
+    predicted_peak = report.predicted_peak_memory_bytes or float("nan")
+    predicted_step = report.predicted_step_time_s or float("nan")
+    return (f"{name:16} {allocated / MIB:10,.0f} {reserved / MIB:10,.0f} {predicted_peak / MIB:10,.0f} "
+            f"{allocated / predicted_peak - 1:+8.1%} {report.step_time_s * 1e3:9,.1f} {predicted_step * 1e3:9,.1f} "
+            f"{report.step_time_s / predicted_step - 1:+8.1%}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=sorted(SETTINGS), default=None, help="default: cuda when present")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
+    parser.add_argument("--profile", default=None, help="a profile or spec to predict with instead of calibrating")
+    args = parser.parse_args(argv)
+    import torch
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.perf_counter()
+    profile = load(args.profile) if args.profile else calibrate(device, ranks=1)
+    model, seq_len, global_batch, micro_batch = SETTINGS[device]
+    how = f"profile {args.profile}" if args.profile else f"calibrated in {time.perf_counter() - started:.0f} s"
+    print(f"{device}: {profile.gpu.name}, {how}; {model}, "
+          f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, FSDP2 over one rank (ZeRO-3)")
+    print(f"{'recompute':16} {'alloc MiB':>10} {'resv MiB':>10} {'pred MiB':>10} {'mem err':>8} "
+          f"{'step ms':>9} {'pred ms':>9} {'time err':>8}")
+    for name, plan in plans(device, profile):
+        print(row(name, plan, profile, args.steps, args.timeout), flush=True)
+    print(f"total {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,21 @@
+"""benchmarks/gpu_check.py keeps working where there is no GPU: the same loop on CPU ranks
+(a catalog profile in place of the calibration, which tests/test_profile.py covers)."""
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+import gpu_check  # noqa: E402
+
+
+def test_the_gpu_check_runs_every_policy_and_the_offloaded_plan_on_cpu(capsys):
+    assert gpu_check.main(["--device", "cpu", "--profile", "1xcpu", "--steps", "2"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"(none|selective|full)", line)]
+    assert [r.split()[0] for r in rows] == ["none", "selective", "full", "none,"], out
+    for line in rows:
+        numbers = re.findall(r"[+-]?[\d,]+\.?\d*%?", line.split(" ", 1)[1] if "offloaded" not in line else line.split("offloaded")[1])
+        assert len(numbers) == 7 and "did not run" not in line, line
