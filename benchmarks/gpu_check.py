@@ -38,15 +38,17 @@ SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
 MIB = 2**20
 
 
-def plans(device: str, profile):
-    """(name, plan): one per recompute policy, and the no-recompute layout offloaded."""
+def plans(device: str, profile, wanted: tuple[str, ...] = (*RECOMPUTE, "offloaded")):
+    """(name, plan): one per recompute policy, and the no-recompute layout offloaded (those `wanted`)."""
     model, seq_len, global_batch, micro_batch = SETTINGS[device]
     dtype = "bf16" if device == "cuda" else "fp32"
     workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
-    for policy in RECOMPUTE:
+    for policy in (p for p in RECOMPUTE if p in wanted):
         layout = Layout(dp=1, zero=3, micro_batch=micro_batch)
         yield policy, to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype, recompute=policy,
                               model=model)
+    if "offloaded" not in wanted:
+        return
     layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=True)
     yield "none, offloaded", to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype,
                                      recompute="none", model=model)
@@ -71,6 +73,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
     parser.add_argument("--profile", default=None, help="a profile or spec to predict with instead of calibrating")
+    parser.add_argument("--plans", default=",".join((*RECOMPUTE, "offloaded")),
+                        help="which plans to run: recompute policies and 'offloaded', comma-separated")
     args = parser.parse_args(argv)
     import torch
 
@@ -83,7 +87,11 @@ def main(argv=None) -> int:
           f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, FSDP2 over one rank (ZeRO-3)")
     print(f"{'recompute':16} {'alloc MiB':>10} {'resv MiB':>10} {'pred MiB':>10} {'mem err':>8} "
           f"{'step ms':>9} {'pred ms':>9} {'time err':>8}")
-    for name, plan in plans(device, profile):
+    wanted = tuple(p.strip() for p in args.plans.split(","))
+    unknown = [p for p in wanted if p not in (*RECOMPUTE, "offloaded")]
+    if unknown:
+        parser.error(f"--plans: unknown {', '.join(unknown)} (use {', '.join((*RECOMPUTE, 'offloaded'))})")
+    for name, plan in plans(device, profile, wanted):
         print(row(name, plan, profile, args.steps, args.timeout), flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0

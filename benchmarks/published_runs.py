@@ -29,8 +29,10 @@ Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; each
 stack is priced with its own efficiencies where the GPU's profile has them
 (`Efficiency.stacks`, fitted by `fit_efficiency.py --stack`). An optional peak_memory_gib
 (published peak per GPU) is compared with the predicted peak: its error prints
-beside the time error and a memory MAPE line follows the time MAPE. Other
-columns (source) are ignored.
+beside the time error and a memory MAPE line follows the time MAPE; a row with
+a peak and no metric is a memory row alone (`memory_runs.csv`), and its
+optional `memory_figure` says which counter the source read (allocated,
+reserved, nvidia-smi, unstated). Other columns (source) are ignored.
 """
 from __future__ import annotations
 
@@ -143,8 +145,8 @@ def mechanism(plan, stack: str = "fused") -> str:
     return f"{stack} {kind} {plan.hardware.split('x', 1)[-1]}"
 
 
-def predict(row: dict) -> tuple[float, float, str, str, list[str]]:
-    """(predicted metric, predicted peak GiB per GPU, layout, class, notes)."""
+def predict(row: dict) -> tuple[float | None, float, str, str, list[str]]:
+    """(predicted metric (None for a memory row), predicted peak GiB per GPU, layout, class, notes)."""
     workload, cluster = row_workload(row), row_cluster(row)
     dtype = (row.get("dtype") or "").strip().lower() or "bf16"
     request = PlanRequest(global_batch=_int(row, "global_batch"), seq_len=workload.seq_len, fixed=row_pins(row),
@@ -153,8 +155,8 @@ def predict(row: dict) -> tuple[float, float, str, str, list[str]]:
     if plan is None:
         raise ValueError("no layout fits under the unpinned fields; pin tp and pp to estimate the layout as given")
     est = plan.estimate or estimate(workload, plan, cluster)
-    metric = row["metric"].strip()
-    value = {
+    metric = (row.get("metric") or "").strip()
+    value = None if not metric else {
         "tflops_per_gpu_incl_recompute": est.tflops_per_gpu_hw,
         "tflops_per_gpu_model": est.tflops_per_gpu_model,
         "s_per_iter": est.step_time_s,
@@ -181,24 +183,31 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'id':32} {'metric':32} {'published':>10} {'predicted':>10} {'error':>8} {'memory':>8}  layout")
     for row in rows:
         name = (row.get("id") or "?").strip()
+        metric = (row.get("metric") or "").strip()
+        has_peak = bool((row.get("peak_memory_gib") or "").strip())
         try:
-            if (row.get("metric") or "").strip() not in METRICS:
+            if metric not in METRICS and not (has_peak and not metric):
                 raise ValueError(f"unknown metric {row.get('metric')!r} (use one of {', '.join(METRICS)})")
-            published = float(row["value"])
+            published = float(row["value"]) if metric else None
             predicted, peak_gib, layout, kind, notes = predict(row)
         except Exception as error:  # noqa: BLE001 - one bad row must not stop the table
             missed += 1
             print(f"{name:32} not predicted: {type(error).__name__}: {' '.join(str(error).split())}")
             continue
-        error = (predicted - published) / published
-        errors.setdefault(kind, []).append(abs(error))
         flags = f"  [{'; '.join(notes)}]" if notes else ""
         memory = "-"
-        if (row.get("peak_memory_gib") or "").strip():
+        if has_peak:
             published_gib = float(row["peak_memory_gib"])
             memory_errors.setdefault(kind, []).append(abs(peak_gib / published_gib - 1))
             memory = f"{peak_gib / published_gib - 1:+.1%}"
-        print(f"{name:32} {row['metric']:32} {published:10.2f} {predicted:10.2f} {error:+8.1%} {memory:>8}  {layout}{flags}")
+        if published is None:
+            figure = (row.get("memory_figure") or "unstated").strip()
+            print(f"{name:32} {'peak GiB (' + figure + ')':32} {float(row['peak_memory_gib']):10.2f} {peak_gib:10.2f} "
+                  f"{'':>8} {memory:>8}  {layout}{flags}")
+            continue
+        error = (predicted - published) / published
+        errors.setdefault(kind, []).append(abs(error))
+        print(f"{name:32} {metric:32} {published:10.2f} {predicted:10.2f} {error:+8.1%} {memory:>8}  {layout}{flags}")
     every = [e for values in errors.values() for e in values]
     if len(errors) > 1:
         for kind, values in sorted(errors.items()):

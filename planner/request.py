@@ -42,6 +42,11 @@ class PlanRequest(BaseModel):
         high, hint = (MAX_GLOBAL_BATCH, "e.g. 512") if info.field_name == "global_batch" else (MAX_SEQ_LEN, "e.g. 4096")
         return check_count(info.field_name, value, high, hint=hint)
 
+    @field_validator("fixed", mode="before")
+    @classmethod
+    def _no_pins(cls, value: Any) -> Any:
+        return {} if value is None else value  # `fixed=None`: nothing pinned
+
     @field_validator("time_limit_s", "price_per_gpu_hour", "mtbf_hours", mode="before")
     @classmethod
     def _positive(cls, value: Any, info) -> Any:

@@ -11,11 +11,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import gpu_check  # noqa: E402
 
 
-def test_the_gpu_check_runs_every_policy_and_the_offloaded_plan_on_cpu(capsys):
-    assert gpu_check.main(["--device", "cpu", "--profile", "1xcpu", "--steps", "2"]) == 0
+def test_the_gpu_check_runs_a_recomputed_and_an_offloaded_plan_on_cpu(capsys):
+    """Two of its four plans (the suite's time): full recomputation and the offloaded one."""
+    assert gpu_check.main(["--device", "cpu", "--profile", "1xcpu", "--steps", "2", "--plans", "full,offloaded"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"(none|selective|full)", line)]
-    assert [r.split()[0] for r in rows] == ["none", "selective", "full", "none,"], out
+    assert [r.split()[0] for r in rows] == ["full", "none,"], out
     for line in rows:
         numbers = re.findall(r"[+-]?[\d,]+\.?\d*%?", line.split(" ", 1)[1] if "offloaded" not in line else line.split("offloaded")[1])
         assert len(numbers) == 7 and "did not run" not in line, line
