@@ -97,6 +97,7 @@ def check_resume(root: Path, *, model: str, seed: int, steps: int, parameters: d
 def _extras_are_data(folder: Path) -> None:
     """Each rank's RNG and compression state loads as data (`weights_only`), or the resume is refused."""
     import pickle
+    import warnings
 
     import torch
 
@@ -104,7 +105,9 @@ def _extras_are_data(folder: Path) -> None:
 
     for path in sorted((folder / "extra").glob("*.pt")):
         try:
-            torch.load(path, weights_only=True)
+            with warnings.catch_warnings():  # a foreign pickle's protocol warning: the refusal below says it all
+                warnings.simplefilter("ignore", UserWarning)
+                torch.load(path, weights_only=True)
         except pickle.UnpicklingError:
             raise UnsafeCheckpoint("checkpoint", f"{path} holds code, not data",
                                    "do not resume from this folder") from None
