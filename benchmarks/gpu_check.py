@@ -1,7 +1,7 @@
 """One GPU, a few minutes: memory and step time as a plan predicts them, then measured.
 
     python benchmarks/gpu_check.py                # on the GPU: llama-3.2-1b at 2048 tokens
-    python benchmarks/gpu_check.py --device cpu   # the same loop on a tiny HF Llama (hf-llama-tiny, 64 tokens)
+    python benchmarks/gpu_check.py --device cpu   # the same loop on a small Llama (llama-160m, 128 tokens)
 
 It calibrates the device (`parallax calibrate` at one rank), plans a single-rank
 layout of a 1B-class Llama (FSDP2 over one rank, ZeRO-3) under each recompute
@@ -33,14 +33,16 @@ from planner.trace.workload_for import workload_for  # noqa: E402
 
 SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
     "cuda": ("llama-3.2-1b", 2048, 4, 2),
-    "cpu": ("hf-llama-tiny", 64, 2, 1),
+    "cpu": ("llama-160m", 128, 2, 1),
 }
 MIB = 2**20
 
 
-def plans(device: str, profile, wanted: tuple[str, ...] = (*RECOMPUTE, "offloaded")):
+def plans(device: str, profile, wanted: tuple[str, ...] = (*RECOMPUTE, "offloaded"), model: str | None = None,
+          seq_len: int | None = None):
     """(name, plan): one per recompute policy, and the no-recompute layout offloaded (those `wanted`)."""
-    model, seq_len, global_batch, micro_batch = SETTINGS[device]
+    default_model, default_seq, global_batch, micro_batch = SETTINGS[device]
+    model, seq_len = model or default_model, seq_len or default_seq
     dtype = "bf16" if device == "cuda" else "fp32"
     workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
     for policy in (p for p in RECOMPUTE if p in wanted):
@@ -73,6 +75,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per run")
     parser.add_argument("--profile", default=None, help="a profile or spec to predict with instead of calibrating")
+    parser.add_argument("--model", default=None, help="a catalog model in place of the device's default")
+    parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--plans", default=",".join((*RECOMPUTE, "offloaded")),
                         help="which plans to run: recompute policies and 'offloaded', comma-separated")
     args = parser.parse_args(argv)
@@ -82,6 +86,7 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     profile = load(args.profile) if args.profile else calibrate(device, ranks=1)
     model, seq_len, global_batch, micro_batch = SETTINGS[device]
+    model, seq_len = args.model or model, args.seq_len or seq_len
     how = f"profile {args.profile}" if args.profile else f"calibrated in {time.perf_counter() - started:.0f} s"
     print(f"{device}: {profile.gpu.name}, {how}; {model}, "
           f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, FSDP2 over one rank (ZeRO-3)")
@@ -91,7 +96,7 @@ def main(argv=None) -> int:
     unknown = [p for p in wanted if p not in (*RECOMPUTE, "offloaded")]
     if unknown:
         parser.error(f"--plans: unknown {', '.join(unknown)} (use {', '.join((*RECOMPUTE, 'offloaded'))})")
-    for name, plan in plans(device, profile, wanted):
+    for name, plan in plans(device, profile, wanted, model, seq_len):
         print(row(name, plan, profile, args.steps, args.timeout), flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0

@@ -13,7 +13,8 @@ import gpu_check  # noqa: E402
 
 def test_the_gpu_check_runs_a_recomputed_and_an_offloaded_plan_on_cpu(capsys):
     """Two of its four plans (the suite's time): full recomputation and the offloaded one."""
-    assert gpu_check.main(["--device", "cpu", "--profile", "1xcpu", "--steps", "2", "--plans", "full,offloaded"]) == 0
+    assert gpu_check.main(["--device", "cpu", "--profile", "1xcpu", "--steps", "2", "--plans", "full,offloaded",
+                           "--model", "hf-llama-tiny", "--seq-len", "64"]) == 0
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"(none|selective|full)", line)]
     assert [r.split()[0] for r in rows] == ["full", "none,"], out
