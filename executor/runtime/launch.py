@@ -140,11 +140,12 @@ def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, conf
         return error
     _, peak, _ = predict(plan, model, cluster, config.trust.module)
     predicted = f"; predicted {peak / 2**20:,.1f} MiB at the plan's peak rank" if peak else ""
+    from costmodel.terms import DEFAULT_MEMORY_RESERVE
     from hardware import loads_back
 
     where = plan.hardware if cluster is None else cluster.spec() if loads_back(cluster) else "PROFILE (the --hardware file)"
     command = (f"parallax plan {model} --hw {where} --global-batch {plan.global_batch} --seq-len {plan.seq_len} "
-               f"--memory-reserve 0.2")
+               f"--memory-reserve {min(2 * DEFAULT_MEMORY_RESERVE, 0.5):g}")  # twice the default kept free
     return RunError(error.field, error.problem + predicted, f"re-plan with more memory kept free: {command}; {error.hint}")
 
 
