@@ -57,3 +57,8 @@ class InfeasibleError(ParallaxError):
     def __init__(self, field: str, problem: str, hint: str = "", report: dict | None = None) -> None:
         super().__init__(field, problem, hint)
         self.report = report or {}
+
+
+class FormatError(ParallaxError):
+    """Another tool's configuration (torchtitan, DeepSpeed, Accelerate, Megatron-LM, a serving
+    engine) cannot say what a plan says, or cannot be read as a layout."""

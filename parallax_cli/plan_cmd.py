@@ -23,6 +23,9 @@ from planner.summary import render
 
 console = wide_console()
 ASKED = PlanRequest.model_fields  # the defaults of what a plan is asked, declared once
+FROM_HELP = ("your own configuration: torchtitan overrides or TOML, a DeepSpeed ds_config, an Accelerate config "
+             "file, or Megatron-LM arguments")
+FROM_FORMAT_HELP = "the --from file's tool (torchtitan, deepspeed, accelerate, megatron); default: told from the file"
 
 
 def _progress() -> Progress:
@@ -39,7 +42,7 @@ def plan_command(
     model: Optional[str] = typer.Argument(None, help="built-in name (see `parallax models`), a config.json path or folder, a cached HF id (org/name), or an .onnx path"),
     hw: str = typer.Option(..., "--hw", help="hardware spec, e.g. 64xh100-sxm, a profile file, or a mixed cluster "
                                             "such as 16xa100-80g+8xh100-sxm"),
-    global_batch: int = typer.Option(..., "--global-batch", help="sequences per optimizer step"),
+    global_batch: Optional[int] = typer.Option(None, "--global-batch", help="sequences per optimizer step"),
     seq_len: Optional[int] = typer.Option(None, "--seq-len", help="tokens per sequence (with --module: the "
                                           "example shape's)"),
     module: Optional[str] = typer.Option(None, "--module", help="your own module instead of MODEL: "
@@ -62,11 +65,20 @@ def plan_command(
                                                help="mean time between failures per GPU, hours (default: the "
                                                     "profile's, from the Llama 3 paper's 419 interruptions in 54 days "
                                                     "on 16,384 H100s); sets the checkpoint interval"),
-    out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
+    out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here (with --from: the proposal in "
+                                       "the file's format)"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of tables"),
+    from_file: Optional[Path] = typer.Option(None, "--from", help=FROM_HELP),
+    from_format: Optional[str] = typer.Option(None, "--from-format", help=FROM_FORMAT_HELP),
     axes: dict | None = None,
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it (any layout flag pins that axis)."""
+    if from_file is not None:
+        return _propose(from_file, from_format, model, hw, dict(global_batch=global_batch, seq_len=seq_len,
+                        dtype=dtype), dict(fixed=dict(axes or {}), time_limit_s=time_limit, target_gap=gap,
+                        memory_reserve=memory_reserve), out)
+    if global_batch is None:
+        raise PlanError("--global-batch", "is needed", "sequences per optimizer step, e.g. --global-batch 512")
     for name in filter(None, (model, module, hw)):  # what the plan will print as its own name
         check_name(name, "model" if name != hw else "--hw")
     model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
@@ -88,6 +100,27 @@ def plan_command(
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, request)
     print_plan(result, model, out, as_json)
+
+
+def _propose(path: Path, fmt: str | None, model: str | None, hw: str, given: dict, options: dict, out: Path | None):
+    """`plan --from`: the user's layout priced, the best one their tool runs, and the speed-up."""
+    from formats import export
+    from parallax_cli import write_output
+    from parallax_cli.from_config import comparison, propose, stated_plan
+
+    with _progress() as progress:
+        progress.add_task(f"pricing {path}", total=None)
+        own, stated, workload, cluster = stated_plan(path, fmt, model, hw, given)
+    with _progress() as progress:
+        progress.add_task(f"searching layouts {stated.format} runs on {cluster.spec()}", total=None)
+        proposed, lost = propose(own, stated, workload, cluster, options)
+    console.print(render(proposed))
+    for line in [*(f"not priced: {u}" for u in stated.unpriced), *(f"not expressible in {stated.format}: {x}" for x in lost)]:
+        console.print(line, markup=False)
+    console.print(comparison(own, proposed), markup=False)
+    if out:
+        write_output(out, export(proposed, stated.format, lossy=bool(lost)).text)
+        console.print(f"proposal written to {out} ({stated.format})", markup=False)
 
 
 FLAG_OF = {"top_k": "--top", "time_limit_s": "--time-limit", "target_gap": "--gap", "price_per_gpu_hour": "--price-per-gpu-hour",
@@ -155,25 +188,41 @@ def estimate_command(
     dtype: Optional[str] = typer.Option(None, "--dtype", help="default bf16"),
     trust_module: bool = typer.Option(False, "--trust-module", help=TRUST_MODULE_HELP),
     as_json: bool = typer.Option(False, "--json"),
+    from_file: Optional[Path] = typer.Option(None, "--from", help=FROM_HELP),
+    from_format: Optional[str] = typer.Option(None, "--from-format", help=FROM_FORMAT_HELP),
     axes: dict | None = None,
 ) -> None:
-    """Price one given layout (from flags or --plan FILE) without searching; unset axes take their defaults."""
+    """Price one given layout (from flags, --plan FILE or --from a tool's config) without searching; unset axes
+    take their defaults."""
     options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, **(axes or {}))
     given = {k: v for k, v in options.items() if v is not None}
     for name, field in ((model, "model"), (hw, "--hw")):
         if name is not None:
             check_name(name, field)
+    if from_file is not None and plan_file is not None:
+        raise PlanError("--from", "given with --plan", "price one of them")
+    if from_file is not None:
+        from parallax_cli.from_config import stated_plan
+
+        priced, stated, _, _ = stated_plan(from_file, from_format, model, hw, given)
+        _print_priced(priced, as_json, "", [f"not priced: {u}" for u in stated.unpriced])
+        return
     if plan_file is not None:
         model, cluster, plan, note = _plan_as_asked(plan_file, model, hw, given, trust_module)
     else:
         model, cluster, plan, note = _layout_from_flags(model, hw, given)
-    priced = plan.model_copy(update={"estimate": estimate(model, plan, cluster)})
+    _print_priced(plan.model_copy(update={"estimate": estimate(model, plan, cluster)}), as_json, note, [])
+
+
+def _print_priced(priced: Plan, as_json: bool, note: str, lines: list[str]) -> None:
     if as_json:
         print(priced.to_json())
         return
     if note:
         console.print(note, markup=False)
     console.print(render(priced))
+    for line in lines:
+        console.print(line, markup=False)
     if not priced.estimate.fits:
         console.print("[red]this layout does not fit in memory[/red]")
 

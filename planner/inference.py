@@ -64,6 +64,7 @@ class InferencePlan(BaseModel):
     slo_tpot_ms: float | None = None
     slo_ttft_ms: float | None = None
     feasible: bool = True
+    memory_reserve: float = Field(DEFAULT_MEMORY_RESERVE, ge=0, lt=1, description="share of GPU memory kept free")
     estimate: ServingEstimate
     tokens_per_s: float = Field(description="output tokens/s of the whole deployment")
     capacity_requests_per_s: float = Field(description="requests/s the deployment sustains at this operating point")
@@ -255,6 +256,7 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
+    plans = [p.model_copy(update={"memory_reserve": memory_reserve}) for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
 
 

@@ -1,0 +1,149 @@
+"""Hugging Face Accelerate: the config file `accelerate launch --config_file` reads.
+
+Key names follow Accelerate's own config classes (accelerate/commands/config/config_args.py,
+the FSDP plugin and `ParallelismConfig` at 1.x); `tests/test_formats_tools.py` loads every
+export with Accelerate's loader and builds its FSDP plugin where Accelerate installs.
+
+What maps: DDP (ZeRO-0) as MULTI_GPU, ZeRO-2/3 as FSDP2 (`fsdp_reshard_after_forward`
+false/true), offload (`fsdp_offload_params`), hybrid sharding, tensor and context
+parallelism (`parallelism_config`), the precision (`mixed_precision`), full recomputation
+(`fsdp_activation_checkpointing`) and the compile stack (`dynamo_config`). The batch is the
+training script's: the launch line passes it as the Trainer's arguments. Accelerate's
+config has no ZeRO-1, no pipeline, no expert parallelism, no Megatron-style sequence
+parallelism and no gradient compressor.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from hardware.errors import FormatError
+from layout.plan import Plan
+
+from .common import Exported, Losses, Stated, block_recompute, n_nodes, uniform
+
+NAME = "accelerate"
+PINS = {"pp": 1, "ep": 1, "sp": False, "compression": "none"}  # what a search for Accelerate may not change
+PRECISION = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8", "fp32": "no"}
+PARALLEL = "parallelism_config"
+KNOWN = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "num_processes",
+         "machine_rank", "main_training_function", "use_cpu", "fsdp_config", PARALLEL, "dynamo_config", "rdzv_backend",
+         "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "downcast_bf16", "enable_cpu_affinity",
+         "debug", "gpu_ids", "main_process_ip", "main_process_port"}
+
+
+def export(plan: Plan, lossy: bool) -> Exported:
+    losses = Losses("Accelerate")
+    _unsayable(plan, losses)
+    nodes, _ = n_nodes(plan)
+    config: dict[str, Any] = {"compute_environment": "LOCAL_MACHINE", "distributed_type": _distributed(plan),
+                              "mixed_precision": PRECISION[plan.dtype], "num_machines": nodes,
+                              "num_processes": plan.n_gpus, "machine_rank": 0, "main_training_function": "main",
+                              "use_cpu": False}
+    if plan.zero >= 2:
+        config["fsdp_config"] = _fsdp(plan, losses)
+    elif uniform(block_recompute(plan)) != "none":
+        losses.add("recompute", "recomputation outside FSDP (Accelerate's config checkpoints under FSDP only)")
+    if plan.tp > 1 or plan.cp > 1 or plan.dp_replicate > 1 and plan.zero >= 2:
+        config[PARALLEL] = _parallelism(plan, losses)
+    if plan.stack == "compile":
+        config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
+    launch = (f"accelerate launch --config_file accelerate.yaml train.py --per_device_train_batch_size "
+              f"{plan.micro_batch} --gradient_accumulation_steps {plan.num_micro_batches}")
+    return Exported(format=NAME, text=yaml.safe_dump(config, sort_keys=False), launch=launch,
+                    lost=losses.settle(lossy))
+
+
+def _distributed(plan: Plan) -> str:
+    if plan.zero >= 2:
+        return "FSDP"
+    return "MULTI_GPU" if plan.n_gpus > 1 else "NO"
+
+
+def _fsdp(plan: Plan, losses: Losses) -> dict[str, Any]:
+    policy = uniform(block_recompute(plan))
+    if policy not in ("none", "full"):
+        losses.add("recompute", "selective or per-block recomputation (Accelerate checkpoints every block or none)")
+    return {"fsdp_version": 2, "fsdp_reshard_after_forward": plan.zero == 3, "fsdp_offload_params": plan.offload,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": policy == "full"}
+
+
+def _parallelism(plan: Plan, losses: Losses) -> dict[str, int]:
+    shard = plan.shard_degree if plan.zero >= 2 else 1
+    if shard % plan.cp:
+        losses.add("dp_shard", f"a shard group of {shard} over cp {plan.cp} (Accelerate shards over dp_shard x cp)")
+    return {"parallelism_config_dp_replicate_size": plan.dp_replicate if plan.zero >= 2 else plan.data_parallel,
+            "parallelism_config_dp_shard_size": max(1, shard // plan.cp), "parallelism_config_tp_size": plan.tp,
+            "parallelism_config_cp_size": plan.cp}
+
+
+def _unsayable(plan: Plan, losses: Losses) -> None:
+    checks = (("zero", plan.zero == 1, "ZeRO-1 (FSDP shards gradients with the optimizer state)"),
+              ("pp", plan.pp > 1, "a pipeline"), ("ep", plan.ep > 1, "expert parallelism"),
+              ("sp", plan.sp, "Megatron-style sequence parallelism (its TP plans shard the matmuls only)"),
+              ("compression", plan.compression != "none", f"{plan.compression} gradient compression"),
+              ("stack", plan.stack == "fused", "the fused stack (Accelerate runs the model's own modules)"),
+              ("cp", plan.cp > 1 and plan.zero < 2, "context parallelism without FSDP"),
+              ("tp", plan.tp > 1 and plan.zero < 2, "tensor parallelism without FSDP"))
+    for field, lost, what in checks:
+        if lost:
+            losses.add(field, what)
+
+
+def read(text: str) -> Stated:
+    """An Accelerate config file as a layout (the batch comes from the command line)."""
+    config = _load(text)
+    kind = config.get("distributed_type", "NO")
+    fsdp = _section(config, "fsdp_config")
+    parallel = _section(config, PARALLEL)
+    axes: dict[str, Any] = {}
+    if kind == "FSDP":
+        if fsdp.get("fsdp_version", 1) != 2:
+            raise FormatError("fsdp_config.fsdp_version", f"{fsdp.get('fsdp_version', 1)}: Parallax prices FSDP2",
+                              "set fsdp_version: 2")
+        axes["zero"] = 3 if fsdp.get("fsdp_reshard_after_forward", True) else 2
+        axes["offload"] = bool(fsdp.get("fsdp_offload_params", False))
+    elif kind not in ("MULTI_GPU", "NO"):
+        raise FormatError("distributed_type", f"{kind!r} is not priced from an Accelerate file",
+                          "use FSDP or MULTI_GPU (a DeepSpeed run: give its ds_config)")
+    size = lambda key: _whole(parallel.get(f"parallelism_config_{key}_size", 1), f"{PARALLEL}.{key}_size")
+    axes.update(tp=size("tp"), cp=size("cp"))
+    if kind == "FSDP" and size("dp_replicate") > 1:
+        axes["dp_shard"] = size("dp_shard") * axes["cp"]
+    if _section(config, "dynamo_config").get("dynamo_backend", "NO") not in ("NO", "no"):
+        axes["stack"] = "compile"
+    precision = {v: k for k, v in PRECISION.items()}
+    dtype = precision.get(config.get("mixed_precision", "no"))
+    if dtype is None:
+        raise FormatError("mixed_precision", f"{config.get('mixed_precision')!r}", "use no, fp16, bf16 or fp8")
+    return Stated(format=NAME, axes=axes, dtype=dtype, n_gpus=config.get("num_processes"),
+                  block_recompute="full" if fsdp.get("fsdp_activation_checkpointing") else "none",
+                  unpriced=[f"{key}: not priced" for key in sorted(set(config) - KNOWN)])
+
+
+def _load(text: str) -> dict:
+    try:
+        config = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        raise FormatError("--from", f"not an Accelerate config: YAML error{line}", "give the file "
+                          "`accelerate config` writes") from None
+    if not isinstance(config, dict):
+        raise FormatError("--from", "an Accelerate config is a YAML mapping", "give the file `accelerate config` writes")
+    return config
+
+
+def _section(config: dict, key: str) -> dict:
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise FormatError(key, f"is a {type(value).__name__}, not a section", "see Accelerate's config file")
+    return value
+
+
+def _whole(value: Any, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise FormatError(field, f"{value!r} is not a whole number >= 1", "Accelerate takes one here")
+    return value

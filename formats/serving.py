@@ -1,0 +1,149 @@
+"""The serving engines' command lines: vLLM, SGLang and TensorRT-LLM (`trtllm-serve`).
+
+A serving plan becomes `EngineSettings`, the settings every engine has under its own names:
+the parallel degrees, the replica count, the most concurrent sequences (the batch the plan
+priced), the tokens one scheduler step takes, the share of GPU memory the engine may hold,
+the KV cache and weight precision, and the longest request. Each engine's flag names follow
+its own argument parser, read at the commits named in `SOURCES`; none installs on these
+machines (each pulls a CUDA build of torch), so `tests/test_formats.py` holds the names to
+those lists.
+"""
+from __future__ import annotations
+
+import math
+import shlex
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hardware.errors import FormatError
+
+from . import argv
+from .common import Exported
+
+SOURCES = {
+    "vllm": "vllm-project/vllm vllm/engine/arg_utils.py (EngineArgs.add_cli_args)",
+    "sglang": "sgl-project/sglang python/sglang/srt/server_args.py (ServerArgs.add_cli_args)",
+    "trtllm": "NVIDIA/TensorRT-LLM tensorrt_llm/commands/serve.py (the click options of trtllm-serve)",
+}
+TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+class EngineSettings(BaseModel):
+    """What a serving plan asks of an engine, in the plan's terms."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    tp: int = Field(ge=1)
+    pp: int = Field(ge=1)
+    replicas: int = Field(ge=1)
+    max_sequences: int = Field(ge=1, description="concurrent sequences per replica: the batch the plan priced")
+    max_batched_tokens: int = Field(ge=1, description="tokens per scheduler step: one prompt, as the plan prices prefill")
+    memory_fraction: float = Field(gt=0, le=1, description="share of each GPU's memory the engine may hold")
+    kv_dtype: str = Field("auto", description="auto: the weights' 16-bit type")
+    quantization: str | None = Field(None, description="fp8 weights, or None")
+    dtype: str = "bf16"
+    max_model_len: int = Field(ge=1)
+
+
+def settings_of(plan) -> EngineSettings:
+    """The engine settings of an `planner.inference.InferencePlan`."""
+    max_sequences = max(1, min(plan.estimate.max_concurrent_sequences, math.ceil(plan.batch_per_replica)))
+    return EngineSettings(model=plan.model, tp=plan.tp, pp=plan.pp, replicas=plan.replicas,
+                          max_sequences=max_sequences, max_batched_tokens=max(plan.prompt_len, max_sequences),
+                          memory_fraction=round(1 - plan.memory_reserve, 4),
+                          quantization="fp8" if plan.dtype == "fp8" else None,
+                          dtype="bf16" if plan.dtype == "fp8" else plan.dtype,
+                          max_model_len=plan.prompt_len + plan.output_len)
+
+
+# engine -> (program, {setting: flag}); the model is the program's first argument (vLLM, TRT-LLM) or a flag
+FLAGS = {
+    "vllm": ("vllm serve", {"tp": "--tensor-parallel-size", "pp": "--pipeline-parallel-size",
+                            "replicas": "--data-parallel-size", "max_sequences": "--max-num-seqs",
+                            "max_batched_tokens": "--max-num-batched-tokens",
+                            "memory_fraction": "--gpu-memory-utilization", "kv_dtype": "--kv-cache-dtype",
+                            "quantization": "--quantization", "dtype": "--dtype", "max_model_len": "--max-model-len"}),
+    "sglang": ("python -m sglang.launch_server", {
+        "model": "--model-path", "tp": "--tp-size", "pp": "--pp-size", "replicas": "--dp-size",
+        "max_sequences": "--max-running-requests", "max_batched_tokens": "--chunked-prefill-size",
+        "memory_fraction": "--mem-fraction-static", "kv_dtype": "--kv-cache-dtype", "quantization": "--quantization",
+        "dtype": "--dtype", "max_model_len": "--context-length"}),
+    "trtllm": ("trtllm-serve", {"tp": "--tp_size", "pp": "--pp_size", "max_sequences": "--max_batch_size",
+                                "max_batched_tokens": "--max_num_tokens", "max_model_len": "--max_seq_len",
+                                "memory_fraction": "--kv_cache_free_gpu_memory_fraction"}),
+}
+
+
+def export(plan, engine: str, lossy: bool) -> Exported:
+    settings = settings_of(plan)
+    program, flags = FLAGS[engine]
+    lost = []
+    options = []
+    for key, flag in flags.items():
+        value = getattr(settings, key)
+        if key == "dtype":
+            value = TORCH_DTYPE[value]
+        options.append((flag, value))
+    missing = [k for k in ("replicas", "kv_dtype", "quantization", "dtype") if k not in flags]
+    for key in missing:
+        value = getattr(settings, key)
+        if key == "replicas" and value > 1:
+            lost.append(f"replicas: {engine} serves one tp x pp group per server; start {value} servers")
+        elif key in ("kv_dtype", "quantization") and value not in (None, "auto"):
+            lost.append(f"{key}: {value} is set by the checkpoint's quantization for {engine}, not a flag")
+    if lost and not lossy:
+        raise FormatError(lost[0].partition(":")[0], f"{engine} cannot express {lost[0].partition(': ')[2]}",
+                          "pass --lossy to export without it")
+    head = f"{engine} for {plan.model} on {plan.hardware}: tp{plan.tp} pp{plan.pp} x{plan.replicas}\n" \
+           "(written by parallax export; run: the lines below joined, or $(grep -v '^#' FILE))"
+    model_first = "model" not in flags
+    text = argv.write(options, head)
+    launch = f"{program} {shlex.quote(plan.model) + ' ' if model_first else ''}$(grep -v '^#' FILE)"
+    return Exported(format=engine, text=text, launch=launch, lost=lost)
+
+
+def read(text: str, engine: str, model: str | None = None) -> EngineSettings:
+    """An engine's command line (or its flags one a line) back as settings; `model` where the
+    engine takes it as an argument rather than a flag."""
+    program, flags = FLAGS[engine]
+    found = argv.read(text, engine)
+    if model is None and "model" not in flags:
+        model = _positional(text, program)
+    values: dict = {"model": model, "replicas": 1, "kv_dtype": "auto", "quantization": None, "dtype": "bf16"}
+    dtypes = {v: k for k, v in TORCH_DTYPE.items()}
+    for key, flag in flags.items():
+        if flag not in found:
+            continue
+        value = found[flag]
+        if key in ("tp", "pp", "replicas", "max_sequences", "max_batched_tokens", "max_model_len"):
+            value = argv.whole(found, flag, engine)
+        elif key == "memory_fraction":
+            value = _fraction(value, flag)
+        elif key == "dtype":
+            value = dtypes.get(value, value)
+        values[key] = value
+    absent = [flags.get(k, k) for k in ("model", "tp", "pp", "max_sequences", "max_batched_tokens", "memory_fraction",
+                                         "max_model_len") if values.get(k) is None]
+    if absent:
+        raise FormatError(absent[0], f"not in the {engine} command line", "Parallax's export states it")
+    return EngineSettings(**values)
+
+
+def _positional(text: str, program: str) -> str | None:
+    """The model a command line names after its program (`vllm serve MODEL --flags`), if any."""
+    body = " ".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    words = shlex.split(body)
+    start = next((i + len(program.split()) for i in range(len(words)) if words[i:i + len(program.split())] == program.split()), None)
+    if start is None or start >= len(words) or words[start].startswith("--"):
+        return None
+    return words[start]
+
+
+def _fraction(value, flag: str) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise FormatError(flag, f"{value!r} is not a number", "a fraction in (0, 1], e.g. 0.9") from None
+    if not 0 < number <= 1:
+        raise FormatError(flag, f"{number} is not in (0, 1]", "e.g. 0.9")
+    return number
