@@ -1,4 +1,4 @@
-"""The import graph: data flows one way (hardware -> layout -> costmodel -> planner ->
+"""The import graph: data flows one way (hardware -> layout -> costmodel -> planner -> formats ->
 executor -> CLI), no module imports one on a floor above it, and no modules import each
 other in a cycle, deferred imports inside functions included."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
-FLOORS = ("hardware", "layout", "costmodel", "planner", "executor", "parallax_cli")
+FLOORS = ("hardware", "layout", "costmodel", "planner", "formats", "executor", "parallax_cli")
 
 
 def _module_of(path: Path) -> str:

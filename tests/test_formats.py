@@ -1,0 +1,142 @@
+"""The formats from the command line, as a user meets them: `parallax export`, `estimate --from`
+and `plan --from`; what a tool cannot say named in one line; broken and hostile files refused
+in one line; and every flag written for a tool that does not install here held to the names
+its own argument parser declares (cited in each module)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import formats
+from formats import megatron, serving
+from hardware.errors import ParallaxError
+from parallax_cli import main
+
+PLAN_ARGS = ["llama-3-8b", "--hw", "8xh100-sxm", "--global-batch", "64", "--seq-len", "4096"]
+
+
+@pytest.fixture(scope="module")
+def plan_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("formats") / "plan.json"
+    assert main(["plan", *PLAN_ARGS, "--out", str(path)]) == 0
+    return path
+
+
+@pytest.mark.parametrize("tool", ["torchtitan", "deepspeed", "accelerate"])
+def test_an_exported_plan_is_priced_back_as_planned(plan_file, tool, tmp_path, capsys):
+    out = tmp_path / f"config{formats.SUFFIX[tool]}"
+    assert main(["export", str(plan_file), "--to", tool, "--out", str(out)]) == 0
+    assert "run: " in capsys.readouterr().out
+    planned = json.loads(plan_file.read_text())["estimate"]
+    extra = {"deepspeed": ["llama-3-8b", "--seq-len", "4096"],
+             "accelerate": ["llama-3-8b", "--seq-len", "4096", "--global-batch", "64",
+                            "--micro-batch", str(json.loads(plan_file.read_text())["micro_batch"])],
+             "torchtitan": []}[tool]
+    assert main(["estimate", *extra, "--hw", "8xh100-sxm", "--from", str(out), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["estimate"]
+    assert priced["step_time_s"] == pytest.approx(planned["step_time_s"], rel=1e-9)
+    assert priced["peak_memory_bytes"] == pytest.approx(planned["peak_memory_bytes"], rel=1e-9)
+
+
+def test_plan_from_a_users_config_proposes_a_faster_layout_in_the_same_format(tmp_path, capsys):
+    mine = tmp_path / "ds_config.json"  # ZeRO-3 with one sequence per micro-batch and every block recomputed
+    mine.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1,
+                                "gradient_accumulation_steps": 8, "zero_optimization": {"stage": 3},
+                                "bf16": {"enabled": True}, "activation_checkpointing": {}}))
+    out = tmp_path / "proposed.json"
+    assert main(["plan", "llama-3-8b", "--hw", "8xh100-sxm", "--seq-len", "4096", "--from", str(mine),
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    line = next(line for line in said.splitlines() if line.startswith("your layout"))
+    assert "dp8 tp1 pp1 z3 mb1" in line and "x faster" in line
+    assert float(line.rsplit(", ", 1)[1].split("x")[0]) >= 1.0
+    proposed = formats.deepspeed.read(out.read_text())
+    assert proposed.global_batch == 64 and proposed.axes["zero"] in (0, 1, 2, 3)
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["export", "{plan}", "--to", "vlm"], "--to: unknown format 'vlm'"),
+    (["export", "{plan}", "--to", "vllm"], "--to: vllm does not take a training plan"),
+    (["estimate", "llama-3-8b", "--hw", "8xh100-sxm", "--seq-len", "4096", "--from", "{bad}"], "--from:"),
+    (["estimate", "llama-3-8b", "--seq-len", "4096", "--from", "{bad}"], "--from:"),
+    (["plan", "llama-3-8b", "--hw", "8xh100-sxm", "--seq-len", "4096", "--from", "{missing}"], "does not exist"),
+])
+def test_wrong_input_is_one_line(plan_file, tmp_path, capsys, argv, field):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": ')
+    paths = {"plan": plan_file, "bad": bad, "missing": tmp_path / "nowhere.json"}
+    assert main([a.format(**paths) for a in argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert field in err and len(err.splitlines()) == 1, err
+
+
+def test_what_a_tool_cannot_say_is_refused_by_name_and_exported_with_lossy(plan_file, capsys):
+    assert main(["export", str(plan_file), "--to", "megatron"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: stack: Megatron-LM cannot express the eager stack") and "--lossy" in err
+    assert main(["export", str(plan_file), "--to", "megatron", "--lossy"]) == 0
+    said = capsys.readouterr()
+    assert "not expressed in megatron: stack:" in said.err and "--tensor-model-parallel-size 1" in said.out
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(text=st.text(max_size=300) | st.from_regex(r"(--[a-z_.\-]{1,30}( [\w\[\]\",.-]{0,12})?\n){1,6}", fullmatch=True),
+       tool=st.sampled_from([*formats.TRAINING, *formats.SERVING]))
+def test_any_text_is_read_or_refused_in_the_tools_terms(text, tool):
+    try:
+        if tool in formats.SERVING:
+            serving.read(text, tool, model="m")
+        else:
+            formats.TRAINING[tool].read(text)
+    except ParallaxError:
+        pass
+
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-5, 10**6) | st.sampled_from(["auto", "cpu", "bf16"]),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(
+                        st.sampled_from(["stage", "zero_optimization", "train_batch_size", "bf16", "enabled",
+                                         "offload_param", "device", "tensor_parallel", "autotp_size",
+                                         "mics_shard_size", "train_micro_batch_size_per_gpu"]), inner, max_size=4),
+                    max_leaves=12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+@given(config=JSON)
+def test_any_ds_config_is_read_or_refused_by_field(config):
+    try:
+        formats.deepspeed.read(json.dumps(config))
+    except ParallaxError as error:
+        assert error.field
+
+
+# Flag names as each tool's argument parser declares them, read from its source (see each module's SOURCE(S)).
+MEGATRON_PARSER = {
+    "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
+    "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+    "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--micro-batch-size", "--global-batch-size",
+    "--seq-length", "--max-position-embeddings", "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16",
+    "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers", "--num-layers", "--hidden-size", "--num-attention-heads",
+    "--group-query-attention", "--num-query-groups", "--ffn-hidden-size", "--swiglu", "--vocab-size",
+    "--untie-embeddings-and-output-weights", "--num-experts", "--moe-router-topk"}
+ENGINE_PARSERS = {
+    "vllm": {"--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--max-num-seqs",
+             "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-dtype", "--quantization", "--dtype",
+             "--max-model-len"},
+    "sglang": {"--model-path", "--tp-size", "--pp-size", "--dp-size", "--max-running-requests", "--chunked-prefill-size",
+               "--mem-fraction-static", "--kv-cache-dtype", "--quantization", "--dtype", "--context-length"},
+    "trtllm": {"--tp_size", "--pp_size", "--max_batch_size", "--max_num_tokens", "--max_seq_len",
+               "--kv_cache_free_gpu_memory_fraction"},
+}
+
+
+def test_megatron_flags_are_megatrons_own():
+    assert set(megatron.FLAGS) <= MEGATRON_PARSER
+
+
+@pytest.mark.parametrize("engine", formats.SERVING)
+def test_engine_flags_are_the_engines_own(engine):
+    assert set(serving.FLAGS[engine][1].values()) <= ENGINE_PARSERS[engine]
