@@ -105,9 +105,11 @@ def read(text: str) -> Stated:
                               "set fsdp_version: 2")
         axes["zero"] = 3 if fsdp.get("fsdp_reshard_after_forward", True) else 2
         axes["offload"] = bool(fsdp.get("fsdp_offload_params", False))
+    elif kind == "DEEPSPEED":
+        axes.update(_deepspeed_plugin(_section(config, "deepspeed_config")))
     elif kind not in ("MULTI_GPU", "NO"):
         raise FormatError("distributed_type", f"{kind!r} is not priced from an Accelerate file",
-                          "use FSDP or MULTI_GPU (a DeepSpeed run: give its ds_config)")
+                          "use FSDP, DEEPSPEED or MULTI_GPU")
     size = lambda key: _whole(parallel.get(f"parallelism_config_{key}_size", 1), f"{PARALLEL}.{key}_size")
     axes.update(tp=size("tp"), cp=size("cp"))
     if kind == "FSDP" and size("dp_replicate") > 1:
@@ -121,6 +123,18 @@ def read(text: str) -> Stated:
     return Stated(format=NAME, axes=axes, dtype=dtype, n_gpus=config.get("num_processes"),
                   block_recompute="full" if fsdp.get("fsdp_activation_checkpointing") else "none",
                   unpriced=[f"{key}: not priced" for key in sorted(set(config) - KNOWN)])
+
+
+def _deepspeed_plugin(plugin: dict) -> dict[str, Any]:
+    """Accelerate's DeepSpeed plugin section (zero_stage, offload devices), or its ds_config file's name."""
+    if "deepspeed_config_file" in plugin:
+        raise FormatError("deepspeed_config.deepspeed_config_file", f"names {plugin['deepspeed_config_file']}",
+                          "price that ds_config itself with --from")
+    stage = plugin.get("zero_stage", 2)
+    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
+        raise FormatError("deepspeed_config.zero_stage", f"{stage!r} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    offload = any(plugin.get(key, "none") == "cpu" for key in ("offload_optimizer_device", "offload_param_device"))
+    return {"zero": stage, "offload": offload and stage >= 2}
 
 
 def _load(text: str) -> dict:
