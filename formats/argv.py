@@ -9,25 +9,25 @@ from hardware.errors import FormatError
 
 
 def write(options: list[tuple[str, object]], header: str) -> str:
-    """`--flag value` lines (a bare `--flag` for True; False and None left out) under '# ' comments."""
+    """`--flag value` lines (a bare `--flag` for True, several values for a list; False and None left
+    out) under '# ' comments."""
     lines = [f"# {line}" for line in header.splitlines()]
     for flag, value in options:
         if value is True:
             lines.append(flag)
+        elif isinstance(value, list):
+            lines.append(" ".join([flag, *(shlex.quote(str(v)) for v in value)]))
         elif value is not False and value is not None:
             lines.append(f"{flag} {shlex.quote(str(value))}")
     return "\n".join(lines) + "\n"
 
 
 def read(text: str, tool: str) -> dict[str, str | bool]:
-    """{'--flag': value} from a file of such lines or a command line; a flag with no value is True.
-    '--a.b=v' and '--a.b v' both read; words before the first flag (the program) are skipped."""
-    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
-    try:
-        words = shlex.split(body.replace("\\\n", " "))
-    except ValueError as error:
-        raise FormatError("--from", f"not a {tool} argument list: {error}", "one --flag value per line") from None
-    found: dict[str, str | bool] = {}
+    """{'--flag': value} from a file of such lines or a command line; a flag with no value is True,
+    one with several values a list. '--a.b=v' and '--a.b v' both read; words before the first flag
+    (the program and its arguments) are skipped."""
+    found: dict[str, str | bool | list[str]] = {}
+    words = split(text, tool)
     i = 0
     while i < len(words):
         word = words[i]
@@ -35,16 +35,23 @@ def read(text: str, tool: str) -> dict[str, str | bool]:
         if not word.startswith("--"):
             continue
         flag, eq, value = word.partition("=")
-        if eq:
-            found[flag] = value
-        elif i < len(words) and not words[i].startswith("--"):
-            found[flag] = words[i]
+        values = [value] if eq else []
+        while not eq and i < len(words) and not words[i].startswith("--"):
+            values.append(words[i])
             i += 1
-        else:
-            found[flag] = True
+        found[flag] = True if not values else values[0] if len(values) == 1 else values
     if not found:
         raise FormatError("--from", f"no --flag found: not a {tool} argument list", "one --flag value per line")
     return found
+
+
+def split(text: str, tool: str) -> list[str]:
+    """The words of an argument file or command line, '#' comment lines and line continuations dropped."""
+    body = "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+    try:
+        return shlex.split(body.replace("\\\n", " "))
+    except ValueError as error:
+        raise FormatError("--from", f"not a {tool} argument list: {error}", "one --flag value per line") from None
 
 
 def whole(found: dict, flag: str, tool: str, low: int = 1) -> int | None:

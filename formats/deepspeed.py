@@ -6,11 +6,11 @@ deepspeed/runtime/zero/config.py, deepspeed/runtime/zero/offload_config.py at 0.
 where DeepSpeed installs.
 
 What maps: ZeRO 0-3 (`zero_optimization.stage`), FSDP2-style offload (ZeRO-Offload:
-`offload_optimizer`, and `offload_param` at stage 3), hybrid sharding at stage 3 (MiCS,
-`mics_shard_size`), micro-batch and accumulation, bf16/fp16, fp16/bf16 gradient
+`offload_optimizer`, and `offload_param` at stage 3), micro-batch and accumulation, bf16/fp16, fp16/bf16 gradient
 communication (`communication_data_type`), tensor parallelism (AutoTP,
 `tensor_parallel.autotp_size`) and full recomputation (`activation_checkpointing`, which
-the training script's `deepspeed.checkpointing` reads). DeepSpeed's config has no context
+the training script's `deepspeed.checkpointing` reads). DeepSpeed's config has no hybrid
+sharding (0.19 removed MiCS, and refuses its key), no context
 parallelism, no pipeline (DeepSpeed pipelines are built in code), no expert parallelism,
 no sequence parallelism of Megatron's kind and no lossy gradient compressor of Parallax's.
 """
@@ -68,10 +68,8 @@ def _zero(plan: Plan, losses: Losses) -> dict[str, Any]:
         if plan.zero == 3:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     if plan.zero >= 2 and plan.dp_replicate > 1:
-        if plan.zero == 3:
-            zero["mics_shard_size"] = plan.shard_degree
-        else:
-            losses.add("dp_shard", "hybrid sharding at ZeRO-2 (DeepSpeed's MiCS is a stage-3 mode)")
+        losses.add("dp_shard", "hybrid sharding (DeepSpeed 0.19 removed MiCS; ZeRO++'s hpZ shards weights twice, "
+                   "not the optimizer)")
     return zero
 
 
@@ -101,8 +99,6 @@ def read(text: str) -> Stated:
     offloaded = any(_section(zero, key).get("device") == "cpu" for key in ("offload_optimizer", "offload_param"))
     if offloaded:
         axes["offload"] = True
-    if "mics_shard_size" in zero and _int(zero["mics_shard_size"], "zero_optimization.mics_shard_size") > 0:
-        axes["dp_shard"] = zero["mics_shard_size"]
     if "tensor_parallel" in config:
         axes["tp"] = _int(_section(config, "tensor_parallel").get("autotp_size", 1), "tensor_parallel.autotp_size")
     if config.get("communication_data_type") in ("fp16", "bf16"):

@@ -1,20 +1,25 @@
-"""torchtitan: the model choice and the `--section.field` overrides its config manager parses.
+"""torchtitan: the `--module`/`--config` choice and the overrides its ConfigManager parses.
 
-Field names follow torchtitan's JobConfig (torchtitan/config/job_config.py, release 0.3.0);
-`tests/test_formats_tools.py` parses every export with torchtitan's own `ConfigManager` where
-torchtitan installs.
+Names follow torchtitan 0.3.0 (PyPI): `torchtitan/config/configs.py` (TrainingConfig,
+ParallelismConfig, CompileConfig), `torchtitan/distributed/activation_checkpoint.py` (the
+activation-checkpoint subcommands none, full, selective, memory-budget) and
+`torchtitan/config/manager.py` (tyro, with torchtitan's rule that a list of strings is
+comma-separated). `tests/test_formats_tools.py` parses every export with those classes and
+that parser where torchtitan installs; its model registry needs triton, so the whole
+`ConfigManager.parse_args` runs only on a CUDA machine.
 
-What maps: the data-parallel replicate and shard degrees (DDP, FSDP2 with ZeRO-3 or
-ZeRO-2 as `fsdp_reshard_after_forward`, HSDP), tensor parallelism (its TP always shards the
-norms by sequence: Megatron's SP), the pipeline's degree, schedule, micro-batch and exact
+What maps: the data-parallel replicate and shard degrees (DDP, FSDP2 with ZeRO-3 as
+`fsdp_reshard_after_forward always` and ZeRO-2 as `never`, HSDP), tensor parallelism with or
+without sequence parallelism, the pipeline's degree, schedule, micro-batch and exact
 partition (`module_fqns_per_model_part`), context and expert degrees, the batch and
-accumulation, the precision of weights and reduction, FSDP2's CPU offload, full
-recomputation of every block or of every k-th (`selective_ac_option` k), and the compile
-stack. torchtitan has no ZeRO-1, no tensor parallelism without SP, no gradient
-compression, and its selective policy is op-level, not Megatron's attention core.
+accumulation, bf16 or fp32 weights, FSDP2's CPU offload, full recomputation of every block,
+and the compile stack. torchtitan 0.3.0 has no ZeRO-1, no gradient compression, no fp16, no
+FP8 recipe for these models in its registry, and its selective policy is op-level.
 """
 from __future__ import annotations
 
+import re
+import shlex
 import tomllib
 from typing import Any
 
@@ -27,8 +32,9 @@ from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages,
 NAME = "torchtitan"
 PINS = {"compression": "none"}  # what a search for a torchtitan run may not change
 SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble"}
-FLAVORS = {"llama-3-8b": ("llama3", "8B"), "llama-3-70b": ("llama3", "70B"), "llama-3-405b": ("llama3", "405B")}
-REDUCE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+CONFIGS = {"llama-3-8b": "llama3_8b", "llama-3-70b": "llama3_70b", "llama-3-405b": "llama3_405b"}  # --module llama3
+PARAM_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
+AC = re.compile(r"^activation[-_]checkpoint:([a-z-]+)$")
 P, T = "--parallelism.", "--training."
 
 
@@ -37,21 +43,26 @@ def export(plan: Plan, lossy: bool) -> Exported:
     _unsayable(plan, losses)
     options: list[tuple[str, Any]] = [*_model(plan, losses), *_data_parallel(plan),
                                       (P + "tensor_parallel_degree", plan.tp), (P + "context_parallel_degree", plan.cp),
-                                      (P + "expert_parallel_degree", plan.ep), *_pipeline(plan),
-                                      *_batch(plan), *_precision(plan), *_recompute(plan, losses)]
-    if plan.stack == "compile":
-        options += [("--compile.enable", True), ("--compile.components", "model,loss")]
+                                      (P + "expert_parallel_degree", plan.ep), *_pipeline(plan), *_batch(plan),
+                                      (T + "mixed_precision_param", PARAM_DTYPE.get(plan.dtype, "bfloat16")),
+                                      ("--compile.enable" if plan.stack == "compile" else "--compile.no-enable", True),
+                                      ("--compile.no-enable-async-tensor-parallel", True)]
+    if plan.tp > 1:
+        options.append((P + ("enable-sequence-parallel" if plan.sp else "no-enable-sequence-parallel"), True))
+    text = argv.write(options, f"torchtitan {CONFIGS.get(plan.model, plan.model)} for {plan.model} on "
+                      f"{plan.hardware}: {plan.layout_tag}\n(written by parallax export)")
+    text += f"activation_checkpoint:{_recompute(plan, losses)}\n"  # tyro's subcommand: after every flag
     nodes, per_node = n_nodes(plan)
-    header = f"torchtitan overrides for {plan.model} on {plan.hardware}: {plan.layout_tag}\n(written by parallax export)"
     launch = f"torchrun --nnodes {nodes} --nproc-per-node {per_node} -m torchtitan.train $(grep -v '^#' FILE)"
-    return Exported(format=NAME, text=argv.write(options, header), launch=launch, lost=losses.settle(lossy))
+    return Exported(format=NAME, text=text, launch=launch, lost=losses.settle(lossy))
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
     checks = (("zero", plan.zero == 1, "ZeRO-1 (its FSDP2 shards gradients with the optimizer state)"),
-              ("sp", plan.tp > 1 and not plan.sp, "tensor parallelism without SP (its TP plans shard norms by sequence)"),
               ("compression", plan.compression != "none", f"{plan.compression} gradient compression"),
               ("stack", plan.stack == "fused", "the fused stack (torchtitan runs eager or compiled PyTorch)"),
+              ("dtype", plan.dtype in ("fp16", "fp8"), f"{plan.dtype} training (0.3.0's registry has no such "
+               "recipe for this model; its weights are bfloat16 or float32)"),
               ("zero", plan.zero == 0 and plan.cp > 1, "context parallelism without FSDP (it shards over cp)"),
               ("dp_shard", plan.zero >= 2 and plan.shard_degree % plan.cp, "a shard group that cp does not divide"),
               ("zero", plan.zero >= 2 and plan.shard_degree == 1, "FSDP over one rank (it applies FSDP only where "
@@ -62,12 +73,10 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
 
 
 def _model(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
-    if plan.model not in FLAVORS:
-        losses.add("model", f"{plan.model} (its flavors: {', '.join(FLAVORS)}; name your own with --model.name)")
+    if plan.model not in CONFIGS:
+        losses.add("model", f"{plan.model} (its registry: {', '.join(CONFIGS)}; add a config for your own)")
         return []
-    name, flavor = FLAVORS[plan.model]
-    return [("--model.name", name), ("--model.flavor", flavor)] + \
-        ([("--model.converters", "float8")] if plan.dtype == "fp8" else [])
+    return [("--module", "llama3"), ("--config", CONFIGS[plan.model])]
 
 
 def _data_parallel(plan: Plan) -> list[tuple[str, Any]]:
@@ -76,8 +85,8 @@ def _data_parallel(plan: Plan) -> list[tuple[str, Any]]:
         return [(P + "data_parallel_replicate_degree", plan.dp), (P + "data_parallel_shard_degree", 1)]
     return [(P + "data_parallel_replicate_degree", plan.dp_replicate),
             (P + "data_parallel_shard_degree", plan.shard_degree // plan.cp),
-            (P + "fsdp_reshard_after_forward", "default" if plan.zero == 3 else "never"),
-            *([(T + "enable_cpu_offload", True)] if plan.offload else [])]
+            (P + "fsdp_reshard_after_forward", "always" if plan.zero == 3 else "never"),
+            (T + ("enable_cpu_offload" if plan.offload else "no-enable-cpu-offload"), True)]
 
 
 def _pipeline(plan: Plan) -> list[tuple[str, Any]]:
@@ -88,75 +97,76 @@ def _pipeline(plan: Plan) -> list[tuple[str, Any]]:
             (P + "module_fqns_per_model_part", _parts(plan))]
 
 
-def _parts(plan: Plan) -> str:
-    """Each virtual stage's modules by name: tok_embeddings, layers.i, norm and output (the JSON list of
-    lists torchtitan's parser takes)."""
-    import json
-
+def _parts(plan: Plan) -> list[str]:
+    """Each virtual stage's modules, comma-separated: tok_embeddings, layers.i, norm and output."""
     parts, block = [], 0
     for s, count in enumerate(blocks_of_stages(plan)):
         names = (["tok_embeddings"] if s == 0 else []) + [f"layers.{i}" for i in range(block, block + count)]
-        parts.append(names + (["norm", "output"] if s == len(plan.stages) - 1 else []))
+        parts.append(",".join(names + (["norm", "output"] if s == len(plan.stages) - 1 else [])))
         block += count
-    return json.dumps(parts, separators=(",", ":"))
+    return parts
 
 
 def _batch(plan: Plan) -> list[tuple[str, Any]]:
-    """local_batch_size is one data-parallel rank's sequences per step; accumulation is derived from it."""
+    """local_batch_size is one data-parallel rank's sequences per accumulation step; with a pipeline it is
+    split into micro-batches, so it holds them all."""
     local = plan.micro_batch if plan.pp == 1 else plan.micro_batch * plan.num_micro_batches
     return [(T + "local_batch_size", local), (T + "global_batch_size", plan.global_batch), (T + "seq_len", plan.seq_len)]
 
 
-def _precision(plan: Plan) -> list[tuple[str, Any]]:
-    param = "float32" if plan.dtype == "fp32" else "float16" if plan.dtype == "fp16" else "bfloat16"
-    return [(T + "mixed_precision_param", param), (T + "mixed_precision_reduce", "float32")]
-
-
-def _recompute(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
-    policies = block_recompute(plan)
-    policy = uniform(policies)
+def _recompute(plan: Plan, losses: Losses) -> str:
+    policy = uniform(block_recompute(plan))
     if policy in ("none", "full"):
-        return [("--activation_checkpoint.mode", policy)]
-    k = _every_kth(policies)
-    if policy == "selective" or k is None:
-        losses.add("recompute", "Megatron's selective policy or an irregular per-block one (torchtitan "
-                   "checkpoints every block, every k-th, or op by op)")
-        return [("--activation_checkpoint.mode", "none")]
-    return [("--activation_checkpoint.mode", "selective"), ("--activation_checkpoint.selective_ac_option", str(k))]
-
-
-def _every_kth(policies: list[str]) -> int | None:
-    """k when the blocks counted from 1 checkpoint fully exactly at multiples of k, and keep the rest."""
-    full = [i + 1 for i, p in enumerate(policies) if p == "full"]
-    if not full or any(p not in ("full", "none") for p in policies):
-        return None
-    k = full[0]
-    return k if full == list(range(k, len(policies) + 1, k)) else None
+        return policy
+    losses.add("recompute", "Megatron's selective policy or a per-block one (torchtitan 0.3.0 checkpoints every "
+               "block whole, or op by op)")
+    return "none"
 
 
 def read(text: str, suffix: str = "") -> Stated:
-    """torchtitan overrides (a file of lines or a command line) or its TOML config file."""
-    found = _toml(text) if suffix == ".toml" else argv.read(text, "torchtitan")
-    get = lambda name, low=1: argv.whole(found, name, "torchtitan", low)
-    replicate, shard = get(P + "data_parallel_replicate_degree") or 1, get(P + "data_parallel_shard_degree", -1)
-    cp, pp = get(P + "context_parallel_degree") or 1, get(P + "pipeline_parallel_degree") or 1
-    axes: dict[str, Any] = {"tp": get(P + "tensor_parallel_degree") or 1, "cp": cp, "pp": pp,
-                            "ep": get(P + "expert_parallel_degree") or 1}
-    axes["sp"] = axes["tp"] > 1
-    axes.update(_read_sharding(found, replicate, shard, cp))
-    if argv.truth(found, "--compile.enable"):
+    """torchtitan overrides (a file of lines or a command line), or an older release's TOML file."""
+    if suffix == ".toml":
+        found, mode = _toml(text)
+    else:
+        words = argv.split(text, NAME)
+        modes = [m.group(1) for w in words if (m := AC.match(w))]
+        found = argv.read(shlex.join(w for w in words if not AC.match(w)), NAME)
+        found = dict(_canonical(flag, value) for flag, value in found.items())
+        mode = modes[-1] if modes else "selective"  # the registry's default for the Llama 3 configs
+    get = lambda name: argv.whole(found, name, NAME)
+    cp, pp, tp = get(P + "context_parallel_degree") or 1, get(P + "pipeline_parallel_degree") or 1, \
+        get(P + "tensor_parallel_degree") or 1
+    axes: dict[str, Any] = {"tp": tp, "cp": cp, "pp": pp, "ep": get(P + "expert_parallel_degree") or 1,
+                            "sp": tp > 1 and found.get(P + "enable_sequence_parallel", True) is not False}
+    axes.update(_read_sharding(found, get, cp, pp))
+    if found.get("--compile.enable") is True:
         axes["stack"] = "compile"
+    param = found.get(T + "mixed_precision_param", "bfloat16")
     stated = Stated(format=NAME, axes=axes, global_batch=get(T + "global_batch_size"), seq_len=get(T + "seq_len"),
-                    model=_read_model(found), dtype=_read_dtype(found), unpriced=_read_unpriced(found))
+                    model=next((m for m, c in CONFIGS.items() if c == found.get("--config")), None),
+                    dtype={v: k for k, v in PARAM_DTYPE.items()}.get(param, "bf16"),
+                    block_recompute=_read_mode(mode), unpriced=_read_unpriced(found, mode))
     return _read_pipeline(stated, found, get)
 
 
-def _read_sharding(found: dict, replicate: int, shard: int | None, cp: int) -> dict[str, Any]:
+def _canonical(flag: str, value) -> tuple[str, Any]:
+    """'--section.some-field' as '--section.some_field' (tyro takes both); tyro's '--section.no-field'
+    switch as the field set False."""
+    section, dot, field = flag.partition(".")
+    field = field.replace("-", "_")
+    if dot and field.startswith("no_") and value is True:
+        return f"{section}.{field[3:]}", False
+    return f"{section}{dot}{field}", value
+
+
+def _read_sharding(found: dict, get, cp: int, pp: int) -> dict[str, Any]:
+    replicate, shard = get(P + "data_parallel_replicate_degree") or 1, argv.whole(
+        found, P + "data_parallel_shard_degree", NAME, low=-1)
     if shard == 1 and cp == 1:
         return {"zero": 0, "dp": replicate}
     reshard = found.get(P + "fsdp_reshard_after_forward", "default")
-    zero = 2 if reshard == "never" else 3
-    axes = {"zero": zero, "offload": argv.truth(found, T + "enable_cpu_offload")}
+    zero = 2 if reshard == "never" or (reshard == "default" and pp > 1) else 3  # its default: no reshard in a pipeline
+    axes = {"zero": zero, "offload": found.get(T + "enable_cpu_offload") is True}
     if shard not in (None, -1):
         axes["dp"] = replicate * shard
         if replicate > 1:
@@ -164,26 +174,20 @@ def _read_sharding(found: dict, replicate: int, shard: int | None, cp: int) -> d
     return axes
 
 
-def _read_model(found: dict) -> str | None:
-    pair = (found.get("--model.name"), found.get("--model.flavor"))
-    return next((name for name, flavor in FLAVORS.items() if flavor == pair), None)
+def _read_mode(mode: str) -> str:
+    if mode not in ("none", "full", "selective", "memory-budget"):
+        raise FormatError("activation_checkpoint", f"{mode!r}", "use none, full, selective or memory-budget")
+    return "full" if mode == "full" else "none"
 
 
-def _read_dtype(found: dict) -> str:
-    if "float8" in str(found.get("--model.converters", "")):
-        return "fp8"
-    param = found.get(T + "mixed_precision_param", "bfloat16")
-    return {v: k for k, v in REDUCE.items()}.get(param, "bf16")
-
-
-def _read_unpriced(found: dict) -> list[str]:
+def _read_unpriced(found: dict, mode: str) -> list[str]:
     notes = []
-    if found.get("--activation_checkpoint.selective_ac_option") == "op":
-        notes.append("activation_checkpoint.selective_ac_option: op-level SAC priced as no recomputation")
-    if found.get(T + "mixed_precision_reduce", "float32") != "float32":
-        notes.append(f"training.mixed_precision_reduce: {found[T + 'mixed_precision_reduce']} priced as float32")
-    if argv.truth(found, P + "enable_async_tensor_parallel"):
-        notes.append("parallelism.enable_async_tensor_parallel: priced as synchronous TP")
+    if mode in ("selective", "memory-budget"):
+        notes.append(f"activation_checkpoint:{mode}: op-level checkpointing priced as no recomputation")
+    if found.get("--compile.enable_async_tensor_parallel") is True:
+        notes.append("compile.enable_async_tensor_parallel: priced as synchronous TP")
+    if found.get(T + "dtype") == "bfloat16":
+        notes.append("training.dtype bfloat16: bf16 master weights and moments priced as fp32")
     return notes
 
 
@@ -193,58 +197,36 @@ def _read_pipeline(stated: Stated, found: dict, get) -> Stated:
         schedule = found.get(P + "pipeline_parallel_schedule", "1F1B")
         names = {v: k for k, v in SCHEDULES.items()}
         if schedule not in names:
-            raise FormatError(P[2:] + "pipeline_parallel_schedule", f"{schedule!r} is not priced",
+            raise FormatError("parallelism.pipeline_parallel_schedule", f"{schedule!r} is not priced",
                               f"use one of {', '.join(names)}")
         axes["schedule"] = names[schedule]
-        if P + "pipeline_parallel_microbatch_size" in found:
-            axes["micro_batch"] = get(P + "pipeline_parallel_microbatch_size")
+        axes["micro_batch"] = get(P + "pipeline_parallel_microbatch_size") or 1
         blocks = _read_parts(found.get(P + "module_fqns_per_model_part"))
         if blocks is not None:
-            axes["vpp"] = len(blocks) // axes["pp"]
+            axes["vpp"] = max(1, len(blocks) // axes["pp"])
     elif T + "local_batch_size" in found:
         axes["micro_batch"] = get(T + "local_batch_size")
-    recompute = _read_recompute(found, get)
-    return stated.model_copy(update={"axes": axes, "stage_blocks": blocks, "block_recompute": recompute})
+    return stated.model_copy(update={"axes": axes, "stage_blocks": blocks})
 
 
 def _read_parts(value) -> list[int] | None:
-    import json
-
     if value is None:
         return None
-    try:
-        parts = json.loads(value) if isinstance(value, str) else value
-    except json.JSONDecodeError:
-        raise FormatError(P[2:] + "module_fqns_per_model_part", "is not a JSON list of lists",
-                          'e.g. [["tok_embeddings","layers.0"],["layers.1","norm","output"]]') from None
-    if not isinstance(parts, list) or not all(isinstance(p, list) for p in parts):
-        raise FormatError(P[2:] + "module_fqns_per_model_part", "is not a list of lists of module names",
-                          'e.g. [["tok_embeddings","layers.0"],["layers.1","norm","output"]]')
-    return [sum(str(name).startswith("layers.") for name in part) for part in parts]
+    parts = value if isinstance(value, list) else [value]
+    return [sum(name.strip().startswith("layers.") for name in str(part).split(",")) for part in parts]
 
 
-def _read_recompute(found: dict, get):
-    mode = found.get("--activation_checkpoint.mode", "selective")
-    if mode in ("none", "full"):
-        return mode
-    if mode != "selective":
-        raise FormatError("activation_checkpoint.mode", f"{mode!r}", "use none, selective or full")
-    option = found.get("--activation_checkpoint.selective_ac_option", "2")
-    if option == "op":
-        return "none"
-    return f"every:{get('--activation_checkpoint.selective_ac_option')}"  # the stride; the blocks are the model's
-
-
-def _toml(text: str) -> dict:
-    """A torchtitan TOML config as the overrides it stands for."""
+def _toml(text: str) -> tuple[dict, str]:
+    """An older torchtitan's TOML config as the overrides it stands for, and its checkpointing mode."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise FormatError("--from", f"not a torchtitan TOML file: {error}", "give its train config") from None
     found: dict = {}
     for section, fields in data.items():
-        if isinstance(fields, dict):
-            for key, value in fields.items():
-                found[f"--{section}.{key}"] = value if isinstance(value, (bool, str)) else \
-                    str(value) if not isinstance(value, list) else value
-    return found
+        for key, value in (fields.items() if isinstance(fields, dict) else ()):
+            found[f"--{section}.{key}"] = value if isinstance(value, bool) else \
+                [",".join(map(str, v)) if isinstance(v, list) else str(v) for v in value] if isinstance(value, list) \
+                else str(value)
+    mode = str(found.pop("--activation_checkpoint.mode", "selective"))
+    return found, mode
