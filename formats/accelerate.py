@@ -49,7 +49,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
         config[PARALLEL] = _parallelism(plan, losses)
     if plan.stack == "compile":
         config["dynamo_config"] = {"dynamo_backend": "INDUCTOR"}
-    launch = (f"accelerate launch --config_file accelerate.yaml train.py --per_device_train_batch_size "
+    launch = (f"accelerate launch --config_file FILE train.py --per_device_train_batch_size "
               f"{plan.micro_batch} --gradient_accumulation_steps {plan.num_micro_batches}")
     return Exported(format=NAME, text=yaml.safe_dump(config, sort_keys=False), launch=launch,
                     lost=losses.settle(lossy))

@@ -41,6 +41,8 @@ class Stated(BaseModel):
     model: str | None = None
     n_gpus: int | None = None
     global_batch: int | None = None
+    local_batch: int | None = Field(None, description="sequences per data-parallel replica and step, where the "
+                                    "tool makes the global batch of it (torchtitan's default)")
     seq_len: int | None = None
     dtype: str | None = None
     axes: dict[str, Any] = Field(default_factory=dict)

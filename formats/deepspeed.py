@@ -57,7 +57,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
         losses.add("recompute", "DeepSpeed checkpoints every block or none (this plan: "
                    f"{_policies(block_recompute(plan))})")
     nodes, per_node = n_nodes(plan)
-    launch = f"deepspeed --num_nodes {nodes} --num_gpus {per_node} train.py --deepspeed --deepspeed_config ds_config.json"
+    launch = f"deepspeed --num_nodes {nodes} --num_gpus {per_node} train.py --deepspeed --deepspeed_config FILE"
     return Exported(format=NAME, text=json.dumps(config, indent=2) + "\n", launch=launch, lost=losses.settle(lossy))
 
 

@@ -39,7 +39,7 @@ def merge(stated: Stated, given: dict[str, Any]) -> Stated:
 def missing(stated: Stated) -> str | None:
     """The first option the file and the command line left unstated, as its flag."""
     for key, flag in (("model", "MODEL"), ("global_batch", "--global-batch"), ("seq_len", "--seq-len")):
-        if getattr(stated, key) is None:
+        if getattr(stated, key) is None and not (key == "global_batch" and stated.local_batch):
             return flag
     return None
 
@@ -63,7 +63,8 @@ def to_plan(stated: Stated, cluster, kinds: list[str]) -> Plan:
                           f"name hardware of {world} GPUs")
     n_blocks = kinds.count("block")
     stages = _stages(stated, axes["pp"] * axes["vpp"], kinds, n_blocks)
-    return Plan(model=stated.model, hardware=cluster.spec(), global_batch=stated.global_batch,
+    global_batch = stated.global_batch or stated.local_batch * axes["dp"]
+    return Plan(model=stated.model, hardware=cluster.spec(), global_batch=global_batch,
                 seq_len=stated.seq_len, dtype=stated.dtype or "bf16", stages=stages, **axes)
 
 

@@ -142,11 +142,18 @@ def read(text: str, suffix: str = "") -> Stated:
     if found.get("--compile.enable") is True:
         axes["stack"] = "compile"
     param = found.get(T + "mixed_precision_param", "bfloat16")
-    stated = Stated(format=NAME, axes=axes, global_batch=get(T + "global_batch_size"), seq_len=get(T + "seq_len"),
+    stated = Stated(format=NAME, axes=axes, global_batch=_global_batch(found), local_batch=get(T + "local_batch_size"),
+                    seq_len=get(T + "seq_len"),
                     model=next((m for m, c in CONFIGS.items() if c == found.get("--config")), None),
                     dtype={v: k for k, v in PARAM_DTYPE.items()}.get(param, "bf16"),
                     block_recompute=_read_mode(mode), unpriced=_read_unpriced(found, mode))
     return _read_pipeline(stated, found, get)
+
+
+def _global_batch(found: dict) -> int | None:
+    """The stated global batch; its default, -1, is the local batch times the data-parallel degree."""
+    value = argv.whole(found, T + "global_batch_size", NAME, low=-1)
+    return None if value in (None, -1) else value
 
 
 def _canonical(flag: str, value) -> tuple[str, Any]:

@@ -39,32 +39,42 @@ def stated_plan(path: Path, fmt: str | None, model: str | None, hw: str | None, 
 
 def propose(own: Plan, stated, workload, cluster, request_options: dict) -> tuple[Plan, list[str]]:
     """The fastest layout the user's tool can run, for the user's model, cluster, batch and recipe
-    (precision and kernel stack), and the fields the pick lost where none could be expressed."""
+    (precision and kernel stack): the user's own when no layout found is faster. Where no layout the
+    search ranks can be expressed, the search's pick and the fields the tool cannot say."""
     import formats
 
     module = formats.TRAINING[stated.format]
-    fixed = {**module.PINS, "stack": own.stack, **request_options.pop("fixed", {})}
-    if stated.format == "megatron":
-        fixed["stack"] = "fused"
+    fixed = {**module.PINS, "stack": own.stack}
     result = plan(workload, cluster, global_batch=own.global_batch, seq_len=own.seq_len, dtype=own.dtype,
                   fixed=fixed, top_k=SEARCH_DEPTH, **request_options)
-    for candidate in [result, *result.alternatives]:
-        try:
-            formats.export(candidate.model_copy(update={"model": own.model}), stated.format)
-        except FormatError:
-            continue
-        return candidate.model_copy(update={"model": own.model, "alternatives": []}), []
-    lossy = formats.export(result.model_copy(update={"model": own.model}), stated.format, lossy=True)
-    return result.model_copy(update={"model": own.model, "alternatives": []}), lossy.lost
+    named = lambda p: p.model_copy(update={"model": own.model, "alternatives": []})
+    spoken = next((named(c) for c in [result, *result.alternatives] if _expressible(named(c), stated.format)), None)
+    if own.estimate.fits and (spoken is None or own.estimate.step_time_s <= spoken.estimate.step_time_s):
+        return own, []
+    if spoken is not None:
+        return spoken, []
+    return named(result), formats.export(named(result), stated.format, lossy=True).lost
+
+
+def _expressible(candidate: Plan, fmt: str) -> bool:
+    import formats
+
+    try:
+        formats.export(candidate, fmt)
+    except FormatError:
+        return False
+    return True
 
 
 def comparison(own: Plan, proposed: Plan) -> str:
     """One line: the user's step against the proposal's."""
     mine, best = own.estimate, proposed.estimate
     if not mine.fits:
-        return (f"your layout ({own.layout_tag}) does not fit: {mine.peak_memory_bytes / GIB:.1f} of "
+        return (f"your layout ({own.layout_tag}) does not fit as priced: {mine.peak_memory_bytes / GIB:.1f} of "
                 f"{mine.memory_capacity_bytes / GIB:.1f} GiB a GPU; proposed ({proposed.layout_tag}): "
                 f"{best.step_time_s:.3f} s a step, {best.peak_memory_bytes / GIB:.1f} GiB")
+    if proposed is own:
+        return f"your layout ({own.layout_tag}), {mine.step_time_s:.3f} s a step, is the fastest your tool runs: keep it"
     speedup = mine.step_time_s / best.step_time_s
     return (f"your layout ({own.layout_tag}): {mine.step_time_s:.3f} s a step; proposed ({proposed.layout_tag}): "
-            f"{best.step_time_s:.3f} s, {speedup:.2f}x " + ("faster" if speedup >= 1 else "(yours is faster: keep it)"))
+            f"{best.step_time_s:.3f} s, {speedup:.2f}x faster")

@@ -73,9 +73,9 @@ def plan_command(
     axes: dict | None = None,
 ) -> None:
     """Find the best layout for MODEL on the hardware and print it (any layout flag pins that axis)."""
-    if from_file is not None:
+    if from_file is not None:  # layout flags complete the user's file here, as on `estimate --from`; they pin nothing
         return _propose(from_file, from_format, model, hw, dict(global_batch=global_batch, seq_len=seq_len,
-                        dtype=dtype), dict(fixed=dict(axes or {}), time_limit_s=time_limit, target_gap=gap,
+                        dtype=dtype, **(axes or {})), dict(time_limit_s=time_limit, target_gap=gap,
                         memory_reserve=memory_reserve), out)
     if global_batch is None:
         raise PlanError("--global-batch", "is needed", "sequences per optimizer step, e.g. --global-batch 512")
@@ -119,8 +119,10 @@ def _propose(path: Path, fmt: str | None, model: str | None, hw: str, given: dic
         console.print(line, markup=False)
     console.print(comparison(own, proposed), markup=False)
     if out:
-        write_output(out, export(proposed, stated.format, lossy=bool(lost)).text)
-        console.print(f"proposal written to {out} ({stated.format})", markup=False)
+        exported = export(proposed, stated.format, lossy=bool(lost))
+        write_output(out, exported.text)
+        console.print(f"proposal written to {out} ({stated.format}); run: {exported.launch.replace('FILE', str(out))}",
+                      markup=False)
 
 
 FLAG_OF = {"top_k": "--top", "time_limit_s": "--time-limit", "target_gap": "--gap", "price_per_gpu_hour": "--price-per-gpu-hour",
