@@ -54,7 +54,8 @@ def guess(path: Path, text: str) -> str:
         return "deepspeed"
     if path.suffix in (".yaml", ".yml") or "distributed_type" in text:
         return "accelerate"
-    if path.suffix == ".toml" or "--parallelism." in text or "--training." in text:
+    if path.suffix == ".toml" or any(mark in text for mark in ("--parallelism.", "--training.", "--config llama",
+                                                                  "activation_checkpoint:", "-m torchtitan")):
         return "torchtitan"
     if "--tensor-model-parallel-size" in text or "--micro-batch-size" in text or "--num-layers" in text:
         return "megatron"

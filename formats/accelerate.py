@@ -99,12 +99,9 @@ def read(text: str) -> Stated:
     fsdp = _section(config, "fsdp_config")
     parallel = _section(config, PARALLEL)
     axes: dict[str, Any] = {}
+    notes = []
     if kind == "FSDP":
-        if fsdp.get("fsdp_version", 1) != 2:
-            raise FormatError("fsdp_config.fsdp_version", f"{fsdp.get('fsdp_version', 1)}: Parallax prices FSDP2",
-                              "set fsdp_version: 2")
-        axes["zero"] = 3 if fsdp.get("fsdp_reshard_after_forward", True) else 2
-        axes["offload"] = bool(fsdp.get("fsdp_offload_params", False))
+        axes.update(_fsdp_sharding(fsdp, notes))
     elif kind == "DEEPSPEED":
         axes.update(_deepspeed_plugin(_section(config, "deepspeed_config")))
     elif kind not in ("MULTI_GPU", "NO"):
@@ -122,7 +119,24 @@ def read(text: str) -> Stated:
         raise FormatError("mixed_precision", f"{config.get('mixed_precision')!r}", "use no, fp16, bf16 or fp8")
     return Stated(format=NAME, axes=axes, dtype=dtype, n_gpus=config.get("num_processes"),
                   block_recompute="full" if fsdp.get("fsdp_activation_checkpointing") else "none",
-                  unpriced=[f"{key}: not priced" for key in sorted(set(config) - KNOWN)])
+                  unpriced=notes + [f"{key}: not priced" for key in sorted(set(config) - KNOWN)])
+
+
+FSDP1 = {"FULL_SHARD": 3, "SHARD_GRAD_OP": 2, "NO_SHARD": 0}  # fsdp_sharding_strategy of FSDP1 -> ZeRO stage
+
+
+def _fsdp_sharding(fsdp: dict, notes: list[str]) -> dict[str, Any]:
+    """ZeRO-2/3 and offload of an FSDP2 section; an FSDP1 one read by its sharding strategy, priced as FSDP2."""
+    offload = bool(fsdp.get("fsdp_offload_params", False))
+    if fsdp.get("fsdp_version", 1) == 2:
+        return {"zero": 3 if fsdp.get("fsdp_reshard_after_forward", True) else 2, "offload": offload}
+    strategy = str(fsdp.get("fsdp_sharding_strategy", "FULL_SHARD")).upper()
+    strategy = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD"}.get(strategy, strategy)
+    if strategy not in FSDP1:
+        raise FormatError("fsdp_config.fsdp_sharding_strategy", f"{strategy!r} is not priced",
+                          f"use one of {', '.join(FSDP1)}, or fsdp_version 2 with parallelism_config for HSDP")
+    notes.append("fsdp_config.fsdp_version: FSDP1's flat parameters priced as FSDP2")
+    return {"zero": FSDP1[strategy], "offload": offload and FSDP1[strategy] >= 2}
 
 
 def _deepspeed_plugin(plugin: dict) -> dict[str, Any]:

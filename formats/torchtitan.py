@@ -33,6 +33,16 @@ NAME = "torchtitan"
 PINS = {"compression": "none"}  # what a search for a torchtitan run may not change
 SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble"}
 CONFIGS = {"llama-3-8b": "llama3_8b", "llama-3-70b": "llama3_70b", "llama-3-405b": "llama3_405b"}  # --module llama3
+# What each registry config sets beneath the overrides (torchtitan 0.3.0, models/llama3/config_registry.py):
+# the batch, the length, TP, the checkpointing, and 405B's compile, async TP and float8 linears (lm_head kept bf16)
+REGISTRY = {
+    "llama3_8b": {"--training.local_batch_size": "1", "--training.seq_len": "8192", "ac": "selective"},
+    "llama3_70b": {"--training.local_batch_size": "8", "--training.seq_len": "8192",
+                   "--parallelism.tensor_parallel_degree": "8", "ac": "full"},
+    "llama3_405b": {"--training.local_batch_size": "2", "--training.seq_len": "8192",
+                    "--parallelism.tensor_parallel_degree": "8", "ac": "full", "--compile.enable": True,
+                    "--compile.enable_async_tensor_parallel": True, "float8": True},
+}
 PARAM_DTYPE = {"bf16": "bfloat16", "fp32": "float32"}
 AC = re.compile(r"^activation[-_]checkpoint:([a-z-]+)$")
 P, T = "--parallelism.", "--training."
@@ -61,8 +71,8 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     checks = (("zero", plan.zero == 1, "ZeRO-1 (its FSDP2 shards gradients with the optimizer state)"),
               ("compression", plan.compression != "none", f"{plan.compression} gradient compression"),
               ("stack", plan.stack == "fused", "the fused stack (torchtitan runs eager or compiled PyTorch)"),
-              ("dtype", plan.dtype in ("fp16", "fp8"), f"{plan.dtype} training (0.3.0's registry has no such "
-               "recipe for this model; its weights are bfloat16 or float32)"),
+              ("dtype", plan.dtype == "fp16", "fp16 training (its weights are bfloat16 or float32)"),
+              ("dtype", (plan.dtype == "fp8") != _float8(plan.model), _float8_why(plan)),
               ("zero", plan.zero == 0 and plan.cp > 1, "context parallelism without FSDP (it shards over cp)"),
               ("dp_shard", plan.zero >= 2 and plan.shard_degree % plan.cp, "a shard group that cp does not divide"),
               ("zero", plan.zero >= 2 and plan.shard_degree == 1, "FSDP over one rank (it applies FSDP only where "
@@ -70,6 +80,16 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     for field, lost, what in checks:
         if lost:
             losses.add(field, what)
+
+
+def _float8(model: str) -> bool:
+    return REGISTRY.get(CONFIGS.get(model, ""), {}).get("float8", False)
+
+
+def _float8_why(plan: Plan) -> str:
+    if plan.dtype == "fp8":
+        return "FP8 for this model (0.3.0's registry trains only llama3_405b in float8)"
+    return f"{plan.dtype} for this model (its {CONFIGS.get(plan.model)} config trains in float8)"
 
 
 def _model(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
@@ -132,7 +152,9 @@ def read(text: str, suffix: str = "") -> Stated:
         modes = [m.group(1) for w in words if (m := AC.match(w))]
         found = argv.read(shlex.join(w for w in words if not AC.match(w)), NAME)
         found = dict(_canonical(flag, value) for flag, value in found.items())
-        mode = modes[-1] if modes else "selective"  # the registry's default for the Llama 3 configs
+        defaults = REGISTRY.get(found.get("--config"), {})
+        found = {**{k: v for k, v in defaults.items() if k.startswith("--")}, **found}
+        mode = modes[-1] if modes else defaults.get("ac", "selective")  # the config's own, else the Trainer's default
     get = lambda name: argv.whole(found, name, NAME)
     cp, pp, tp = get(P + "context_parallel_degree") or 1, get(P + "pipeline_parallel_degree") or 1, \
         get(P + "tensor_parallel_degree") or 1
@@ -145,7 +167,8 @@ def read(text: str, suffix: str = "") -> Stated:
     stated = Stated(format=NAME, axes=axes, global_batch=_global_batch(found), local_batch=get(T + "local_batch_size"),
                     seq_len=get(T + "seq_len"),
                     model=next((m for m, c in CONFIGS.items() if c == found.get("--config")), None),
-                    dtype={v: k for k, v in PARAM_DTYPE.items()}.get(param, "bf16"),
+                    dtype="fp8" if REGISTRY.get(found.get("--config"), {}).get("float8") else
+                    {v: k for k, v in PARAM_DTYPE.items()}.get(param, "bf16"),
                     block_recompute=_read_mode(mode), unpriced=_read_unpriced(found, mode))
     return _read_pipeline(stated, found, get)
 
