@@ -24,7 +24,8 @@ from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages,
 
 NAME = "megatron"
 PINS = {"stack": "fused", "offload": False}  # what a search for a Megatron-LM run may not change
-SOURCE = "NVIDIA/Megatron-LM megatron/training/arguments.py"
+SOURCE = ("NVIDIA/Megatron-LM megatron/training/arguments.py at d98e8a64ddf3 (2026-08-22): its add_argument calls, and "
+          "the TransformerConfig/ModelParallelConfig fields it turns into --field-name flags (argument_utils.py)")
 SHARDING = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy of Megatron FSDP
 FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
          "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
@@ -159,12 +160,16 @@ def read(text: str) -> Stated:
     axes = {name: number(flag) for name, flag in (("tp", "--tensor-model-parallel-size"),
             ("pp", "--pipeline-model-parallel-size"), ("cp", "--context-parallel-size"),
             ("ep", "--expert-model-parallel-size"), ("micro_batch", "--micro-batch-size")) if flag in found}
-    axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel"), stack="fused")
+    # Megatron turns sequence parallelism off itself at tp 1 (validate_args)
+    axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel") and axes.get("tp", 1) > 1,
+                stack="fused")
     if argv.truth(found, "--grad-reduce-in-bf16"):
         axes["compression"] = "bf16"
     stated = Stated(format=NAME, axes=axes, global_batch=number("--global-batch-size"),
                     seq_len=number("--seq-length"), dtype=_read_dtype(found),
-                    unpriced=[f"{flag}: not priced" for flag in unknown])
+                    unpriced=[f"{len(unknown)} flags ({', '.join(unknown[:6])}{', ...' if len(unknown) > 6 else ''}): "
+                              "not layout flags; optimizer, data and kernel options are priced as Megatron's "
+                              "defaults"] if unknown else [])
     return _read_stages(stated, found, number)
 
 
