@@ -62,12 +62,13 @@ def _distributed(plan: Plan) -> str:
 
 
 def _fsdp(plan: Plan, losses: Losses) -> dict[str, Any]:
-    policy = uniform(block_recompute(plan))
-    if policy not in ("none", "full"):
-        losses.add("recompute", "selective or per-block recomputation (Accelerate checkpoints every block or none)")
+    policies = block_recompute(plan)
+    if uniform(policies) not in ("none", "full"):
+        losses.add("recompute", "selective or per-block recomputation (Accelerate checkpoints every block or none)"
+                   + ("; exported as every block" if "full" in policies else ""))
     return {"fsdp_version": 2, "fsdp_reshard_after_forward": plan.zero == 3, "fsdp_offload_params": plan.offload,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": policy == "full"}
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": "full" in policies}
 
 
 def _parallelism(plan: Plan, losses: Losses) -> dict[str, int]:

@@ -50,12 +50,12 @@ def export(plan: Plan, lossy: bool) -> Exported:
         config["communication_data_type"] = plan.compression
     if plan.tp > 1:
         config["tensor_parallel"] = {"autotp_size": plan.tp}
-    policy = uniform(block_recompute(plan))
-    if policy == "full":
+    policies = block_recompute(plan)
+    if uniform(policies) not in ("none", "full"):
+        losses.add("recompute", f"per-block policies ({_policies(policies)}): DeepSpeed checkpoints every block or "
+                   "none" + ("; exported as every block" if "full" in policies else ""))
+    if "full" in policies:  # lossy: never less recomputation than the plan's
         config["activation_checkpointing"] = dict(CHECKPOINTING)
-    elif policy != "none":
-        losses.add("recompute", "DeepSpeed checkpoints every block or none (this plan: "
-                   f"{_policies(block_recompute(plan))})")
     nodes, per_node = n_nodes(plan)
     launch = f"deepspeed --num_nodes {nodes} --num_gpus {per_node} train.py --deepspeed --deepspeed_config FILE"
     return Exported(format=NAME, text=json.dumps(config, indent=2) + "\n", launch=launch, lost=losses.settle(lossy))

@@ -20,10 +20,12 @@ from hardware.errors import FormatError
 from . import argv
 from .common import Exported
 
-SOURCES = {
-    "vllm": "vllm-project/vllm vllm/engine/arg_utils.py (EngineArgs.add_cli_args)",
-    "sglang": "sgl-project/sglang python/sglang/srt/server_args.py (ServerArgs.add_cli_args)",
-    "trtllm": "NVIDIA/TensorRT-LLM tensorrt_llm/commands/serve.py (the click options of trtllm-serve)",
+SOURCES = {  # each engine's parser, at the commit read (flags built from config fields: '--' + the name dashed)
+    "vllm": "vllm-project/vllm vllm/engine/arg_utils.py @ 99d7eb5d6a51 (EngineArgs.add_cli_args); `vllm serve MODEL`",
+    "sglang": "sgl-project/sglang python/sglang/srt/server_args.py @ 001067fffe33 (ServerArgs.add_cli_args); its "
+              "--kv-cache-dtype takes fp8_e4m3, not fp8",
+    "trtllm": "NVIDIA/TensorRT-LLM tensorrt_llm/commands/serve.py @ 4c05a74891e4 (click options, underscores); KV "
+              "dtype and quantization come from --extra_llm_api_options YAML or the checkpoint, not flags",
 }
 TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 

@@ -114,7 +114,8 @@ def _pipeline(plan: Plan) -> list[tuple[str, Any]]:
         return [(P + "pipeline_parallel_degree", 1)]
     return [(P + "pipeline_parallel_degree", plan.pp), (P + "pipeline_parallel_schedule", SCHEDULES[plan.schedule]),
             (P + "pipeline_parallel_microbatch_size", plan.micro_batch),
-            (P + "module_fqns_per_model_part", _parts(plan))]
+            (P + "module_fqns_per_model_part", _parts(plan)),
+            (T + "disable_cuda_graphs", True)]  # its Trainer refuses a pipeline under CUDA graphs
 
 
 def _parts(plan: Plan) -> list[str]:
@@ -138,9 +139,10 @@ def _recompute(plan: Plan, losses: Losses) -> str:
     policy = uniform(block_recompute(plan))
     if policy in ("none", "full"):
         return policy
+    fallback = "full" if "full" in block_recompute(plan) else "none"  # lossy: never less recomputation
     losses.add("recompute", "Megatron's selective policy or a per-block one (torchtitan 0.3.0 checkpoints every "
-               "block whole, or op by op)")
-    return "none"
+               f"block whole, or op by op; exported as {fallback})")
+    return fallback
 
 
 def read(text: str, suffix: str = "") -> Stated:

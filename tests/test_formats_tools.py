@@ -154,6 +154,7 @@ def test_torchtitan_parses_every_export_as_planned(plans):
         assert p.enable_sequence_parallel == (plan.sp or plan.tp == 1)
         assert (t.global_batch_size, t.seq_len, t.mixed_precision_param) == (plan.global_batch, plan.seq_len, "bfloat16")
         assert t.enable_cpu_offload == plan.offload and parsed.compile.enable == (plan.stack == "compile")
+        assert t.disable_cuda_graphs == (plan.pp > 1)  # its Trainer refuses a pipeline under CUDA graphs
         assert (parsed.activation_checkpoint is None) == (plan.stages[0].recompute[1] == "none")
         if plan.pp > 1:
             assert len(p.module_fqns_per_model_part) == plan.pp * plan.vpp

@@ -69,7 +69,8 @@ def test_drawn_layouts_killed_mid_run_resume_bit_identical(data, tmp_path_factor
                             model="reference-tiny")
              for layout in drawn]
     plans.append(tiny(dp=2, pp=2, vpp=2, schedule="interleaved", zero=1))
-    plans.append(MOE_SOURCE)  # expert parallel: each expert saved under its own name
+    # expert parallelism's checkpoint (each expert under its own name) is saved and resumed by the
+    # moe-ep2-z3 cases of test_a_checkpoint_resumes_on_another_layout; the kill-and-restart path is the same
     for plan in plans:
         tmp = tmp_path_factory.mktemp("kill")
         whole = run(plan, RunConfig(steps=6, checkpoint_every=2, checkpoint_dir=str(tmp / "whole")), timeout_s=600)
