@@ -131,6 +131,13 @@ def read(text: str, engine: str, model: str | None = None) -> EngineSettings:
     return EngineSettings(**values)
 
 
+def degrees(text: str, engine: str) -> dict[str, int]:
+    """tp, pp and replicas of an engine's command line as the engine reads them: a flag left out is 1."""
+    _, flags = FLAGS[engine]
+    found = argv.read(text, engine) if any(w.startswith("--") for w in argv.split(text, engine)) else {}
+    return {key: argv.whole(found, flags[key], engine) or 1 if key in flags else 1 for key in ("tp", "pp", "replicas")}
+
+
 def _positional(text: str, program: str) -> str | None:
     """The model a command line names after its program (`vllm serve MODEL --flags`), if any."""
     body = " ".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))

@@ -44,6 +44,24 @@ def _slo_line(plan: InferencePlan) -> str:
     return ", ".join(parts) + f": {verdict}"
 
 
+def _engine_pins(path: Path, fmt: str | None) -> dict[str, int]:
+    """tp, pp and replicas of an engine's command line, the engine told from --from-format or the flags."""
+    from formats import SERVING, check_format
+    from formats.serving import degrees
+    from hardware.errors import FormatError
+    from hardware.untrusted import read_text
+
+    text = read_text(path, "--from", "engine command line")
+    if fmt is None:
+        marks = {"vllm": ("vllm serve", "--tensor-parallel-size"), "sglang": ("sglang", "--tp-size"),
+                 "trtllm": ("trtllm-serve", "--tp_size")}
+        fmt = next((engine for engine, found in marks.items() if any(mark in text for mark in found)), None)
+        if fmt is None:
+            raise FormatError("--from", f"cannot tell which engine {path.name} is for", "name it with --from-format "
+                              f"({', '.join(SERVING)})")
+    return degrees(text, check_format(fmt, "--from-format", SERVING))
+
+
 @app.command("serve-plan")
 def serve_plan_command(
     model: str = typer.Argument(..., help="built-in name (see `parallax models`), a config.json path or folder, or a cached HF id (org/name)"),
@@ -58,15 +76,24 @@ def serve_plan_command(
     dtype: str = typer.Option("bf16", "--dtype"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     top: int = typer.Option(3, "--top"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline degree of each replica"),
+    replicas: Optional[int] = typer.Option(None, "--replicas", help="pin the number of replicas"),
+    from_file: Optional[Path] = typer.Option(None, "--from", help="an engine's command line (vllm serve, sglang, "
+                                             "trtllm-serve) or its flags: its degrees and replicas are pinned"),
+    from_format: Optional[str] = typer.Option(None, "--from-format", help="vllm, sglang or trtllm"),
     out: Optional[Path] = typer.Option(None, "--out", help="write the plan JSON here"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
-    """Choose TP, PP and the number of replicas to serve MODEL on the hardware."""
+    """Choose TP, PP and the number of replicas to serve MODEL on the hardware (or price the ones pinned)."""
     check_name(model, "model")
     check_name(hw, "--hw")
+    fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("replicas", replicas)) if v is not None}
+    if from_file is not None:
+        fixed = {**_engine_pins(from_file, from_format), **fixed}
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
-                          price_per_gpu_hour=price)
+                          price_per_gpu_hour=price, fixed=fixed)
     if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))

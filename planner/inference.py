@@ -29,7 +29,7 @@ from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_
 from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
-from hardware.limits import MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
+from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
 from hardware.untrusted import SafeName
 
@@ -159,21 +159,24 @@ def _little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float 
     return hi
 
 
-def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate, tpot_ms, ttft_ms) -> tuple[list[_Point], list[_Point]]:
+def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate, tpot_ms, ttft_ms,
+            fixed: dict) -> tuple[list[_Point], list[_Point]]:
     """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
     points, floor = [], []
     for tp, pp in layouts(workload, cluster):
         cap = sm.max_sequences(tp, pp)
-        if cap < 1:
+        pinned_out = fixed.get("tp", tp) != tp or fixed.get("pp", pp) != pp or \
+            fixed.get("replicas", 1) > cluster.n_gpus // (tp * pp)
+        if cap < 1 or pinned_out:
             continue
         floor.append(_Point(tp, pp, 1, sm.estimate(tp, pp, 1), True))
-        max_replicas = cluster.n_gpus // (tp * pp)
+        max_replicas = min(cluster.n_gpus // (tp * pp), fixed.get("replicas", cluster.n_gpus))
         if batch is None and rate is None:
             b = _largest_batch(sm, tp, pp, cap, tpot_ms, ttft_ms)
             est = sm.estimate(tp, pp, max(b, 1))
             points.append(_Point(tp, pp, max_replicas, est, b >= 1, "" if b else _meets(est, tpot_ms, ttft_ms)))
             continue
-        for r in range(1, max_replicas + 1):
+        for r in range(fixed.get("replicas", 1), max_replicas + 1):
             if batch is not None:
                 if r > batch:
                     break
@@ -190,6 +193,25 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
                 why = _meets(est, tpot_ms, ttft_ms)
             points.append(_Point(tp, pp, r, est, not why, why))
     return points, floor
+
+
+PINNED = ("tp", "pp", "replicas")
+
+
+def _check_pins(fixed: dict) -> dict[str, int]:
+    for key, value in fixed.items():
+        if key not in PINNED:
+            raise PlanError(key, "is not a serving pin", f"pin any of {', '.join(PINNED)}")
+        check_count(key, value, MAX_GPUS, hint="e.g. 4")
+    return dict(fixed)
+
+
+def _pins_fit_nothing(fixed: dict, workload: Workload, cluster: Cluster) -> PlanError:
+    pins = " ".join(f"{k}={v}" for k, v in fixed.items())
+    valid = ", ".join(f"tp={tp} pp={pp}" for tp, pp in layouts(workload, cluster)[:8])
+    return PlanError(next(iter(fixed)), f"{pins}: no such deployment of {workload.name} fits {cluster.spec()} "
+                     "(tp x pp divides the heads and the GPUs, tp x pp x replicas fits the GPUs, the weights fit)",
+                     f"valid layouts: {valid}")
 
 
 def _total_tps(p: _Point, rate, output_len) -> float:
@@ -222,17 +244,22 @@ def plan_inference(
     top_k: int = 3,
     price_per_gpu_hour: float | None = None,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    fixed: dict[str, int] | None = None,
 ) -> InferencePlan:
-    """The best serving layout of `model` on `hw` for the request mix and SLO."""
+    """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
+    tp, pp and replicas (an operator's deployment, priced as it stands)."""
     _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
+    fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     check_dtype(dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve)
-    points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms)
+    points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
-        raise _nothing_fits(sm, workload, cluster)
+        raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
+    if fixed and not points:
+        raise _pins_fit_nothing(fixed, workload, cluster)
     notes = []
     price = cluster.price_per_gpu_hour
     if price is None:

@@ -140,3 +140,15 @@ def test_megatron_flags_are_megatrons_own():
 @pytest.mark.parametrize("engine", formats.SERVING)
 def test_engine_flags_are_the_engines_own(engine):
     assert set(serving.FLAGS[engine][1].values()) <= ENGINE_PARSERS[engine]
+
+
+def test_an_engines_command_line_is_priced_as_it_stands(tmp_path, capsys):
+    """serve-plan --from pins the engine's degrees and replicas (a flag left out is the engine's 1)."""
+    command = tmp_path / "vllm.cmd"
+    command.write_text("vllm serve meta-llama/Meta-Llama-3-8B-Instruct --tensor-parallel-size 2\n")
+    serve = ["serve-plan", "llama-3-8b", "--hw", "8xh100-sxm", "--prompt-len", "1024", "--output-len", "256"]
+    assert main([*serve, "--from", str(command), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert (priced["tp"], priced["pp"], priced["replicas"]) == (2, 1, 1)
+    assert main([*serve, "--replicas", "16"]) == 2
+    assert "replicas: replicas=16: no such deployment" in capsys.readouterr().err
