@@ -18,7 +18,8 @@ from .common import Stated, check_policy
 
 def merge(stated: Stated, given: dict[str, Any]) -> Stated:
     """`stated` with what the command line adds (model, global_batch, seq_len, dtype, layout axes);
-    a value the file states differently is refused, naming the option and the file's value."""
+    a value the file states differently is refused, naming the option and the file's value.
+    `--recompute` replaces the file's checkpointing (which a tool may leave to the training script)."""
     own = {"model": stated.model, "global_batch": stated.global_batch, "seq_len": stated.seq_len,
            "dtype": stated.dtype, **stated.axes}
     for key, value in given.items():
