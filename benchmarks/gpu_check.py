@@ -38,11 +38,9 @@ SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
 MIB = 2**20
 
 
-def plans(device: str, profile, wanted: tuple[str, ...] = (*RECOMPUTE, "offloaded"), model: str | None = None,
-          seq_len: int | None = None):
+def plans(device: str, profile, wanted: tuple[str, ...], model: str, seq_len: int):
     """(name, plan): one per recompute policy, and the no-recompute layout offloaded (those `wanted`)."""
-    default_model, default_seq, global_batch, micro_batch = SETTINGS[device]
-    model, seq_len = model or default_model, seq_len or default_seq
+    _, _, global_batch, micro_batch = SETTINGS[device]
     dtype = "bf16" if device == "cuda" else "fp32"
     workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
     for policy in (p for p in RECOMPUTE if p in wanted):

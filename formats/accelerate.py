@@ -21,7 +21,7 @@ import yaml
 from hardware.errors import FormatError
 from layout.plan import Plan
 
-from .common import Exported, Losses, Stated, block_recompute, n_nodes, uniform
+from .common import Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
 
 NAME = "accelerate"
 PINS = {"pp": 1, "ep": 1, "sp": False, "compression": "none"}  # what a search for Accelerate may not change
@@ -166,13 +166,8 @@ def _load(text: str) -> dict:
 
 
 def _section(config: dict, key: str) -> dict:
-    value = config.get(key) or {}
-    if not isinstance(value, dict):
-        raise FormatError(key, f"is a {type(value).__name__}, not a section", "see Accelerate's config file")
-    return value
+    return section(config, key, "Accelerate")
 
 
 def _whole(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise FormatError(field, f"{value!r} is not a whole number >= 1", "Accelerate takes one here")
-    return value
+    return whole_number(value, field, "Accelerate", low=1)

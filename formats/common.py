@@ -107,6 +107,22 @@ def n_nodes(plan: Plan) -> tuple[int, int]:
     return max(1, plan.n_gpus // per_node), per_node
 
 
+def section(config: dict, key: str, tool: str) -> dict:
+    """A config file's nested section (absent: empty), refused by name when it is not a mapping."""
+    value = config.get(key) or {}
+    if not isinstance(value, dict):
+        raise FormatError(key, f"is a {type(value).__name__}, not a section", f"see {tool}'s config documentation")
+    return value
+
+
+def whole_number(value: Any, field: str, tool: str, low: int | None = None) -> int:
+    """A config file's integer (not a bool), at least `low` where one is given."""
+    if isinstance(value, bool) or not isinstance(value, int) or (low is not None and value < low):
+        at_least = f" >= {low}" if low is not None else ""
+        raise FormatError(field, f"{value!r} is not a whole number{at_least}", f"{tool} takes an integer here")
+    return value
+
+
 def check_policy(value: str, field: str) -> str:
     if value not in RECOMPUTE:
         raise FormatError(field, f"{value!r} is not a recompute policy", f"use one of {', '.join(RECOMPUTE)}")

@@ -23,7 +23,7 @@ from hardware.errors import FormatError
 from hardware.untrusted import parse_json
 from layout.plan import Plan
 
-from .common import Exported, Losses, Stated, block_recompute, n_nodes, uniform
+from .common import Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
 
 NAME = "deepspeed"
 PINS = {"pp": 1, "cp": 1, "ep": 1, "sp": False}  # what a search for a DeepSpeed run may not change
@@ -145,19 +145,14 @@ def _unpriced(config: dict, zero: dict) -> list[str]:
     return found
 
 
-def _section(config: dict, key: str) -> dict:
-    value = config.get(key) or {}
-    if not isinstance(value, dict):
-        raise FormatError(key, f"is a {type(value).__name__}, not a section", "see DeepSpeed's config documentation")
-    return value
-
-
 def _stated(value: Any, field: str) -> int | None:
     """A batch figure, or None where the file leaves it to the launcher ("auto", as HF's Trainer writes)."""
     return None if value in (None, "auto") else _int(value, field)
 
 
+def _section(config: dict, key: str) -> dict:
+    return section(config, key, "DeepSpeed")
+
+
 def _int(value: Any, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise FormatError(field, f"{value!r} is not a whole number", "DeepSpeed takes an integer here")
-    return value
+    return whole_number(value, field, "DeepSpeed")

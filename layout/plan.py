@@ -18,6 +18,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from hardware.errors import PlanError
 from hardware.schema import Cluster
 from hardware.limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN
 from hardware.untrusted import SafeName, parse_json
@@ -26,7 +27,7 @@ from .axes import Recompute
 from .groups import GroupShare, check_groups, split_of
 from .layout import Layout
 from .results import CheckpointAdvice, Estimate, SolverReport
-from .rules import structural_problem
+from .rules import ModelFacts, layout_problem, structural_problem
 
 SCHEMA_VERSION = 6  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
 # 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups
@@ -203,3 +204,23 @@ def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") 
         StagePlan(start=a, end=b, recompute=[policy if kinds[i] == "block" else "none" for i in range(a, b)])
         for a, b in zip(bounds, bounds[1:])
     ]
+
+
+def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
+    """`layout_problem` for a whole plan: its sequence, its micro-batch count, and uneven
+    data-parallel shares, which run on DDP's path alone (each replica runs its own count and
+    the gradients reduce once per step; FSDP2 reduces per micro-batch, and a pipeline
+    schedule runs one count on every stage)."""
+    if plan.schedule == "zero-bubble" and any(p != "none" for stage in plan.stages for p in stage.recompute):
+        return PlanError("recompute", "the zero-bubble schedule runs without activation recomputation (torch's "
+                         "composable checkpoint fails under its split backward)", "use recompute none, or 1f1b")
+    if plan.dp_micro_batches and not plan.reduces_through_ddp:
+        return PlanError("dp_micro_batches", "uneven data-parallel shares run on DDP's path: dp > 1 with zero 0 "
+                         "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")
+    return layout_problem(plan, facts, plan.seq_len, plan.num_micro_batches)
+
+
+def check_plan_runs(plan: Plan, facts: ModelFacts) -> None:
+    problem = plan_problem(plan, facts)
+    if problem is not None:
+        raise problem

@@ -8,7 +8,9 @@ Two tiers, one function each, every caller asking the same one:
   runs on this model (heads TP divides, pipeline stages the blocks fill, the data-parallel
   path compression hooks into). The planner offers a layout only when it finds nothing, and
   the executor refuses a plan (before any process starts) only through it, so a plan the
-  planner chose is never refused.
+  planner chose is never refused. A whole plan's extra rules (its stages' recomputation under
+  the zero-bubble schedule, uneven data-parallel shares) sit beside the Plan
+  (`layout.plan.plan_problem`), which calls this one: the rulebook never imports the Plan.
 
 Model facts come from the planner's workload when planning and from the nn.Module when
 running (`ModelFacts`); both describe the same model.
@@ -16,15 +18,11 @@ running (`ModelFacts`); both describe the same model.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from hardware.errors import PlanError
 
 from .axes import CHUNKED_SCHEDULES, COMPRESSION, RECOMPUTE, SCHEDULES, TP_DEGREES
 from .layout import Layout
-
-if TYPE_CHECKING:
-    from .plan import Plan
 
 EXECUTED_STACKS = ("eager",)  # the executor runs PyTorch ops as they are: no torch.compile, no fused kernels
 TP_SPLIT_MODULES = ("Linear", "Embedding")  # nn classes DTensor's colwise/rowwise styles split (GPT-2's Conv1D is not)
@@ -69,26 +67,6 @@ def layout_problem(layout: Layout, facts: ModelFacts, seq_len: int, micro_batche
     if problem is None and micro_batches is not None:
         problem = _micro_batch_problem(layout, micro_batches)
     return problem
-
-
-def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
-    """`layout_problem` for a whole plan: its sequence, its micro-batch count, and uneven
-    data-parallel shares, which run on DDP's path alone (each replica runs its own count and
-    the gradients reduce once per step; FSDP2 reduces per micro-batch, and a pipeline
-    schedule runs one count on every stage)."""
-    if plan.schedule == "zero-bubble" and any(p != "none" for stage in plan.stages for p in stage.recompute):
-        return PlanError("recompute", "the zero-bubble schedule runs without activation recomputation (torch's "
-                         "composable checkpoint fails under its split backward)", "use recompute none, or 1f1b")
-    if plan.dp_micro_batches and not plan.reduces_through_ddp:
-        return PlanError("dp_micro_batches", "uneven data-parallel shares run on DDP's path: dp > 1 with zero 0 "
-                         "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")
-    return layout_problem(plan, facts, plan.seq_len, plan.num_micro_batches)
-
-
-def check_plan_runs(plan: Plan, facts: ModelFacts) -> None:
-    problem = plan_problem(plan, facts)
-    if problem is not None:
-        raise problem
 
 
 def check_world(layout: Layout, world: int, what: str, hint: str) -> None:
@@ -201,7 +179,7 @@ def _pp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 
 def allowed_recompute(layout: Layout) -> tuple[str, ...]:
-    """The recompute policies the executor runs with `layout` (see `plan_problem`)."""
+    """The recompute policies the executor runs with `layout` (see `layout.plan.plan_problem`)."""
     return ("none",) if layout.schedule == "zero-bubble" else RECOMPUTE
 
 

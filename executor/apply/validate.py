@@ -9,7 +9,8 @@ from torch import nn
 
 from layout.plan import Plan
 from hardware.errors import PlanError
-from layout.rules import ModelFacts, check_plan_runs, check_world
+from layout.plan import check_plan_runs
+from layout.rules import ModelFacts, check_world
 from planner.executable import tp_split_classes
 
 from executor.apply.context_parallel import cp_supported

@@ -24,7 +24,7 @@ from itertools import permutations
 from costmodel.estimate import estimate
 from costmodel.terms import price_ranks, usable_memory_bytes
 from costmodel.mixed import crossing_seconds, spanning
-from layout.plan import Plan, uniform_stages
+from layout.plan import Plan, plan_problem, uniform_stages
 from layout.groups import GroupShare
 from costmodel.workload import Workload
 from hardware import loads_back
@@ -33,7 +33,6 @@ from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from layout.axes import TP_DEGREES, ZERO_STAGES
-from layout.rules import plan_problem
 from planner.executable import facts_of_workload
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
