@@ -173,7 +173,7 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
         mine = [r for r in range(plan.pp) if owner[r] == i]
         per_mb = max(ranks[r].per_micro_batch for r in mine)
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
-                         max(sum(memory[r].values()) for r in mine), usable_memory_bytes(clusters[i], reserve)))
+                         max(sum(memory[r].values()) for r in mine), usable_memory_bytes(clusters[i], reserve, plan, workload)))
     est = throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
     if plan.offload:
         est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))

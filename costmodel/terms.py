@@ -29,19 +29,31 @@ from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gather
                      model_state_bytes, optimizer_step_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
+from .runtime_memory import runtime_memory_bytes
 from layout.plan import Plan
 from layout.results import Estimate, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
 from .workload import LayerProfile, Workload
 
-DEFAULT_MEMORY_RESERVE = 0.10  # allocator fragmentation, CUDA context, NCCL buffers
+# The caching allocator's reserve over its tensors, as a share of the GPU: the allocator replays
+# of the dry run (executor.measure.dry_run, costmodel.allocator) reserve 4-8 GiB over 25-61 GiB of
+# llama-3-8b tensors on 80 GB; a dry run of the pick replaces it with the fragmentation it predicts.
+DEFAULT_MEMORY_RESERVE = 0.10
 GIB = 2**30
 
 
-def usable_memory_bytes(cluster: Cluster, memory_reserve: float) -> float:
-    """A GPU's memory less the reserve (allocator fragmentation, CUDA context, NCCL buffers)."""
-    return cluster.gpu.hbm_gb * GIB * (1 - memory_reserve)
+def usable_memory_bytes(cluster: Cluster, memory_reserve: float, layout=None, workload: Workload | None = None) -> float:
+    """A GPU's memory less the allocator's reserve and the runtime's fixed memory (the CUDA
+    context, cuBLAS workspaces, and `layout`'s communicators' buffers; without a layout, the
+    part every layout holds: a bound)."""
+    runtime = runtime_memory_bytes(layout, cluster, tied_across_stages(workload))
+    return cluster.gpu.hbm_gb * GIB * (1 - memory_reserve) - sum(runtime.values())
+
+
+def tied_across_stages(workload: Workload | None) -> bool:
+    """Whether a pipeline of this model opens a group for weights tied across its stages."""
+    return workload is not None and any(s.layer.tied_params for s in workload.segments)
 
 
 def p2p_time(layer: LayerProfile, plan: Plan, lay: Layout) -> float:
@@ -344,7 +356,8 @@ def throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
         tflops_per_gpu_hw=(model_flops + extra) / step / n / 1e12,
         mfu=per_gpu_model / cluster.gpu.peak_flops(plan.dtype),
         peak_memory_bytes=max(s.peak_bytes for s in stages),
-        memory_capacity_bytes=usable_memory_bytes(cluster, memory_reserve),
+        memory_capacity_bytes=usable_memory_bytes(cluster, memory_reserve, plan, workload),
+        runtime_memory_bytes=runtime_memory_bytes(plan, cluster, tied_across_stages(workload)),
         stages=stages,
         usd_per_hour=price * n if price is not None else None,
         usd_per_million_tokens=price * n * step / 3600 / tokens * 1e6 if price is not None else None,

@@ -120,6 +120,21 @@ class Efficiency(_Sourced):
         return self.model_copy(update={**values, "sources": sources, "priced_stack": stack})
 
 
+class RuntimeMemory(_Sourced):
+    """Device memory a training process holds beyond its tensors and whatever its collectives
+    allocate: the CUDA context, which no torch statistic counts, and the cuBLAS workspaces torch
+    caches per handle and stream (inside `memory_allocated`)."""
+
+    cuda_context_mib: float = Field(ge=0, description="the CUDA context with lazy module loading, MiB")
+    cublas_workspace_mib: float = Field(ge=0, description="torch's default cuBLAS workspace for this arch, MiB")
+    cublas_workspaces: int = Field(gt=0, description="workspaces a training step caches: one per thread and "
+                                   "stream that runs a GEMM (the forward's, and autograd's device thread's)")
+
+    def bytes(self) -> dict[str, float]:
+        return {"cuda_context": self.cuda_context_mib * 2**20,
+                "cublas_workspace": self.cublas_workspace_mib * self.cublas_workspaces * 2**20}
+
+
 class GPU(_Sourced):
     unsourced_fields: ClassVar[frozenset[str]] = frozenset({"placeholder"})  # a flag, not a figure
     name: SafeName
@@ -143,6 +158,8 @@ class GPU(_Sourced):
         "OS when freed, so every step maps them again. None: a caching allocator (CUDA's) reuses its blocks")
     fresh_page_min_bytes: float | None = Field(default=None, gt=0, description="the smallest tensor mapped fresh "
                                                "on every allocation (glibc: its mmap threshold's ceiling)")
+    runtime_memory: RuntimeMemory | None = Field(None, description="what the CUDA runtime holds per process (None: "
+                                                 "nothing beyond the tensors, as on CPU ranks)")
 
     @field_validator("peak_tflops")
     @classmethod
@@ -196,6 +213,21 @@ class Protocol(_Sourced):
     bandwidth_fraction: float = Field(gt=0, le=1)
 
 
+class CommunicatorMemory(_Sourced):
+    """Device memory the library allocates itself for each communicator that runs a collective:
+    invisible to torch's allocator statistics, counted by `cudaMemGetInfo` and nvidia-smi. A
+    ring keeps two connections a channel whatever the group's size (NCCL's maintainer, quoted in
+    NVIDIA/nccl#986), each with its protocols' buffers."""
+
+    channels: int = Field(gt=0, description="channels a communicator opens")
+    connections_per_channel: int = Field(gt=0, description="ring connections per channel (its two neighbours)")
+    buffer_mib_per_connection: float = Field(gt=0, description="the protocols' buffers of one connection, MiB, "
+                                             "as allocated (rounded to the allocation granularity)")
+
+    def bytes_per_communicator(self) -> float:
+        return self.channels * self.connections_per_channel * self.buffer_mib_per_connection * 2**20
+
+
 class Collectives(_Sourced):
     """How the collective library behaves on this fabric (NCCL on GPUs, gloo on CPU ranks).
 
@@ -214,6 +246,8 @@ class Collectives(_Sourced):
         "runs it, where that departs from the ring's (all-reduce 2, all-gather and reduce-scatter 1): measured")
     tree: list[Protocol] = Field(default_factory=list)
     nic_scaling: list[tuple[float, float]] = Field(default_factory=list)
+    memory: CommunicatorMemory | None = Field(None, description="the buffers each communicator allocates on the "
+                                              "device (None: the library's memory is the host's, as gloo's)")
 
     @model_validator(mode="after")
     def _scaling_is_sourced_and_sorted(self):

@@ -38,7 +38,11 @@ class Estimate(BaseModel):
     tflops_per_gpu_hw: float = Field(description="includes recomputed forwards")
     mfu: float = Field(ge=0)
     peak_memory_bytes: float = Field(ge=0)
-    memory_capacity_bytes: float = Field(ge=0)
+    memory_capacity_bytes: float = Field(description="what the plan's tensors may take: the GPU's memory less the "
+                                         "runtime's (runtime_memory_bytes) and the allocator's reserve")
+    runtime_memory_bytes: dict[str, float] = Field(
+        default_factory=dict, description="per rank, outside the tensors: the CUDA context, cuBLAS workspaces, the "
+        "collective library's buffers")
     host_memory_bytes: float = Field(0.0, description="offloaded states in one node's host memory")
     host_memory_capacity_bytes: float | None = Field(None, description="the node's host memory (offload only)")
     host_copy_s: float = Field(0.0, description="host<->device shard copies per step before overlap (offload)")

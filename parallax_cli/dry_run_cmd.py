@@ -35,14 +35,19 @@ def dry_run_command(
     console = wide_console()
     for rank in result.ranks:
         console.print(_table(rank))
+        if rank.allocator:
+            console.print(_allocator_table(rank))
         if not rank.fits:
-            console.print(f"rank {rank.rank} would not fit: {rank.measured_peak / GIB:.1f} GiB measured on the device > "
-                          f"{rank.capacity / GIB:.1f} GiB usable")
+            console.print(_does_not_fit(rank))
     for note in result.notes:
         typer.echo(f"note: {note}")
     worst = result.worst
     typer.echo(f"peak memory: {worst.measured_peak / GIB:.2f} GiB measured on fake tensors, predicted "
                f"{worst.predicted_peak / GIB:.2f} GiB (error {worst.error:+.1%})")
+    if worst.allocator:
+        typer.echo(f"reserved: {worst.allocator['reserved'] / GIB:.2f} GiB by the caching allocator's replay "
+                   f"({worst.allocator['reserved'] / worst.allocator['allocated'] - 1:+.1%} over allocated), "
+                   f"{sum(worst.runtime.values()) / GIB:.2f} GiB more for the CUDA context, workspaces and NCCL")
 
 
 def _table(rank) -> Table:
@@ -61,6 +66,32 @@ def _table(rank) -> Table:
         table.add_row("device peak" if name == "peak" else name, f"{measured / GIB:.2f}", f"{at_peak / GIB:.2f}",
                       f"{predicted / GIB:.2f}", error)
     return table
+
+
+def _allocator_table(rank) -> Table:
+    """The rank's allocations replayed through torch's caching allocator, and the runtime's memory."""
+    table = Table(title=f"rank {rank.rank}: as the GPU would hold it (torch's caching allocator replayed)")
+    table.add_column("what", justify="left")
+    table.add_column("GiB", justify="right")
+    replayed = rank.allocator
+    rows = [("max_memory_allocated", replayed["allocated"]), ("max_memory_reserved", replayed["reserved"]),
+            ("  with expandable_segments", replayed["reserved_expandable"])]
+    rows += [(f"+ {name.replace('_', ' ')}", nbytes) for name, nbytes in rank.runtime.items()]
+    if rank.device_total is not None:
+        rows.append(("device total", rank.device_total))
+    if rank.gpu_bytes is not None:
+        rows.append(("the GPU's memory", rank.gpu_bytes))
+    for name, nbytes in rows:
+        table.add_row(name, f"{nbytes / GIB:.2f}")
+    return table
+
+
+def _does_not_fit(rank) -> str:
+    if rank.device_total is not None and rank.gpu_bytes is not None:
+        return (f"rank {rank.rank} would not fit: {rank.device_total / GIB:.1f} GiB reserved and held by the runtime > "
+                f"{rank.gpu_bytes / GIB:.1f} GiB on the GPU")
+    return (f"rank {rank.rank} would not fit: {rank.measured_peak / GIB:.1f} GiB measured on the device > "
+            f"{rank.capacity / GIB:.1f} GiB usable")
 
 
 def _host_row(rank) -> tuple[str, ...]:

@@ -61,6 +61,11 @@ def plan_command(
     memory_reserve: float = typer.Option(ASKED["memory_reserve"].default, "--memory-reserve",
                                          help="share of each GPU's memory kept free (allocator, CUDA context, "
                                               "NCCL buffers); the search packs the rest"),
+    memory_headroom: float = typer.Option(0.0, "--memory-headroom", min=0.0,
+                                          help="GiB of each GPU kept free on top, a margin of your own"),
+    check_memory: bool = typer.Option(False, "--check-memory",
+                                      help="dry-run the pick, replay its allocations through torch's caching "
+                                           "allocator, and search again with the fragmentation that predicts"),
     mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", min=0.001,
                                                help="mean time between failures per GPU, hours (default: the "
                                                     "profile's, from the Llama 3 paper's 419 interruptions in 54 days "
@@ -82,6 +87,9 @@ def plan_command(
     for name in filter(None, (model, module, hw)):  # what the plan will print as its own name
         check_name(name, "model" if name != hw else "--hw")
     model, traced, seq_len = _model_door(model, module, example_shape, seq_len, dtype)
+    if check_memory and (module or is_mixed(hw)):
+        raise PlanError("--check-memory", "dry-runs a named model on one GPU type",
+                        "drop it, or check a --module's or a mixed cluster's plan with `parallax dry-run`")
     request = _request(global_batch=global_batch, seq_len=seq_len, dtype=dtype, objective=objective,
                        fixed=dict(axes or {}), top_k=top, time_limit_s=time_limit, target_gap=gap,
                        allow_compression=allow_compression, price_per_gpu_hour=price, mtbf_hours=mtbf_hours,
@@ -96,10 +104,34 @@ def plan_command(
         progress.add_task(f"tracing {model}", total=None)
         cluster = resolve_hardware(hw, price_per_gpu_hour=price)
         workload = traced or resolve_workload(model, seq_len=seq_len, dtype=dtype or default_dtype(cluster)[0])
+    request = _with_headroom(request, memory_headroom, cluster)
     with _progress() as progress:
         progress.add_task(f"searching layouts on {cluster.spec()}", total=None)
         result = plan(workload, cluster, request)
+    lines = []
+    if check_memory:
+        from parallax_cli.memory_check import checked_plan
+
+        def replan(reserve: float) -> Plan:
+            return plan(workload, cluster, request.model_copy(update={"memory_reserve": reserve}))
+
+        with _progress() as progress:
+            progress.add_task(f"replaying {result.layout_tag}'s allocations", total=None)
+            result, lines = checked_plan(result, model, replan)
     print_plan(result, model, out, as_json)
+    for line in lines:
+        console.print(line, markup=False)
+
+
+def _with_headroom(request: PlanRequest, headroom_gib: float, cluster) -> PlanRequest:
+    """The user's own margin, in GiB of each GPU, added to the share kept free."""
+    if not headroom_gib:
+        return request
+    reserve = request.memory_reserve + headroom_gib / cluster.gpu.hbm_gb
+    if reserve >= 1:
+        raise PlanError("--memory-headroom", f"{headroom_gib:g} GiB leaves nothing of the {cluster.gpu.hbm_gb:g} GiB "
+                        "GPU", f"keep it below {cluster.gpu.hbm_gb * (1 - request.memory_reserve):.0f}")
+    return request.model_copy(update={"memory_reserve": reserve})
 
 
 def _propose(path: Path, fmt: str | None, model: str | None, hw: str, given: dict, options: dict, out: Path | None):

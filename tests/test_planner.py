@@ -135,12 +135,11 @@ def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
 
 def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
     """Both bounds must stay below the estimated time of every plan that fits."""
-    from costmodel.terms import GIB
     from planner.search.bounds import lower_bound, memory_aware_bound
     from planner.search.branch_and_bound import _entries, uniform_plans
 
     cluster = hardware.load("64xh100-sxm")
-    entries, _ = _entries(llama_70b, cluster, 256, {}, "bf16", None, cluster.gpu.hbm_gb * GIB * 0.9)
+    entries, _ = _entries(llama_70b, cluster, 256, {}, "bf16", None, 0.1)
     checked = 0
     for entry in entries[:: max(1, len(entries) // 60)]:
         lay, m = entry.layout, entry.template.num_micro_batches
@@ -165,8 +164,8 @@ def test_every_bound_stays_below_every_partition_it_bounds():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
-    entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None, capacity)[0], {})
+    entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None,
+                                                             DEFAULT_MEMORY_RESERVE)[0], {})
     checked = 0
     for e in entries:
         lay, m = e.layout, e.template.num_micro_batches
@@ -196,8 +195,8 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
 
     cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
     workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")
-    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
-    entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, capacity)[0] if e.layout.pp > 1]
+    entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, DEFAULT_MEMORY_RESERVE)[0]
+               if e.layout.pp > 1]
     assert entries
     for e in entries:
         lay, m = e.layout, e.template.num_micro_batches
@@ -215,9 +214,8 @@ def test_layouts_dropped_for_their_states_fit_no_plan():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    capacity = search.usable_memory_bytes(cluster, DEFAULT_MEMORY_RESERVE)
     dropped: list = []
-    kept, _ = search._entries(workload, cluster, 64, {}, "bf16", None, capacity, dropped)
+    kept, _ = search._entries(workload, cluster, 64, {}, "bf16", None, DEFAULT_MEMORY_RESERVE, dropped)
     assert dropped and kept
     for layout in dropped[:12]:
         template = to_plan(layout, workload, cluster, global_batch=64, dtype="bf16", recompute="none", model="llama-3-8b")

@@ -41,7 +41,7 @@ def test_the_solvers_coefficients_price_a_layout_as_the_estimator_does(spaces, d
     layout = data.draw(st.sampled_from(space))
     policy = data.draw(st.sampled_from(RECOMPUTE))
     plan = to_plan(layout, workload, cluster, global_batch=batch, dtype="bf16", recompute=policy, model=model)
-    capacity = usable_memory_bytes(cluster, 0.1)
+    capacity = usable_memory_bytes(cluster, 0.1, plan, workload)
     first, last = block_span(workload)
     counts = [{policy: min(s.end, last) - max(s.start, first)} for s in plan.stages]
     step, headroom = linear_step(stage_model_data(workload, plan, cluster, capacity), counts, plan.pp, plan.vpp,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
-from executor.measure.dry_run_trackers import OFFLOADED, CategoryPeaks, tracker_for
+from executor.measure.dry_run_trackers import OFFLOADED, AllocationTrace, CategoryPeaks, replay_allocator, tracker_for
 from hardware.errors import PlanError
 
 
@@ -47,14 +47,28 @@ class RankMemory:
     predicted_peak: float
     capacity: float
     predicted_host: float | None = None  # an offloaded plan's host bytes per GPU (the estimate's per node, shared)
+    allocator: dict[str, float] = field(default_factory=dict)  # the allocation trace replayed: allocated, reserved
+    runtime: dict[str, float] = field(default_factory=dict)  # the estimate's CUDA context, workspaces, NCCL buffers
+    gpu_bytes: float | None = None  # the GPU's whole memory (None: a mixed cluster's, judged on capacity)
 
     @property
     def error(self) -> float:
         return self.predicted_peak / self.measured_peak - 1 if self.measured_peak else math.nan
 
     @property
+    def device_total(self) -> float | None:
+        """What the GPU would hold at the peak: the replayed allocator's reservation and the runtime's memory."""
+        if "reserved" not in self.allocator:
+            return None
+        return self.allocator["reserved"] + sum(self.runtime.values())
+
+    @property
     def fits(self) -> bool:
-        """Judged on device memory only: what an offloaded plan holds on the host is not the GPU's."""
+        """Judged on device memory only (what an offloaded plan holds on the host is not the GPU's):
+        the replayed reservation and the runtime's memory against the whole GPU where both are
+        known, else the tensors' peak against the plan's usable memory."""
+        if self.device_total is not None and self.gpu_bytes is not None:
+            return self.device_total <= self.gpu_bytes
         return self.measured_peak <= self.capacity
 
 
@@ -118,7 +132,8 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
         measured, predicted = _measure_isolated(short, name, rank, trust_module), _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
-                              at_peak=measured.at_peak,
+                              at_peak=measured.at_peak, allocator=measured.allocator,
+                              runtime=dict(plan.estimate.runtime_memory_bytes), gpu_bytes=_gpu_bytes(plan, cluster),
                               predicted=predicted, predicted_peak=sum(predicted.values()),
                               capacity=capacity_of(plan, pp_rank), predicted_host=_host_per_gpu(plan, cluster)))
     notes = [] if replay == plan.num_micro_batches else [
@@ -127,6 +142,13 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
         notes.append("offload: the sharded weights, gradients and AdamW state are the host's (the host row), "
                      "outside the device peak that is judged against the GPU")
     return DryRun(plan, out, replay, notes)
+
+
+def _gpu_bytes(plan: Plan, cluster) -> float | None:
+    """The whole memory of the plan's GPU (None for a mixed cluster: each group has its own)."""
+    if plan.groups:
+        return None
+    return (cluster or plan.cluster()).gpu.hbm_gb * 2**30
 
 
 def _host_per_gpu(plan: Plan, cluster) -> float | None:
@@ -192,11 +214,13 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) 
         # Outside the mode the fake parameters still compute fake, while the meshes FSDP2 builds
         # over TP (DeviceMesh._concatenate) stay real tensors, as they must.
         run = materialize_rank(plan, model, mesh)
-        peaks = CategoryPeaks(host=OFFLOADED if plan.offload else ())
+        host = OFFLOADED if plan.offload else ()
+        peaks, trace = CategoryPeaks(host), AllocationTrace(host)
         with fake, masks_as_in_a_real_run():  # HF builds no causal mask in a real run of unpadded sequences
             _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
-            with tracker_for(run, peaks):
+            with tracker_for(run, peaks, trace):
                 _replay_step(run, plan, hidden)
+        replay_allocator(peaks, trace)
         return peaks
     finally:
         dist.destroy_process_group()

@@ -44,6 +44,7 @@ class CategoryPeaks:
         self.peak = 0.0
         self.categories: dict[str, float] = {}
         self.at_peak: dict[str, float] = {}
+        self.allocator: dict[str, float] = {}  # the trace replayed: peak allocated and reserved
 
     def record(self, snapshot: dict) -> None:
         for device_snapshot in snapshot.values():
@@ -63,21 +64,75 @@ class CategoryPeaks:
                 self.peak, self.at_peak = total, device
 
 
+class AllocationTrace:
+    """Every storage the trackers see allocated, resized and freed, in order: the sequence the
+    caching-allocator replay (`costmodel.allocator`) takes. A storage's category, read at the end
+    (the trackers relabel some after creation), says its stream and whether it is the host's."""
+
+    def __init__(self, host: tuple[str, ...] = ()) -> None:
+        self.host = host
+        self.events: list[tuple] = []
+        self.label: dict[int, str] = {}  # the tracker's own category name, last given
+        self._keys = 0
+
+    def record(self, kind: str, winfo, old_bytes: int | None) -> None:
+        key = getattr(winfo, "trace_key", None)
+        if key is None:
+            key = winfo.trace_key = self._keys
+            self._keys += 1
+        self.label[key] = getattr(winfo.reftype, "value", winfo.reftype)
+        if kind in ("DEL", "SIZE") and (old_bytes if kind == "SIZE" else winfo.mem_consumed):
+            self.events.append(("free", key))
+        if kind in ("ADD", "SIZE") and winfo.mem_consumed:
+            self.events.append(("malloc", key, winfo.mem_consumed))
+
+    def device_events(self) -> list[tuple]:
+        """The device's events with their streams: FSDP2 gathers on a stream of its own (its
+        all-gather output is allocated on the copy-in stream); the rest runs on the default one."""
+        out = []
+        for event in self.events:
+            label = self.label[event[1]]
+            if CATEGORY.get(label, "activations") in self.host:
+                continue
+            if event[0] == "malloc":
+                out.append((*event, "all_gather" if label == "All Gather" else "default"))
+            else:
+                out.append(event)
+        return out
+
+
 def _recording(base: type):
     class Recording(base):
-        """`base`, also handing every snapshot it takes to a CategoryPeaks."""
+        """`base`, also handing every snapshot it takes to a CategoryPeaks and every allocation
+        to an AllocationTrace."""
 
         peaks: CategoryPeaks
+        trace: AllocationTrace
 
         def _update_peak_stats(self, peak_state) -> None:
             super()._update_peak_stats(peak_state)
             self.peaks.record(self._curr_mem_snap)
+
+        def _update_snap(self, u_type, winfo, old_mem_consumed=None, old_reftype=None) -> None:
+            super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+            self.trace.record(u_type.name, winfo, old_mem_consumed)
 
     return Recording
 
 
 _FSDPRecording = _recording(FSDPMemTracker)
 _Recording = _recording(MemTracker)
+
+
+def replay_allocator(peaks: CategoryPeaks, trace: AllocationTrace) -> None:
+    """The device's allocation sequence through torch's caching allocator, with and without
+    expandable segments: what `max_memory_allocated` and `max_memory_reserved` would read."""
+    from costmodel.allocator import replay
+
+    events = trace.device_events()
+    plain, expandable = replay(events), replay(events, expandable_segments=True)
+    peaks.allocator = {"allocated": plain.peak_allocated, "reserved": plain.peak_reserved,
+                       "reserved_expandable": expandable.peak_reserved}
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
@@ -87,17 +142,19 @@ def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
 
 
 @contextlib.contextmanager
-def tracker_for(run, peaks: CategoryPeaks):
+def tracker_for(run, peaks: CategoryPeaks, trace: AllocationTrace):
     """FSDPMemTracker over a single FSDP2 root (it also labels gathers and reduce-scatters),
     MemTracker otherwise (DDP, replicate, several pipeline chunks)."""
     modules, optimizers = run.modules, torch_optimizers(run.optimizer)
+    external: tuple = ()
     if len(modules) == 1 and isinstance(modules[0], FSDPModule):
         tracker = _FSDPRecording(modules[0], optimizers[0] if len(optimizers) == 1 else None)
-        if len(optimizers) > 1:
-            tracker.track_external(*optimizers)
+        external = tuple(optimizers) if len(optimizers) > 1 else ()
     else:
         tracker = _Recording()
-        tracker.track_external(nn.ModuleList(modules) if len(modules) > 1 else modules[0], *optimizers)
-    tracker.peaks = peaks
+        external = (nn.ModuleList(modules) if len(modules) > 1 else modules[0], *optimizers)
+    tracker.peaks, tracker.trace = peaks, trace  # before tracking: what it tracks first is the trace's first
+    if external:
+        tracker.track_external(*external)
     with tracker:
         yield tracker

@@ -114,7 +114,7 @@ def rank_data(workload, plan: Plan, mixed, order, reserve: float, times=None) ->
     """The solver's coefficients of each pipeline rank of a pipeline split: taken on the GPU group
     holding it, at that group's capacity, its sends to another group over their network."""
     clusters = {g.spec(): g.for_stack(plan.stack) for g in order}
-    per_group = {spec: stage_model_data(workload, plan, cluster, usable_memory_bytes(cluster, reserve), times)
+    per_group = {spec: stage_model_data(workload, plan, cluster, usable_memory_bytes(cluster, reserve, plan, workload), times)
                  for spec, cluster in clusters.items()}
     owner = {s: share.hardware for share in plan.groups for s in share.stages}
     crossing = crossing_seconds(workload, plan, mixed, [clusters[owner[r]] for r in range(plan.pp)])

@@ -75,12 +75,13 @@ class _Entry:
     split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
 
 
-def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped: list | None = None,
+def _entries(workload, cluster, global_batch, fixed, dtype, model, memory_reserve, dropped: list | None = None,
              deadline: float = float("inf")) -> tuple[list[_Entry], bool]:
     """Every layout with its coefficients and cheap bound, lowest bound first, and whether the
     enumeration finished before `deadline` (a perf_counter time); the layouts whose states
     alone overflow are counted in `dropped` instead."""
     entries, times, per_rank = [], LayerTimes(), {}
+    capacity = usable_memory_bytes(cluster, memory_reserve)  # every layout's bound: its own is smaller
     for layout in layouts(workload, cluster, global_batch, fixed):
         if time.perf_counter() > deadline:
             entries.sort(key=lambda e: e.bound)
@@ -91,7 +92,8 @@ def _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dro
             continue
         template = to_plan(layout, workload, cluster, global_batch=global_batch, dtype=dtype, recompute="none",
                                   model=model or workload.name, shared_stages=True)
-        data = stage_model_data(workload, template, cluster, capacity, times)
+        room = usable_memory_bytes(cluster, memory_reserve, template, workload)  # this layout's communicators
+        data = stage_model_data(workload, template, cluster, room, times)
         entries.append(_Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches)))
     entries.sort(key=lambda e: e.bound)
     return entries, True
@@ -147,10 +149,9 @@ def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model:
     time_limit_s, memory_reserve, target_gap = request.time_limit_s, request.memory_reserve, request.target_gap
     started = time.perf_counter()
     cluster = cluster.for_stack(fixed.get("stack", "eager"))  # every layout of one search prices one stack
-    capacity = usable_memory_bytes(cluster, memory_reserve)
     dropped: list = []
     # the enumeration gets half the time limit, so that pricing and refining its layouts fit in the rest
-    entries, complete = _entries(workload, cluster, global_batch, fixed, dtype, model, capacity, dropped,
+    entries, complete = _entries(workload, cluster, global_batch, fixed, dtype, model, memory_reserve, dropped,
                                  deadline=started + time_limit_s / 2)
     tally = _Tally(top_k)
     priced = _rank_uniform(workload, entries, fixed)

@@ -48,7 +48,7 @@ def smallest_fitting_count(workload: Workload, cluster: Cluster, **kwargs) -> in
 def infeasibility_report(workload: Workload, cluster: Cluster, *, global_batch, fixed, dtype, memory_reserve) -> dict:
     kwargs = dict(global_batch=global_batch, dtype=dtype, memory_reserve=memory_reserve)
     least = _least_memory(workload, cluster, fixed=fixed, **kwargs)
-    capacity = usable_memory_bytes(cluster, memory_reserve)
+    capacity = least.estimate.memory_capacity_bytes if least is not None else usable_memory_bytes(cluster, memory_reserve)
     if least is None:
         return {
             "message": f"no layout of {cluster.n_gpus} GPUs satisfies the pinned fields {fixed} for global batch {global_batch}",

@@ -1,0 +1,85 @@
+"""The caching-allocator replay against the behaviour torch's allocator documents
+(c10/cuda/CUDACachingAllocator.cpp; ../shared/reference/gpu_memory_facts.md section 1)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodel.allocator import CachingAllocator, OutOfMemory, replay
+
+MiB = 1 << 20
+
+
+def _cycle(first: int, n_first: int, second: int, n_second: int, **kwargs) -> CachingAllocator:
+    a = CachingAllocator(**kwargs)
+    for i in range(n_first):
+        a.malloc(("a", i), first * MiB)
+    for i in range(n_first):
+        a.free(("a", i))
+    for i in range(n_second):
+        a.malloc(("b", i), second * MiB)
+    return a
+
+
+def test_order_decides_what_is_reserved():
+    """ezyang's worked example (pytorch/devlogs, 2026-06-01): freed 16 MiB segments cannot merge
+    into 32 MiB ones, while freed 32 MiB blocks split into 16 MiB ones."""
+    assert _cycle(16, 8, 32, 4).stats.peak_reserved == 256 * MiB
+    assert _cycle(32, 4, 16, 8).stats.peak_reserved == 128 * MiB
+
+
+def test_expandable_segments_map_pages_and_split_any_remainder():
+    """8 x 16 MiB map 140 MiB of 20 MiB pages (the devlog's figure), and the 16-then-32 pattern no
+    longer strands segments: the freed pages merge into one block."""
+    a = CachingAllocator(expandable_segments=True)
+    for i in range(8):
+        a.malloc(i, 16 * MiB)
+    assert a.stats.reserved == 140 * MiB
+    assert _cycle(16, 8, 32, 4, expandable_segments=True).stats.peak_reserved == 140 * MiB
+
+
+def test_rounding_pools_and_segment_sizes():
+    a = CachingAllocator()
+    a.malloc("tiny", 1)  # 512 B, in a 2 MiB small segment
+    assert (a.stats.allocated, a.stats.reserved) == (512, 2 * MiB)
+    for i in range(4):  # 1-10 MiB requests share one 20 MiB segment, split while > 1 MiB remains
+        a.malloc(("mid", i), 5 * MiB)
+    assert a.stats.reserved == 22 * MiB
+    a.malloc("big", 19 * MiB + MiB // 2)  # >= 10 MiB: its own segment, rounded to 2 MiB; 0.5 MiB slack unsplit
+    assert a.stats.reserved == 42 * MiB
+    assert a.stats.allocated == 512 + 20 * MiB + 20 * MiB
+    assert a.stats.requested == 1 + 20 * MiB + 19 * MiB + MiB // 2
+
+
+def test_a_freed_block_serves_only_its_own_stream():
+    a = CachingAllocator()
+    a.malloc("gather", 64 * MiB, "all_gather")
+    a.free("gather")
+    a.malloc("activation", 64 * MiB)
+    assert a.stats.reserved == 128 * MiB
+
+
+def test_near_capacity_cached_segments_are_released_then_the_request_fails():
+    a = _cycle(32, 2, 48, 1, capacity=64 * MiB)
+    assert (a.stats.reserved, a.stats.retries) == (48 * MiB, 1)
+    with pytest.raises(OutOfMemory):
+        a.malloc("more", 32 * MiB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40 * MiB), st.sampled_from(["default", "side"]), st.booleans()),
+                max_size=60), st.booleans())
+def test_counters_hold_on_any_trace(requests, expandable):
+    """Allocated never exceeds reserved, counts at least what was asked, and returns to zero."""
+    events, live = [], []
+    for i, (nbytes, stream, free_one) in enumerate(requests):
+        events.append(("malloc", i, nbytes, stream))
+        live.append(i)
+        if free_one and live:
+            events.append(("free", live.pop(0)))
+    events += [("free", key) for key in live]
+    stats = replay(events, expandable_segments=expandable)
+    assert stats.requested == stats.allocated == 0
+    assert stats.peak_requested <= stats.peak_allocated <= stats.peak_reserved
+    assert stats.reserved == stats.peak_reserved  # nothing goes back to the driver without a capacity

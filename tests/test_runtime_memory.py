@@ -1,0 +1,105 @@
+"""Memory outside the tensors: the CUDA context, cuBLAS workspaces and NCCL's buffers per
+communicator (hardware data), the caching allocator's replay of a dry run, and the CLI's
+memory check and headroom."""
+from __future__ import annotations
+
+import json
+import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+import hardware
+import planner
+from costmodel.runtime_memory import communicators, runtime_memory_bytes
+from parallax_cli import main
+
+GIB, MIB = 2**30, 2**20
+
+
+CASES = [("hf-llama-tiny", {"tp": 2, "pp": 2, "zero": 3, "dp_shard": 2}, "fp32"),  # TP, a pipeline, HSDP
+         ("hf-llama-tiny", {"tp": 1, "pp": 1, "zero": 3, "cp": 2}, "fp32"),  # context parallel under HSDP
+         ("hf-mixtral-tiny", {"tp": 1, "pp": 1, "zero": 3, "ep": 2}, "bf16")]  # expert parallel
+
+
+def _created_groups(name: str, fixed: dict, dtype: str) -> tuple[list[int], list[int]]:
+    """(sizes of the process groups of more than one rank the executor creates for rank 0 of a
+    16-rank fake world, the cost model's communicators), in a fresh process: DTensor keeps
+    sub-meshes of an earlier world."""
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.distributed_c10d import _world
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from costmodel.terms import tied_across_stages
+    from executor.apply.materialize import materialize_rank
+    from executor.runtime.mesh import build_mesh
+    from executor.runtime.models import build_model
+    from planner.trace.workload_for import workload_for
+
+    plan = planner.plan(name, "16xh100-sxm", global_batch=16, seq_len=64, fixed=fixed, dtype=dtype)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.n_gpus)
+    try:
+        mesh = build_mesh(plan)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = build_model(name)
+        materialize_rank(plan, model, mesh)
+        created = sorted(len(ranks) for ranks in _world.pg_group_ranks.values() if len(ranks) > 1)
+    finally:
+        dist.destroy_process_group()
+    workload, _ = workload_for(name, seq_len=64)
+    return created, sorted(communicators(plan, tied_across_stages(workload)).values())
+
+
+def _every_case() -> list:
+    return [(case, *_created_groups(*case)) for case in CASES]
+
+
+def test_the_communicators_priced_are_the_groups_the_executor_creates():
+    with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        for case, created, priced in pool.submit(_every_case).result():
+            assert created == priced, case
+
+
+def test_runtime_memory_is_the_profiles_and_comes_off_the_usable_memory():
+    cluster = hardware.load("8xh100-sxm")
+    plan = planner.plan("hf-llama-tiny", cluster, global_batch=16, seq_len=64, fixed={"tp": 2, "pp": 1})
+    runtime = plan.estimate.runtime_memory_bytes
+    assert runtime["cuda_context"] == 381 * MIB and runtime["cublas_workspace"] == 2 * 32 * MIB
+    assert runtime["nccl"] == len(communicators(plan)) * 16 * 2 * 10 * MIB
+    assert plan.estimate.memory_capacity_bytes == pytest.approx(80 * GIB * 0.9 - sum(runtime.values()))
+    assert runtime_memory_bytes(plan, hardware.load("4xcpu")) == {}  # CPU ranks: gloo's buffers are the host's
+
+
+def test_the_dry_run_replays_the_allocator_and_judges_the_whole_gpu(tmp_path, capsys):
+    plan = planner.plan("hf-llama-tiny", "8xh100-sxm", global_batch=16, seq_len=64,
+                        fixed={"tp": 1, "pp": 1, "zero": 3, "recompute": "none"})
+    path = tmp_path / "p.json"
+    path.write_text(plan.to_json())
+    from executor.measure.dry_run import dry_run
+
+    (rank,) = dry_run(plan).ranks
+    replayed = rank.allocator
+    # every tensor rounded up to 512 B, packed into segments no smaller than 2 MiB
+    assert rank.measured_peak <= replayed["allocated"] <= rank.measured_peak * 1.05 + 64 * 1024
+    assert replayed["reserved"] >= max(replayed["allocated"], 2 * MIB)
+    assert rank.device_total == pytest.approx(replayed["reserved"] + sum(rank.runtime.values()))
+    assert rank.fits and rank.gpu_bytes == 80 * GIB
+    assert main(["dry-run", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "max_memory_reserved" in out and "with expandable_segments" in out and "+ nccl" in out
+
+
+def test_plan_checks_its_pick_by_the_allocators_replay(capsys):
+    args = ["plan", "hf-llama-tiny", "--hw", "8xh100-sxm", "--global-batch", "16", "--seq-len", "64"]
+    assert main(args + ["--check-memory", "--zero", "3"]) == 0
+    assert "memory check of" in capsys.readouterr().out
+    assert main(args + ["--check-memory", "--zero", "0"]) == 0  # DDP: the dry run cannot follow it, and says so
+    assert "memory not checked: zero" in capsys.readouterr().out
+    assert main(args + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)["estimate"]["memory_capacity_bytes"]
+    assert main(args + ["--json", "--memory-headroom", "8"]) == 0
+    margin = json.loads(capsys.readouterr().out)["estimate"]["memory_capacity_bytes"]
+    assert plain - margin == pytest.approx(8 * GIB)
+    assert main(args + ["--memory-headroom", "79"]) == 2
+    assert "--memory-headroom" in capsys.readouterr().err
