@@ -201,6 +201,12 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
         # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
         # the kernel's backward already recomputes them, so nothing is added.
         extra, extra_comm = attention + _scores_traffic_time(layer, ctx), 0.0
+    elif recompute == "op" and layer.act_op_split is not None:
+        # every op but the saved products and attention kernels re-runs: the memory-bound ones, every
+        # second matrix multiply, and the TP collectives but the reduce-scatters SP saves
+        recomputed_gemm = gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
+        extra = memory + fresh_forward + recomputed_gemm
+        extra_comm = comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0) + gather
     else:
         extra, extra_comm = 0.0, 0.0
     return LayerTime(
@@ -239,4 +245,6 @@ def recompute_flops(layer: LayerProfile, recompute: str) -> float:
         return layer.matmul_flops + layer.attention_flops
     if recompute == "selective" and layer.act_attention_scores > 0:
         return layer.attention_flops
+    if recompute == "op":
+        return layer.op_recompute_flops
     return 0.0

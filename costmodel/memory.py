@@ -93,6 +93,12 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
     replicated_split = t if sp else 1
     if recompute == "full":
         kept = layer.act_input / replicated_split
+    elif recompute == "op" and layer.act_op_split is not None:
+        # the saved products' outputs: a column-split one's are TP shards, a row-split one's the local
+        # partial sums, whole on every TP rank; under SP also the reduce-scatter after each row-split one
+        kept = layer.act_input / replicated_split + layer.act_op_split / t + layer.act_op_whole
+        if sp and t > 1:
+            kept += layer.act_op_reduced / t
     else:
         kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
         if sp and t > 1 and stack != "fused":

@@ -30,6 +30,7 @@ from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gather
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
 from .runtime_memory import runtime_memory_bytes
+from layout.axes import REBUILT
 from layout.plan import Plan
 from layout.results import Estimate, StageEstimate
 from .shared_cores import shared_core_pipeline_time
@@ -101,7 +102,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.zero_comm += prefetch_fill(runs, times, plan, lay)
     rank.params += params
     rank.expert_params += sum(layer.expert_params / plan.ep * n for layer, _, n in runs)
-    rank.ep_comm += sum(expert_exchange_time(layer, lay.ctx) * (3 if policy == "full" else 2) * n
+    rank.ep_comm += sum(expert_exchange_time(layer, lay.ctx) * (3 if policy in REBUILT else 2) * n
                         for layer, policy, n in runs)
     rank.stage_estimates.append(
         StageEstimate(index=index, start=stage.start, end=stage.end, forward_s=fwd, backward_s=bwd, memory_bytes={})
@@ -195,7 +196,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                 end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
                 head_saved += kept * count if layer.kind == "head" else 0.0
-            if policy == "full":
+            if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
     saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     sharded = held_zero(plan) >= 3 and plan.gathers_weights

@@ -68,6 +68,13 @@ def _block(d: TransformerDims) -> LayerProfile:
     softmax_traffic = 0 if d.flash_attention else 2 * d.heads * s * s * b
     act_traffic = (5 if d.gated_mlp else 2) * s * f * b * active
     router = h * d.n_experts if moe else 0
+    # the op policy (torchtitan's) keeps the odd-numbered multiplies of q, k, v, o, (gate,) up, down:
+    # q, v and gate (or up) TP-split, the down projection's partial sums whole (a gelu MLP's is the
+    # sixth: recomputed); the attention kernel's output (its scores on the math path); and recomputes
+    # k, o and the sixth
+    op_split = s * (h + kv_dim + h) * b + s * f * b * active + (0 if d.flash_attention else d.heads * s * s * b)
+    op_whole = s * h * b if d.gated_mlp else 0
+    op_recomputed = 2.0 * s * (h * kv_dim + h * h + h * f * active)
     return LayerProfile(
         name="block",
         kind="block",
@@ -86,6 +93,10 @@ def _block(d: TransformerDims) -> LayerProfile:
         act_tp_sharded=float(sharded),
         act_attention_scores=float(scores),
         act_input=float(s * h * b),
+        act_op_split=float(op_split),
+        act_op_whole=float(op_whole),
+        act_op_reduced=float(2 * s * h * b),
+        op_recompute_flops=op_recomputed,
         tp_allreduces_fwd=2,
         tp_comm_bytes=float(s * h * b),
         boundary_bytes=float(s * h * b),

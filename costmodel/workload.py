@@ -66,6 +66,15 @@ class LayerProfile(BaseModel):
     act_tp_sharded: float = Field(0.0, ge=0, description="saved bytes TP splits")
     act_attention_scores: float = Field(0.0, ge=0, description="saved s^2 bytes (dropped by selective recompute)")
     act_input: float = Field(0.0, ge=0, description="bytes kept under full recompute (the layer input)")
+    act_op_split: float | None = Field(None, ge=0, description="bytes per sequence the op policy keeps that TP "
+                                       "splits: the saved outputs of column-split products and of attention "
+                                       "kernels (None: not traced; the op policy is then priced as none)")
+    act_op_whole: float = Field(0.0, ge=0, description="bytes per sequence the op policy keeps whole on every TP "
+                                "rank: the saved outputs of row-split products (their partial sums) and unsplit ones")
+    act_op_reduced: float = Field(0.0, ge=0, description="bytes per sequence of the row-split products' outputs: "
+                                  "under SP the op policy keeps their reduce-scatter's shard")
+    op_recompute_flops: float = Field(0.0, ge=0, description="forward FLOPs per sequence of the products the op "
+                                      "policy recomputes (every second matrix multiply)")
     tp_shardable: bool = True
     tp_allreduces_fwd: int = Field(0, ge=0, description="activation all-reduces per forward under TP")
     tp_comm_bytes: float = Field(0.0, ge=0, description="bytes of one such all-reduce, per sequence")

@@ -21,7 +21,7 @@ import yaml
 from hardware.errors import FormatError
 from layout.plan import Plan
 
-from .common import Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
+from .common import rebuilds_any, Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
 
 NAME = "accelerate"
 PINS = {"pp": 1, "ep": 1, "sp": False, "compression": "none"}  # what a search for Accelerate may not change
@@ -65,10 +65,10 @@ def _fsdp(plan: Plan, losses: Losses) -> dict[str, Any]:
     policies = block_recompute(plan)
     if uniform(policies) not in ("none", "full"):
         losses.add("recompute", "selective or per-block recomputation (Accelerate checkpoints every block or none)"
-                   + ("; exported as every block" if "full" in policies else ""))
+                   + ("; exported as every block" if rebuilds_any(policies) else ""))
     return {"fsdp_version": 2, "fsdp_reshard_after_forward": plan.zero == 3, "fsdp_offload_params": plan.offload,
             "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": "full" in policies}
+            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": rebuilds_any(policies)}
 
 
 def _parallelism(plan: Plan, losses: Losses) -> dict[str, int]:

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.errors import FormatError
-from layout.axes import RECOMPUTE
+from layout.axes import REBUILT, RECOMPUTE
 from layout.plan import Plan
 
 LOSSY_FLAG = "--lossy"
@@ -83,6 +83,12 @@ def block_recompute(plan: Plan) -> list[str]:
     """One checkpointing policy per block, in model order (the embedding's and head's left out)."""
     last = plan.stages[-1].end
     return [policy for s in plan.stages for i, policy in enumerate(s.recompute, s.start) if 0 < i < last - 1]
+
+
+def rebuilds_any(policies: list[str]) -> bool:
+    """Whether a tool that checkpoints every block or none must checkpoint them all to recompute
+    no less than the plan: some block re-runs its forward ops (full or op)."""
+    return any(p in REBUILT for p in policies)
 
 
 def uniform(policies: list[str]) -> str | None:

@@ -23,7 +23,7 @@ from hardware.errors import FormatError
 from hardware.untrusted import parse_json
 from layout.plan import Plan
 
-from .common import Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
+from .common import rebuilds_any, Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
 
 NAME = "deepspeed"
 PINS = {"pp": 1, "cp": 1, "ep": 1, "sp": False}  # what a search for a DeepSpeed run may not change
@@ -53,8 +53,8 @@ def export(plan: Plan, lossy: bool) -> Exported:
     policies = block_recompute(plan)
     if uniform(policies) not in ("none", "full"):
         losses.add("recompute", f"per-block policies ({_policies(policies)}): DeepSpeed checkpoints every block or "
-                   "none" + ("; exported as every block" if "full" in policies else ""))
-    if "full" in policies:  # lossy: never less recomputation than the plan's
+                   "none" + ("; exported as every block" if rebuilds_any(policies) else ""))
+    if rebuilds_any(policies):  # lossy: never less recomputation than the plan's
         config["activation_checkpointing"] = dict(CHECKPOINTING)
     nodes, per_node = n_nodes(plan)
     launch = f"deepspeed --num_nodes {nodes} --num_gpus {per_node} train.py --deepspeed --deepspeed_config FILE"

@@ -104,7 +104,10 @@ def _recompute(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
         return []
     if policy == "selective":
         return [("--recompute-granularity", "selective")]
-    if policy == "full":
+    if policy in ("full", "op"):  # lossy for op: Megatron has no op-level policy; never less recomputation
+        if policy == "op":
+            losses.add("recompute", "the op policy (Megatron checkpoints the attention core or whole blocks; "
+                       "exported as full)")
         return [("--recompute-granularity", "full"), ("--recompute-method", "uniform"), ("--recompute-num-layers", 1)]
     first_n = _first_n_full(plan)
     if first_n is None:

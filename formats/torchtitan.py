@@ -13,8 +13,9 @@ What maps: the data-parallel replicate and shard degrees (DDP, FSDP2 with ZeRO-3
 without sequence parallelism, the pipeline's degree, schedule, micro-batch and exact
 partition (`module_fqns_per_model_part`), context and expert degrees, the batch and
 accumulation, bf16 or fp32 weights, FSDP2's CPU offload, full recomputation of every block,
-and the compile stack. torchtitan 0.3.0 has no ZeRO-1, no gradient compression, no fp16, no
-FP8 recipe for these models in its registry, and its selective policy is op-level.
+its op-level selective checkpointing (Parallax's `op`), and the compile stack. torchtitan
+0.3.0 has no ZeRO-1, no gradient compression, no fp16, no FP8 recipe for these models in its
+registry, and no Megatron-style selective policy.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from hardware.errors import FormatError
 from layout.plan import Plan
 
 from . import argv
-from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages, n_nodes, uniform
+from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages, n_nodes, rebuilds_any, uniform
 
 NAME = "torchtitan"
 PINS = {"compression": "none"}  # what a search for a torchtitan run may not change
@@ -135,11 +136,15 @@ def _batch(plan: Plan) -> list[tuple[str, Any]]:
     return [(T + "local_batch_size", local), (T + "global_batch_size", plan.global_batch), (T + "seq_len", plan.seq_len)]
 
 
+MODES = {"none": "none", "full": "full", "op": "selective"}  # Parallax's policy -> torchtitan 0.3.0's mode
+
+
 def _recompute(plan: Plan, losses: Losses) -> str:
     policy = uniform(block_recompute(plan))
-    if policy in ("none", "full"):
-        return policy
-    fallback = "full" if "full" in block_recompute(plan) else "none"  # lossy: never less recomputation
+    if policy in MODES:
+        return MODES[policy]
+    policies = block_recompute(plan)
+    fallback = "full" if rebuilds_any(policies) else "none"  # lossy: never less recomputation
     losses.add("recompute", "Megatron's selective policy or a per-block one (torchtitan 0.3.0 checkpoints every "
                f"block whole, or op by op; exported as {fallback})")
     return fallback
@@ -209,13 +214,13 @@ def _read_sharding(found: dict, get, cp: int, pp: int) -> dict[str, Any]:
 def _read_mode(mode: str) -> str:
     if mode not in ("none", "full", "selective", "memory-budget"):
         raise FormatError("activation_checkpoint", f"{mode!r}", "use none, full, selective or memory-budget")
-    return "full" if mode == "full" else "none"
+    return {"full": "full", "selective": "op"}.get(mode, "none")
 
 
 def _read_unpriced(found: dict, mode: str) -> list[str]:
     notes = []
-    if mode in ("selective", "memory-budget"):
-        notes.append(f"activation_checkpoint:{mode}: op-level checkpointing priced as no recomputation")
+    if mode == "memory-budget":
+        notes.append(f"activation_checkpoint:{mode}: the compiler's memory-budget checkpointing priced as none")
     if found.get("--compile.enable_async_tensor_parallel") is True:
         notes.append("compile.enable_async_tensor_parallel: priced as synchronous TP")
     if found.get(T + "dtype") == "bfloat16":

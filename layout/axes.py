@@ -15,7 +15,8 @@ from typing import Literal, get_args
 from hardware.limits import MAX_GLOBAL_BATCH, MAX_GPUS, MAX_LAYERS
 from hardware.schema import Stack
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "op", "full")
+REBUILT = ("op", "full")  # policies whose backward re-runs a layer's forward ops: one layer's dropped tensors rebuilt at a time
 # What each policy keeps, as the cost model prices it (costmodel/memory.py, costmodel/compute.py) and
 # the executor runs it (executor/apply/recompute.py); the dry run holds the two together.
 RECOMPUTE_MEANS = {
@@ -23,6 +24,9 @@ RECOMPUTE_MEANS = {
     "selective": "the attention core (its s x s scores, softmax and dropout) is recomputed and everything else "
                  "kept: Megatron's selective recomputation; a fused attention kernel keeps no scores, so there "
                  "it keeps what none keeps",
+    "op": "the outputs of the block's matrix products and attention kernels are kept and every other op (norms, "
+          "activations, casts, rotary embeddings, TP collectives) recomputed from them: torchtitan's op-level "
+          "selective checkpointing",
     "full": "only the block's input is kept and the whole block recomputed in its backward",
 }
 SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
@@ -102,7 +106,7 @@ AXES: tuple[Axis, ...] = (
     Axis("stack", str, "eager", "kernel stack priced: eager (what `parallax run` executes), compile (torch.compile) "
          "or fused (Megatron-LM / Transformer Engine; priced, not run)", choices=STACKS),
     _count("micro_batch", "sequences per micro-batch and data-parallel replica", high=MAX_GLOBAL_BATCH),
-    Axis("recompute", str, "none", "activation recomputation of every block: none, selective or full (the solver "
+    Axis("recompute", str, "none", "activation recomputation of every block: none, selective, op or full (the solver "
          "picks per layer)", choices=RECOMPUTE),
 )
 AXIS: dict[str, Axis] = {axis.name: axis for axis in AXES}

@@ -214,6 +214,9 @@ def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
     if plan.schedule == "zero-bubble" and any(p != "none" for stage in plan.stages for p in stage.recompute):
         return PlanError("recompute", "the zero-bubble schedule runs without activation recomputation (torch's "
                          "composable checkpoint fails under its split backward)", "use recompute none, or 1f1b")
+    if plan.stack == "fused" and any(p == "op" for stage in plan.stages for p in stage.recompute):
+        return PlanError("recompute", "op is torch's op-level checkpointing; the fused stack prices Megatron-LM, "
+                         "which recomputes the attention core or whole blocks", "use selective or full, or stack eager")
     if plan.dp_micro_batches and not plan.reduces_through_ddp:
         return PlanError("dp_micro_batches", "uneven data-parallel shares run on DDP's path: dp > 1 with zero 0 "
                          "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")

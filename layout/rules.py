@@ -179,8 +179,11 @@ def _pp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
 
 
 def allowed_recompute(layout: Layout) -> tuple[str, ...]:
-    """The recompute policies the executor runs with `layout` (see `layout.plan.plan_problem`)."""
-    return ("none",) if layout.schedule == "zero-bubble" else RECOMPUTE
+    """The recompute policies the executor runs with `layout` (see `layout.plan.plan_problem`);
+    on the fused stack those Megatron-LM runs: it has no op-level checkpointing (torch's)."""
+    if layout.schedule == "zero-bubble":
+        return ("none",)
+    return tuple(p for p in RECOMPUTE if p != "op") if layout.stack == "fused" else RECOMPUTE
 
 
 def _zero_bubble_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:

@@ -147,6 +147,7 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "pp_dp_zero_bubble_zero1": dict(pp=2, dp=2, schedule="zero-bubble", vpp=2, zero=1),
         "dp_full_ac": dict(dp=2, recompute="full"), "zero3_full_ac": dict(dp=2, zero=3, recompute="full"),
         "tp_selective_ac": dict(tp=2, recompute="selective"), "pp_selective_ac": dict(pp=2, recompute="selective"),
+        "tp_sp_op_ac": dict(tp=2, sp=True, recompute="op"), "zero3_op_ac": dict(dp=2, zero=3, recompute="op"),
         "dp_tp": dict(dp=2, tp=2), "dp_tp_zero3": dict(dp=2, tp=2, zero=3, recompute="full"),
         "pp_dp": dict(pp=2, dp=2), "pp_dp_zero3": dict(pp=2, dp=2, zero=3, recompute="selective"),
         "pp_dp_interleaved_zero1": dict(pp=2, dp=2, schedule="interleaved", vpp=2, zero=1),
@@ -200,7 +201,8 @@ def test_four_rank_layouts_match_single_process():
 
 def test_hf_llama_two_ranks_matches_single_process():
     _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
-                                           "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac")))
+                                           "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
+                                           "zero3_op_ac")))
 
 
 def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():

@@ -25,7 +25,7 @@ COMMAND_LINE = {"deepspeed": ("seq_len",), "accelerate": ("global_batch", "seq_l
 STACK_OF = {"deepspeed": ("eager",), "accelerate": ("eager", "compile"), "torchtitan": ("eager", "compile"),
             "megatron": ("fused",)}
 RECOMPUTE_OF = {"deepspeed": (("uniform", "none"), ("uniform", "full")), "accelerate": (("uniform", "none"), ("uniform", "full")),
-                "torchtitan": (("uniform", "none"), ("uniform", "full")),
+                "torchtitan": (("uniform", "none"), ("uniform", "op"), ("uniform", "full")),
                 "megatron": (("uniform", "none"), ("uniform", "selective"), ("uniform", "full"), ("first", "none"))}
 COUNTS = {fmt: {"round trips": 0, "refusals": 0} for fmt in formats.TRAINING}
 

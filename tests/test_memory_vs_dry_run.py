@@ -3,7 +3,7 @@ full-size llama-3-8b, each measured by the executor's appliers on fake tensors u
 fake process group, beside the analytic prediction of the same plan.
 
 The draws cover what the dry run follows on one pipeline stage: ZeRO-2 and ZeRO-3 (FSDP2),
-TP with and without SP, and each checkpointing policy in turn (selective over DTensor
+TP with and without SP, and each checkpointing policy in turn (selective and op over DTensor
 too). At 8 ranks and 4K-8K tokens the space offers neither hybrid sharding nor context
 parallelism; the HSDP draw runs on 16 ranks.
 DDP plans cannot be dry-run (refused by name), and pipelined plans are checked structurally in
@@ -22,11 +22,12 @@ from hypothesis import strategies as st
 
 import hardware
 from executor.measure.dry_run import dry_run
+from layout.axes import RECOMPUTE
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 
 MODEL, RANKS, GLOBAL_BATCH = "llama-3-8b", 8, 16
-DRAWS = {4096: 2, 8192: 1}  # draws per sequence length: three, so each recompute policy is drawn once
+DRAWS = {4096: 2, 8192: 2}  # draws per sequence length: four, so each recompute policy is drawn once
 
 
 def _space(seq_len: int):
@@ -41,7 +42,7 @@ def _space(seq_len: int):
     return reach, workload, cluster
 
 
-POLICIES = ("none", "selective", "full")
+POLICIES = RECOMPUTE
 
 
 def _draws():

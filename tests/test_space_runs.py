@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import hardware
+from layout.axes import RECOMPUTE
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 from test_executor import GLOBAL_BATCH, SEQ, _check_all
@@ -37,7 +38,7 @@ def _draws():
     out = {}
     for model in MODELS:
         space, workload, cluster = _space(model)
-        out[model] = st.lists(st.tuples(st.sampled_from(space), st.sampled_from(("none", "selective", "full"))),
+        out[model] = st.lists(st.tuples(st.sampled_from(space), st.sampled_from(RECOMPUTE)),
                               min_size=DRAWS[model], max_size=DRAWS[model], unique_by=lambda d: d[0])
     return st.fixed_dictionaries(out)
 

@@ -14,6 +14,13 @@ no scores and runs as it is, so there selective keeps what none keeps, as priced
 Torch's selective activation checkpointing (an op policy) is not used for it:
 it caches the output of every op it is told to save, needed by the backward or
 not, which holds more than no checkpointing at all.
+
+"op" is that op policy, as torchtitan's selective checkpointing runs it: the
+layer's forward runs under `checkpoint` with `create_selective_checkpoint_contexts`,
+saving the outputs of its attention kernels, of every other matrix multiply and
+of SP's reduce-scatters (`SAVED_OPS`), and recomputing the rest (norms,
+activations, casts, rotary, the other multiplies and collectives) in the
+backward from them.
 """
 from __future__ import annotations
 
@@ -24,6 +31,7 @@ from torch.distributed._composable import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 from torch.utils.checkpoint import checkpoint as checkpoint_call
 
 from layout.plan import Plan
@@ -46,9 +54,48 @@ def apply_recompute(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: Layer
                 continue
             if policy == "full":
                 checkpoint(sub, use_reentrant=False)
+            elif policy == "op":
+                keep_products(sub)
             else:
                 recompute_attention_core(sub)
     return module
+
+
+# the ops whose outputs "op" keeps, as torchtitan's selective checkpointing: the attention kernels,
+# batched and biased products, SP's reduce-scatters, and every odd-numbered plain multiply (`aten.mm`,
+# counted in forward order: every second one is recomputed)
+SAVED_OP_NAMES = ("addmm", "bmm", "baddbmm", "_grouped_mm", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_flash_attention_for_cpu")
+SAVED_OPS = frozenset([getattr(torch.ops.aten, name).default for name in SAVED_OP_NAMES
+                       if hasattr(torch.ops.aten, name)] + [torch.ops._c10d_functional.reduce_scatter_tensor.default])
+MULTIPLY = torch.ops.aten.mm.default
+
+
+def keep_products(sub: nn.Module) -> None:
+    """`sub.forward` runs checkpointed under the op policy. Its forward, not the module call: the
+    policy replays every op of the region in the backward, and FSDP2's hooks around the call
+    (their profiler ranges) must stay outside it."""
+    forward = sub.forward
+
+    def checkpointed(*args, **kwargs):
+        return checkpoint_call(forward, *args, use_reentrant=False, context_fn=_save_products, **kwargs)
+
+    sub.forward = checkpointed
+
+
+def _save_products():
+    """A region's policy: its own count of the multiplies it has seen (the recompute replays the
+    forward's decisions without asking again)."""
+    multiplies = [0]
+
+    def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        if op is MULTIPLY:
+            multiplies[0] += 1
+            return CheckpointPolicy.MUST_SAVE if multiplies[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def recompute_attention_core(sub: nn.Module) -> None:

@@ -32,7 +32,7 @@ from hardware.errors import PlanError
 from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
-from layout.axes import TP_DEGREES, ZERO_STAGES
+from layout.axes import REBUILT, TP_DEGREES, ZERO_STAGES
 from planner.executable import facts_of_workload
 from planner.mixed.shares import split_micro_batches
 from planner.search.branch_and_bound import stages_from_counts
@@ -72,7 +72,7 @@ def pipeline_balance(workload, stage_data: list[StageModelData], policy) -> list
         t_block.append(block.time[policy])
         extra_t.append(fixed.time)
         used = (fixed.states + fixed.activation * inflight + data.extra_bytes(s)
-                + (data.rebuild_bytes(s) if policy == "full" else 0.0))
+                + (data.rebuild_bytes(s) if policy in REBUILT else 0.0))
         at_peak = (data.capacity - used) / (block.states + block.activation[policy] * inflight)
         at_step = (data.capacity - data.step_bytes(s, fixed.step_states)) / max(block.step_states, 1e-30)
         mem_cap.append(math.floor(min(at_peak, at_step)))  # the blocks its activation peak and its optimizer step hold

@@ -10,6 +10,7 @@ prices what it returns: the refined plan is kept only where it is faster.
 from __future__ import annotations
 
 from layout.plan import Plan
+from layout.rules import allowed_recompute
 from costmodel.workload import Workload
 from hardware.mixed import MixedCluster
 
@@ -36,6 +37,7 @@ def refine(workload: Workload, plan: Plan, mixed: MixedCluster, order, reserve: 
            time_limit_s: float = LAYOUT_SOLVE_LIMIT_S) -> Plan:
     """`plan` (a priced pipeline split) or the CP-SAT partition of its layout, whichever is faster."""
     model = StageModel(rank_data(workload, plan, mixed, order, reserve, times), plan.pp, plan.vpp, plan.num_micro_batches)
+    model.allow_only(allowed_recompute(plan))
     model.hint(counts_of(workload, plan))
     solution = model.solve(time_limit_s)
     if solution is None:

@@ -20,9 +20,11 @@ import math
 from typing import Callable
 
 from costmodel.terms import bubble_fill, pipeline_seconds
-from layout.axes import RECOMPUTE
+from layout.axes import REBUILT, RECOMPUTE
 from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
 
+# (leaner, middle) policies a rank's whole-block mix draws beside "none" (whole_block_mix)
+MIXES = (("full", "selective"), ("full", "op"), ("op", "selective"))
 RankCost = Callable[[int], float]  # a pipeline rank's per-micro-batch seconds with n blocks
 
 
@@ -130,7 +132,7 @@ def balanced_split(data: StageModelData, pp: int, vpp: int) -> list[dict[str, in
         mix = rank.whole_block_mix(n)
         if mix is None:
             return None
-        order = [k for k in ("full", "selective", "none") for _ in range(mix[k])]
+        order = [k for k in reversed(RECOMPUTE) for _ in range(mix[k])]
         for i, s in enumerate(range(r, S, pp)):
             lo, hi = round(i * n / vpp), round((i + 1) * n / vpp)
             stages[s] = {k: order[lo:hi].count(k) for k in RECOMPUTE}
@@ -187,30 +189,38 @@ class _RankCost:
         return cheapest_mix(d, n, room, self.in_flight)
 
     def whole_block_mix(self, n: int) -> dict[str, int] | None:
-        """The fastest counts of fully recomputed, selective and unrecomputed blocks among `n`
-        that fit (the linear model's memory, the transient of a rebuilt block included): for
-        each count of full blocks, the fewest selective ones that make room (or all the rest,
-        should selective be the faster)."""
-        d, block = self.data, self.data.block
-        act, sec = block.activation, block.time
-        room = d.capacity - self.fixed_bytes - n * block.states
-        saved_by_selective = self.in_flight * (act["none"] - act["selective"])
+        """The fastest counts of blocks per policy among `n` that fit (the linear model's memory,
+        the transient of a rebuilt block included), over every mix of unrecomputed blocks with a
+        leaner policy and a middle one: for each count of the leaner, the fewest middle blocks
+        that make room (or all the rest, should the middle be the faster)."""
         best, best_time = None, float("inf")
-        for full in range(n + 1):
-            over = (self.in_flight * (n * act["none"] - full * (act["none"] - act["full"]))
-                    + (self.rebuild if full else 0.0) - room)
+        for lean, middle in MIXES:
+            for mix in self._mixes(n, lean, middle):
+                seconds = sum(self.data.block.time[k] * c for k, c in mix.items())
+                if seconds < best_time:
+                    best, best_time = mix, seconds
+        return best
+
+    def _mixes(self, n: int, lean: str, middle: str):
+        block = self.data.block
+        act = block.activation
+        room = self.data.capacity - self.fixed_bytes - n * block.states
+        saved_by_middle = self.in_flight * (act["none"] - act[middle])
+        for leaner in range(n + 1):
+            rebuilt = leaner > 0 and lean in REBUILT
+            over = self.in_flight * (n * act["none"] - leaner * (act["none"] - act[lean])) - room
+            over += self.rebuild if rebuilt else 0.0
             if over <= 0:
                 fewest = 0
-            elif saved_by_selective > 0:
-                fewest = math.ceil(over / saved_by_selective - 1e-9)
+            elif saved_by_middle > 0:
+                extra = self.rebuild if middle in REBUILT and not rebuilt else 0.0
+                fewest = math.ceil((over + extra) / saved_by_middle - 1e-9)
             else:
                 continue
-            for sel in {fewest, n - full}:
-                if 0 <= fewest <= sel <= n - full:
-                    seconds = (n - full - sel) * sec["none"] + sel * sec["selective"] + full * sec["full"]
-                    if seconds < best_time:
-                        best, best_time = {"none": n - full - sel, "selective": sel, "full": full}, seconds
-        return best
+            for mid in {fewest, n - leaner}:
+                if 0 <= fewest <= mid <= n - leaner:
+                    yield {"none": n - leaner - mid, middle: mid, lean: leaner} | {
+                        k: 0 for k in RECOMPUTE if k not in ("none", middle, lean)}
 
     def whole_blocks_time(self, n: int) -> float:
         mix = self.whole_block_mix(n)

@@ -19,6 +19,7 @@ from costmodel.estimate import estimate
 from costmodel.terms import usable_memory_bytes
 from costmodel.memory import gathered_weight_bytes, model_state_bytes
 from costmodel.offload import states_on_host
+from layout.axes import RECOMPUTE
 from layout.plan import Plan, StagePlan
 from layout.results import SolverReport
 from costmodel.workload import Workload
@@ -44,12 +45,12 @@ class SearchResult:
 
 
 def stages_from_counts(workload: Workload, counts: list[dict[str, int]]) -> list[StagePlan]:
-    """Blocks in order; inside a stage the fully recomputed ones first, then selective."""
+    """Blocks in order; inside a stage the leanest policy first (full, op, selective, none)."""
     first, last = block_span(workload)
     stages, position = [], first
     for s, stage in enumerate(counts):
         start = 0 if s == 0 else position
-        policies = [p for p in ("full", "selective", "none") for _ in range(stage[p])]
+        policies = [p for p in reversed(RECOMPUTE) for _ in range(stage[p])]
         position += len(policies)
         end = workload.n_layers if s == len(counts) - 1 else position
         policies = ["none"] * (first if s == 0 else 0) + policies + ["none"] * (end - position if s == len(counts) - 1 else 0)
@@ -228,8 +229,7 @@ def refine(workload, cluster, entry: _Entry, fixed, reserve) -> tuple[Candidate 
     layout, template = entry.layout, entry.template
     model = StageModel(entry.data, layout.pp, layout.vpp, template.num_micro_batches)
     allowed = recompute_choices(fixed, layout)
-    if len(allowed) == 1:
-        model.forbid_policies_except(allowed[0])
+    model.allow_only(allowed)
     first, last = block_span(workload)
     blocks = [min(st.end, last) - max(st.start, first) for st in template.stages]
     greedy = least_recompute_counts(entry.data, blocks, layout.pp, allowed)

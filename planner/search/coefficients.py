@@ -18,7 +18,7 @@ from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
                               in_flight_micro_batches, optimizer_step_bytes, transient_bytes)
-from layout.axes import RECOMPUTE
+from layout.axes import REBUILT, RECOMPUTE
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -356,24 +356,21 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
     """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
     block = data.block
     fixed = fixed_per_rank(data, pp, vpp)
-    t_none, t_sel, t_full = (block.time[k] for k in POLICIES)
-    b_none, b_sel, b_full = (block.backward[k] for k in POLICIES)
-    a_none, a_sel, a_full = (block.activation[k] for k in POLICIES)
     rank_time, weight_grads = [], 0.0
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
     for r, (f, mine) in enumerate(zip(fixed, per_rank)):
-        none, sel, full = mine.get("none", 0), mine.get("selective", 0), mine.get("full", 0)
-        rank_time.append(f.time + none * t_none + sel * t_sel + full * t_full)
-        weight_grads += f.weight_grad + (none + sel + full) * block.weight_grad
-        window = none * b_none + sel * b_sel + full * b_full
-        params = (none + sel + full) * block.params + f.params
-        experts = (none + sel + full) * block.expert_params
+        blocks = sum(mine.get(k, 0) for k in POLICIES)
+        rank_time.append(f.time + sum(mine.get(k, 0) * block.time[k] for k in POLICIES))
+        weight_grads += f.weight_grad + blocks * block.weight_grad
+        window = sum(mine.get(k, 0) * block.backward[k] for k in POLICIES)
+        params = blocks * block.params + f.params
+        experts = blocks * block.expert_params
         exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
         slack += window
         optimizer = max(optimizer, data.after_backward_seconds(params, experts))
-        act = f.activation + none * a_none + sel * a_sel + full * a_full
-        blocks = none + sel + full
-        used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if full else 0.0)
+        act = f.activation + sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
+        rebuilt = any(mine.get(k, 0) for k in REBUILT)
+        used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if rebuilt else 0.0)
                 + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
         headroom = min(headroom, data.capacity - max(used, stepping))
@@ -422,7 +419,8 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
                 + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
 
         def used(f: int) -> float:
-            transient = data.rebuild_bytes(r) if lean == "full" and f else 0.0
+            rebuilt = (lean in REBUILT and f) or (fast in REBUILT and b - f)
+            transient = data.rebuild_bytes(r) if rebuilt else 0.0
             return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from costmodel.terms import bubble_fill
+from layout.axes import REBUILT
 from planner.search.coefficients import POLICIES, StageModelData
 
 NS = 1e9  # seconds -> integer nanoseconds
@@ -130,9 +131,10 @@ class StageModel:
             inflight = d.in_flight[r]
             act = [self.n[s][k] * _i(d.block.activation[k] * inflight, KIB) for s in self._stages_of(r) for k in POLICIES]
             fixed_act = sum(self._fixed(s, "activation") for s in self._stages_of(r)) * inflight
-            full_here = self.model.NewBoolVar(f"full_{r}")
+            full_here = self.model.NewBoolVar(f"full_{r}")  # some block of the rank is rebuilt in its backward
             for s in self._stages_of(r):
-                self.model.Add(self.n[s]["full"] <= d.n_blocks * full_here)
+                for k in REBUILT:
+                    self.model.Add(self.n[s][k] <= d.n_blocks * full_here)
             states = self._blocks(r) * _i(d.block.states, KIB)
             fixed_states = sum(self._fixed(s, "states") for s in self._stages_of(r))
             self.model.Add(
@@ -189,11 +191,11 @@ class StageModel:
             fill.append(self._blocks(r) * _i(per_block, NS) + _i(fixed, NS))
         return sum(fill)
 
-    def forbid_policies_except(self, policy: str) -> None:
-        """Honour a pinned checkpointing policy."""
+    def allow_only(self, policies: tuple[str, ...]) -> None:
+        """Honour a pinned checkpointing policy, or the ones a layout runs (`layout.rules.allowed_recompute`)."""
         for stage in self.n:
             for k in POLICIES:
-                if k != policy:
+                if k not in policies:
                     self.model.Add(stage[k] == 0)
 
     def hint(self, counts: list[dict[str, int]]) -> None:

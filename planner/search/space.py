@@ -65,11 +65,22 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
                                 f"use any of {', '.join(AXIS['compression'].choices)}")
         elif (why := axis_problem(key, value)) is not None:
             raise PlanError("fixed" if key not in AXIS else key, why)
-    if "recompute" in fixed and fixed["recompute"] not in allowed_recompute(Layout(schedule=fixed.get("schedule", "1f1b"))):
-        raise PlanError("recompute", f"{fixed['recompute']!r} with the {fixed['schedule']} schedule: the executor runs it "
-                        "without recomputation", "pin recompute none, or another schedule")
+    if "recompute" in fixed:
+        _check_recompute_pin(fixed)
     if workload is not None and cluster is not None:
         _check_pins_fit(fixed, workload, cluster)
+
+
+def _check_recompute_pin(fixed: dict) -> None:
+    schedule, stack = fixed.get("schedule", "1f1b"), fixed.get("stack", "eager")
+    allowed = allowed_recompute(Layout(schedule=schedule, stack=stack))
+    if fixed["recompute"] in allowed:
+        return
+    if schedule == "zero-bubble":
+        raise PlanError("recompute", f"{fixed['recompute']!r} with the {schedule} schedule: the executor runs it "
+                        "without recomputation", "pin recompute none, or another schedule")
+    raise PlanError("recompute", f"{fixed['recompute']!r} on the {stack} stack: Megatron-LM has no op-level "
+                    "checkpointing", f"use one of {', '.join(allowed)}, or stack eager")
 
 
 def _check_pins_fit(fixed: dict, workload: Workload, cluster: Cluster) -> None:

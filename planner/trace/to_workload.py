@@ -85,7 +85,8 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         elementwise_fused_bytes=min(elementwise, fused_elementwise_bytes(og, members, nbytes)) / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
-        act_input=max(inputs, default=0.0) / b, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,
+        act_input=max(inputs, default=0.0) / b,
+        **{name: value / b for name, value in op_policy(nodes).items()}, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,
         act_transient=temporaries / b, act_transient_tp=temporaries_tp,
         tp_shardable=kind != "block" or bool(reduces),
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
@@ -94,6 +95,31 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         largest_weight=max((_weight_elements(d) for _, d in nodes), default=0),
         tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b)
+
+
+PRODUCTS = ("linear", "matmul", "attention")
+MM = "aten.mm."
+
+
+def op_policy(nodes: list[tuple[int, dict]]) -> dict[str, float]:
+    """What the op policy keeps of a layer and recomputes (executor/apply/recompute.py, torchtitan's
+    selective checkpointing): in forward order, every odd-numbered matrix multiply's output and
+    every other product's (attention kernels, batched products); each even-numbered multiply is
+    recomputed. Under SP a row-split product's reduce-scatter output is kept too."""
+    out = dict.fromkeys(("act_op_split", "act_op_whole", "act_op_reduced", "op_recompute_flops"), 0.0)
+    multiplies = 0
+    for _, data in sorted(nodes, key=lambda item: item[0]):
+        if data["kind"] not in PRODUCTS:
+            continue
+        if data.get("tp_style") == "rowwise":
+            out["act_op_reduced"] += nbytes(data)
+        if data["op"].startswith(MM):
+            multiplies += 1
+            if multiplies % 2 == 0:
+                out["op_recompute_flops"] += data["flops"]
+                continue
+        out["act_op_split" if data.get("tp") == "S" else "act_op_whole"] += nbytes(data)
+    return out
 
 
 def _weight_elements(data: dict) -> int:
