@@ -175,6 +175,15 @@ class Plan(Layout):
         return cls.model_validate(parse_json(text, "plan", "the plan"))
 
 
+def every_kth_block(stages: list[StagePlan], kinds: list[str], k: int) -> list[StagePlan]:
+    """`stages` with full recomputation on every k-th block (the first, the (k+1)-th, ...) and
+    none on the rest: layer-level checkpointing at a frequency, as trainers offer it."""
+    blocks = [i for i, kind in enumerate(kinds) if kind == "block"]
+    full = set(blocks[::k])
+    return [s.model_copy(update={"recompute": ["full" if i in full else "none" for i in range(s.start, s.end)]})
+            for s in stages]
+
+
 def uniform_stages(kinds: list[str], n_stages: int, policy: Recompute = "none") -> list[StagePlan]:
     """Megatron-style partition: blocks split as evenly as possible, the
     embedding joins the first stage and the head the last; `policy` is the

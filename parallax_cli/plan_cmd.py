@@ -8,7 +8,7 @@ import typer
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from layout.plan import Plan, uniform_stages
+from layout.plan import Plan, every_kth_block, uniform_stages
 from costmodel.validate import default_dtype
 from hardware.errors import ParallaxError, PlanError
 from hardware.limits import COUNT_LIMITS, check_count
@@ -224,17 +224,21 @@ def estimate_command(
     as_json: bool = typer.Option(False, "--json"),
     from_file: Optional[Path] = typer.Option(None, "--from", help=FROM_HELP),
     from_format: Optional[str] = typer.Option(None, "--from-format", help=FROM_FORMAT_HELP),
+    recompute_every: Optional[int] = typer.Option(None, "--recompute-every", min=1,
+                                                  help="full recomputation on every k-th block and none on the rest"),
     axes: dict | None = None,
 ) -> None:
     """Price one given layout (from flags, --plan FILE or --from a tool's config) without searching; unset axes
     take their defaults."""
-    options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, **(axes or {}))
+    options = dict(global_batch=global_batch, seq_len=seq_len, dtype=dtype, recompute_every=recompute_every, **(axes or {}))
     given = {k: v for k, v in options.items() if v is not None}
     for name, field in ((model, "model"), (hw, "--hw")):
         if name is not None:
             check_name(name, field)
     if from_file is not None and plan_file is not None:
         raise PlanError("--from", "given with --plan", "price one of them")
+    if recompute_every and from_file is not None:
+        raise PlanError("--recompute-every", "is for a layout given by flags", "drop it, or the --from file")
     if from_file is not None:
         from parallax_cli.from_config import stated_plan
 
@@ -310,6 +314,11 @@ def _layout_from_flags(model: str | None, hw: str | None, given: dict):
     if stages > workload.n_blocks:
         raise PlanError("pp", f"pp*vpp = {stages} stages exceed the {workload.n_blocks} blocks",
                         f"use pp <= {workload.n_blocks}")
-    recompute = layout.pop("recompute")
-    plan = Plan(model=model, hardware=cluster.spec(), stages=uniform_stages(kinds, stages, recompute), **layout)
+    recompute, every = layout.pop("recompute"), layout.pop("recompute_every", None)
+    parts = uniform_stages(kinds, stages, recompute)
+    if every:
+        if recompute != "none":
+            raise PlanError("--recompute-every", f"given with --recompute {recompute}", "give one of them")
+        parts = every_kth_block(parts, kinds, every)
+    plan = Plan(model=model, hardware=cluster.spec(), stages=parts, **layout)
     return model, cluster, plan, ""
