@@ -12,7 +12,7 @@ recomputed forward run again.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hardware.schema import Cluster
 
@@ -188,36 +188,56 @@ def fresh_tensor_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]
     return transient, transient + weight
 
 
-def layer_time(layer: LayerProfile, ctx: Context, recompute: str) -> LayerTime:
+@dataclass(frozen=True)
+class LayerParts:
+    """What a layer costs whatever its checkpointing: its time without recomputation, and the
+    parts a policy re-runs (`layer_time` adds them)."""
+
+    plain: LayerTime
+    gemm: float
+    attention: float
+    memory: float
+    fresh_forward: float
+    comm: float
+    gather: float
+
+
+def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     gemm, attention, memory = forward_parts(layer, ctx)
     fresh_forward, fresh_backward = fresh_tensor_times(layer, ctx)
     compute = gemm + attention + memory
-    forward = compute + fresh_forward
     comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
-    if recompute == "full":
-        extra, extra_comm = forward, comm + gather
-    elif recompute == "selective" and layer.act_attention_scores > 0:
-        # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
-        # the kernel's backward already recomputes them, so nothing is added.
-        extra, extra_comm = attention + _scores_traffic_time(layer, ctx), 0.0
-    elif recompute == "op" and layer.act_op_split is not None:
-        # every op but the saved products and attention kernels re-runs: the memory-bound ones, every
-        # second matrix multiply, and the TP collectives but the reduce-scatters SP saves
-        recomputed_gemm = gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
-        extra = memory + fresh_forward + recomputed_gemm
-        extra_comm = comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0) + gather
-    else:
-        extra, extra_comm = 0.0, 0.0
-    return LayerTime(
-        forward=forward,
+    plain = LayerTime(
+        forward=compute + fresh_forward,
         weight_grad=gemm + dense_gradient_time(layer, ctx),
         backward=(BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward
                   + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
-        recompute=extra,
+        recompute=0.0,
         tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
-                 + expert_exchange_time(layer, ctx) + gather + extra_comm),
+                 + expert_exchange_time(layer, ctx) + gather),
     )
+    return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather)
+
+
+def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerParts | None = None) -> LayerTime:
+    """The layer's time under `recompute` (`parts`: its `layer_parts`, where already known)."""
+    p = parts or layer_parts(layer, ctx)
+    if recompute == "full":
+        extra, extra_comm = p.plain.forward, p.comm + p.gather
+    elif recompute == "selective" and layer.act_attention_scores > 0:
+        # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
+        # the kernel's backward already recomputes them, so nothing is added.
+        extra, extra_comm = p.attention + _scores_traffic_time(layer, ctx), 0.0
+    elif recompute == "op" and layer.act_op_split is not None:
+        # every op but the saved products and attention kernels re-runs: the memory-bound ones, every
+        # second matrix multiply, and the TP collectives but the reduce-scatters SP saves
+        recomputed_gemm = p.gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
+        extra = p.memory + p.fresh_forward + recomputed_gemm
+        extra_comm = p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0) + p.gather
+    else:
+        return p.plain
+    return replace(p.plain, recompute=extra, tp_comm=p.plain.tp_comm + extra_comm)
 
 
 DENSE_GRADIENT_PASSES = 3  # zero-fill, scatter-add of the rows used, accumulate into .grad

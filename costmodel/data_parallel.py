@@ -118,12 +118,14 @@ def host_copy_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
     return copies * host_copy_time(offloaded_shard_bytes(params, plan), plan, cluster)
 
 
-def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout) -> float:
+def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout,
+                    collectives: tuple[float, float, float] | None = None) -> float:
     """What of a layer's ZeRO-2/3 collectives the compute does not hide. With one-layer
     prefetch a layer's gathers run beside its neighbour's whole forward (with its TP
     collectives) and whole backward (with recomputation), the reduce-scatter beside the
-    next backward; gathers and scatters share the one link, so they add up."""
-    fwd_gather, bwd_gather, scatter = sharded_collectives(params, plan, lay)
+    next backward; gathers and scatters share the one link, so they add up
+    (`collectives`: the layer's `sharded_collectives`, where already known)."""
+    fwd_gather, bwd_gather, scatter = collectives or sharded_collectives(params, plan, lay)
     if not (fwd_gather or scatter):
         return 0.0
     forward = t.forward + t.tp_comm / 2

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from costmodel.compute import Context, LayerTime, layer_time
+from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
 from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
-                                     sharded_exposed, weight_gather_time)
+                                     sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
 from costmodel.layout import layout_of
@@ -115,13 +115,17 @@ class LayerTimes:
 
     def __init__(self) -> None:
         self._memo: dict[tuple, LayerTime] = {}
+        self._parts: dict[tuple, LayerParts] = {}  # what every policy of a layer shares
         self.layers: dict[tuple, LayerCoefficients] = {}  # `_layer`'s, by `layer_key`
 
     def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
-        key = (id(layer), policy, id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
-               ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack)
+        base = (id(layer), id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
+                ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack)
+        key = (*base, policy)
         if key not in self._memo:
-            self._memo[key] = layer_time(layer, ctx, policy)
+            if base not in self._parts:
+                self._parts[base] = layer_parts(layer, ctx)
+            self._memo[key] = layer_time(layer, ctx, policy, self._parts[base])
         return self._memo[key]
 
 
@@ -138,9 +142,10 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
     states, step_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
     time, backward, activation = {}, {}, {}
+    collectives = sharded_collectives(params, plan, lay)  # the same under every policy
     for policy in POLICIES:
         t = times(layer, ctx, policy)
-        zero = sharded_exposed(params, t, plan, lay)
+        zero = sharded_exposed(params, t, plan, lay, collectives)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes))
