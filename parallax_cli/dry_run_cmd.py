@@ -45,8 +45,10 @@ def dry_run_command(
     typer.echo(f"peak memory: {worst.measured_peak / GIB:.2f} GiB measured on fake tensors, predicted "
                f"{worst.predicted_peak / GIB:.2f} GiB (error {worst.error:+.1%})")
     if worst.allocator:
-        typer.echo(f"reserved: {worst.allocator['reserved'] / GIB:.2f} GiB by the caching allocator's replay "
-                   f"({worst.allocator['reserved'] / worst.allocator['allocated'] - 1:+.1%} over allocated), "
+        reserved = worst.allocator["reserved_expandable"]
+        typer.echo(f"reserved: {reserved / GIB:.2f} GiB by the caching allocator's replay with expandable segments "
+                   f"({reserved / worst.allocator['allocated'] - 1:+.1%} over allocated; "
+                   f"{worst.allocator['reserved'] / GIB:.2f} without), "
                    f"{sum(worst.runtime.values()) / GIB:.2f} GiB more for the CUDA context, workspaces and NCCL")
 
 
@@ -74,8 +76,9 @@ def _allocator_table(rank) -> Table:
     table.add_column("what", justify="left")
     table.add_column("GiB", justify="right")
     replayed = rank.allocator
-    rows = [("max_memory_allocated", replayed["allocated"]), ("max_memory_reserved", replayed["reserved"]),
-            ("  with expandable_segments", replayed["reserved_expandable"])]
+    rows = [("max_memory_allocated", replayed["allocated"]),
+            ("max_memory_reserved (expandable_segments, as run)", replayed["reserved_expandable"]),
+            ("  without expandable_segments", replayed["reserved"])]
     rows += [(f"+ {name.replace('_', ' ')}", nbytes) for name, nbytes in rank.runtime.items()]
     if rank.device_total is not None:
         rows.append(("device total", rank.device_total))

@@ -82,12 +82,30 @@ def test_the_dry_run_replays_the_allocator_and_judges_the_whole_gpu(tmp_path, ca
     replayed = rank.allocator
     # every tensor rounded up to 512 B, packed into segments no smaller than 2 MiB
     assert rank.measured_peak <= replayed["allocated"] <= rank.measured_peak * 1.05 + 64 * 1024
-    assert replayed["reserved"] >= max(replayed["allocated"], 2 * MIB)
-    assert rank.device_total == pytest.approx(replayed["reserved"] + sum(rank.runtime.values()))
+    assert min(replayed["reserved"], replayed["reserved_expandable"]) >= max(replayed["allocated"], 2 * MIB)
+    # judged as `parallax run` sets torch's allocator: expandable segments
+    assert rank.device_total == pytest.approx(replayed["reserved_expandable"] + sum(rank.runtime.values()))
     assert rank.fits and rank.gpu_bytes == 80 * GIB
     assert main(["dry-run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "max_memory_reserved" in out and "with expandable_segments" in out and "+ nccl" in out
+    assert "max_memory_reserved (expandable_segments, as run)" in out and "without expandable" in out and "+ nccl" in out
+
+
+def test_cuda_ranks_run_the_allocator_the_dry_run_replays(monkeypatch):
+    """A CUDA rank sets torch's caching allocator to expandable segments before its first
+    allocation, the setting the dry run's replay judges a plan by (no GPU here: torch's calls
+    are stood in for)."""
+    import torch
+
+    from executor.runtime import mesh
+
+    calls = []
+    monkeypatch.setattr(mesh, "device_and_backend", lambda: ("cuda", "nccl"))
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", calls.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: calls.append(index))
+    assert mesh.local_device() == torch.device("cuda", 0)
+    assert calls == ["expandable_segments:True", 0]
 
 
 def test_plan_checks_its_pick_by_the_allocators_replay(capsys):

@@ -57,10 +57,12 @@ class RankMemory:
 
     @property
     def device_total(self) -> float | None:
-        """What the GPU would hold at the peak: the replayed allocator's reservation and the runtime's memory."""
-        if "reserved" not in self.allocator:
+        """What the GPU would hold at the peak: the replayed allocator's reservation with expandable
+        segments (as `parallax run` sets it: executor.runtime.mesh.ALLOCATOR_SETTINGS) and the
+        runtime's memory."""
+        if "reserved_expandable" not in self.allocator:
             return None
-        return self.allocator["reserved"] + sum(self.runtime.values())
+        return self.allocator["reserved_expandable"] + sum(self.runtime.values())
 
     @property
     def fits(self) -> bool:

@@ -28,10 +28,17 @@ def device_and_backend() -> tuple[str, str]:
     return "cpu", "gloo"
 
 
+# torch's caching allocator as a rank runs it: one growing segment per pool and stream, so freed
+# blocks of different sizes merge (the dry run's allocator replay prices this setting)
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+
+
 def local_device() -> torch.device:
-    """The device this rank computes on (its own GPU under torchrun's LOCAL_RANK)."""
+    """The device this rank computes on (its own GPU under torchrun's LOCAL_RANK), its caching
+    allocator set as the plan's memory is judged (`ALLOCATOR_SETTINGS`)."""
     kind, _ = device_and_backend()
     if kind == "cuda":
+        torch.cuda.memory._set_allocator_settings(ALLOCATOR_SETTINGS)
         index = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
