@@ -19,7 +19,8 @@ through the step (`gathered_weight_bytes`). In fp32 training every stack holds
 
 Activations follow Korthikanti et al. 2022 per policy: "none" keeps
 everything, "selective" drops the attention scores, "full" keeps only the
-layer input and rebuilds one layer at a time in backward. Each pipeline rank
+layer input and rebuilds one layer at a time in backward; "op" (torchtitan's)
+keeps the layer input and the products' outputs it saves (`act_op_*`, traced). Each pipeline rank
 holds the activations of as many micro-batches as its schedule keeps in
 flight.
 """
@@ -103,7 +104,7 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
         if sp and t > 1 and stack != "fused":
             kept += layer.act_sp_whole - layer.act_sp_dropped / t
-        if recompute == "none":
+        if recompute in ("none", "op"):  # op on a layer not traced for it: priced as none, as its time is
             kept += layer.act_attention_scores / t
             if cp > 1 and layer.attention_flops:
                 kept += kv_bytes * (cp - 1) / t
