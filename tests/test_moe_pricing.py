@@ -75,7 +75,7 @@ def test_the_space_offers_ep_for_moe_only():
     import planner
     from hardware.errors import PlanError
 
-    plan = planner.plan("mixtral-8x7b", "64xh100-sxm", global_batch=256, seq_len=4096, fixed={"ep": 8}, time_limit_s=2)
+    plan = planner.plan("mixtral-8x7b", "64xh100-sxm", global_batch=256, seq_len=4096, fixed={"ep": 8}, time_limit_s=20)
     assert plan.ep == 8 and plan.tp == plan.pp == 1
     with pytest.raises(PlanError, match="ep"):
         planner.plan("llama-3-8b", "8xh100-sxm", global_batch=64, seq_len=4096, fixed={"ep": 2, "tp": 1, "pp": 1})

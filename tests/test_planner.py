@@ -60,7 +60,7 @@ def test_infeasible_request_reports_the_numbers():
 def test_solver_is_never_worse_than_the_best_uniform_plan(llama_70b):
     cluster = hardware.load("32xh100-sxm")
     uniform = best_uniform(llama_70b, cluster, global_batch=128)
-    result = search(llama_70b, cluster, PlanRequest(global_batch=128, seq_len=llama_70b.seq_len, top_k=1, time_limit_s=4))
+    result = search(llama_70b, cluster, PlanRequest(global_batch=128, seq_len=llama_70b.seq_len, top_k=1, time_limit_s=20))
     assert result.best[0].estimate.step_time_s <= uniform.estimate.step_time_s * (1 + 1e-9)
 
 
@@ -224,7 +224,7 @@ def test_layouts_dropped_for_their_states_fit_no_plan():
 
 @pytest.fixture(scope="module")
 def llama_70b_plans():
-    kw = dict(global_batch=1024, seq_len=8192, time_limit_s=4)
+    kw = dict(global_batch=1024, seq_len=8192, time_limit_s=20)  # done long before: the pick must not race the clock
     return {stack: planner.plan("llama-3-70b", "64xh100-sxm", fixed={"stack": stack}, **kw)
             for stack in ("eager", "compile", "fused")}
 
