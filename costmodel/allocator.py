@@ -194,14 +194,15 @@ class CachingAllocator:
         return block
 
     def _map_pages(self, pool, rounded: int) -> Block:
-        """Extend the pool's one segment by whole pages, reusing its free tail."""
+        """Extend the pool's one segment by whole pages, reusing its free tail (what the pages
+        must add is counted again after a release, which may unmap part of that tail)."""
+        added = self._pages_needed(pool, rounded)
+        if self._over(added):
+            self._release_cached()
+            added = self._pages_needed(pool, rounded)
+        self._reserve(added, rounded, release=False)
         tail = self._tails.get(pool)
-        reuse = tail is not None and tail.free
-        have = tail.size if reuse else 0
-        page = page_size(rounded)
-        added = math.ceil((rounded - have) / page) * page
-        self._reserve(added, rounded)
-        if reuse:
+        if tail is not None and tail.free:
             self._unlist(tail)
             tail.size += added
             return tail
@@ -212,11 +213,20 @@ class CachingAllocator:
         self._tails[pool] = block
         return block
 
-    def _reserve(self, size: int, rounded: int) -> None:
-        if self.capacity is not None and self.stats.reserved + size > self.capacity:
+    def _pages_needed(self, pool, rounded: int) -> int:
+        tail = self._tails.get(pool)
+        have = tail.size if tail is not None and tail.free else 0
+        page = page_size(rounded)
+        return math.ceil((rounded - have) / page) * page
+
+    def _over(self, size: int) -> bool:
+        return self.capacity is not None and self.stats.reserved + size > self.capacity
+
+    def _reserve(self, size: int, rounded: int, release: bool = True) -> None:
+        if self._over(size) and release:
             self._release_cached()
-            if self.stats.reserved + size > self.capacity:
-                raise OutOfMemory(rounded, self.stats.reserved, self.capacity)
+        if self._over(size):
+            raise OutOfMemory(rounded, self.stats.reserved, self.capacity)
         self.stats.reserved += size
         self.stats.peak_reserved = max(self.stats.peak_reserved, self.stats.reserved)
 

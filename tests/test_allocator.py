@@ -83,3 +83,34 @@ def test_counters_hold_on_any_trace(requests, expandable):
     assert stats.requested == stats.allocated == 0
     assert stats.peak_requested <= stats.peak_allocated <= stats.peak_reserved
     assert stats.reserved == stats.peak_reserved  # nothing goes back to the driver without a capacity
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40 * MiB), st.booleans()), max_size=60), st.booleans(),
+       st.integers(20 * MiB, 200 * MiB))
+def test_every_block_holds_its_request_near_capacity(requests, expandable, capacity):
+    """At a device's capacity the allocator releases cached memory and retries; whatever it
+    releases, each live block still holds what was asked, and the reservation stays within the device."""
+    a = CachingAllocator(expandable_segments=expandable, capacity=capacity)
+    live = []
+    for i, (nbytes, free_one) in enumerate(requests):
+        try:
+            a.malloc(i, nbytes)
+        except OutOfMemory:
+            break
+        live.append(i)
+        assert a.stats.allocated >= a.stats.requested and a.stats.reserved <= capacity
+        if free_one:
+            a.free(live.pop(0))
+    assert all(a._live[k][0].size >= a._live[k][1] for k in live)
+
+
+def test_an_expandable_pool_counts_its_pages_again_after_a_release():
+    """A free 20 MiB tail, then 50 MiB asked of a 50 MiB device: the release unmaps the tail, so
+    the request needs three fresh pages, which do not fit; it must not build on the unmapped tail."""
+    a = CachingAllocator(expandable_segments=True, capacity=50 * MiB)
+    a.malloc("small", 10 * MiB)
+    a.free("small")
+    with pytest.raises(OutOfMemory):
+        a.malloc("big", 50 * MiB)
+    assert a.stats.reserved == 0
