@@ -29,7 +29,7 @@ from __future__ import annotations
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .memory import WEIGHT_BYTES
+from .memory import WEIGHT_BYTES, reduce_bytes
 from layout.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 
 TOPK_INDEX_BYTES = 4  # int32 indices
@@ -80,7 +80,7 @@ def reduction_element_bytes(plan: Plan) -> float:
     as the plan's gradient reduction. Top-K all-gathers dp*k*(value + index)
     per element, and a ring all-gather of T bytes moves what a ring all-reduce
     of T/2 does. Without DDP hooks (ZeRO >= 1) gradients travel uncompressed."""
-    grad_bytes = WEIGHT_BYTES[plan.dtype]
+    grad_bytes = reduce_bytes(plan)
     if plan.zero >= 1 or plan.compression == "none":
         return grad_bytes
     if plan.compression == "topk":

@@ -16,7 +16,7 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time
-from .memory import OPTIMIZER_TRAFFIC_BYTES, WEIGHT_BYTES, state_bytes_per_param
+from .memory import WEIGHT_BYTES, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_copy_time, host_optimizer_seconds_per_param
 from layout.plan import Plan
 
@@ -37,7 +37,7 @@ def expert_reduction_time(expert_params: float, plan: Plan, lay: Layout) -> floa
     ZeRO-1 each expert optimizer's weight all-gather follows the step, over the same ranks."""
     if plan.ep == 1 or not expert_params or lay.expert_group.size == 1 or plan.zero >= 2:
         return 0.0  # ZeRO-2/3: the experts' own FSDP2 units reduce-scatter them per micro-batch
-    nbytes = expert_params * WEIGHT_BYTES[plan.dtype]
+    nbytes = expert_params * reduce_bytes(plan)  # zero 0/1: the weights' dtype, as their gradients'
     if plan.zero == 1:
         return 2 * coll.all_gather(nbytes, lay.expert_group, lay.ctx.cluster)
     return coll.all_reduce(nbytes, lay.expert_group, lay.ctx.cluster)
@@ -79,6 +79,7 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     if not plan.gathers_weights:
         return 0.0, 0.0, 0.0
     nbytes = params * WEIGHT_BYTES[plan.dtype]
+    scattered = params * reduce_bytes(plan)
     cluster = lay.ctx.cluster
     # Offloaded (costmodel/offload.py): the fp32 shard comes from the host before each gather, and the
     # reduced gradient shard goes back after each reduce-scatter.
@@ -87,7 +88,7 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     # and reduce-scatters from a new flat copy of the gradients: on a host allocator, fresh pages each time.
     gather = coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster) + copy
     scatter = copy if plan.pp > 1 else (  # pipelined, the reduce-scatter itself is dp_time's
-        coll.reduce_scatter(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 1, cluster) + copy)
+        coll.reduce_scatter(scattered, lay.shard_group, cluster) + fresh_page_time(scattered, 1, cluster) + copy)
     forward, backward, handoffs = sharded_passes(plan)
     return gather * forward, gather * backward, scatter * handoffs
 
@@ -96,17 +97,19 @@ def sharded_passes(plan: Plan) -> tuple[float, float, float]:
     """Per micro-batch, how often each FSDP2 unit gathers for forward, gathers for backward and
     hands its reduced gradients over (reduce-scatter, or the offloaded copy back). Pipelined,
     ZeRO-3 gathers for the warm-up forwards (pp of the m) and every backward, ZeRO-2 once per
-    step, and the gradients leave once per step."""
+    step, and the gradients leave once per step; so do they when the units hold them unsharded
+    (`hold_unsharded`: the reduce-scatters all run in the last micro-batch's backward, priced
+    here as a 1/m share of each)."""
     zero3 = 1.0 if plan.zero >= 3 else 0.0
+    m = plan.num_micro_batches
     if plan.pp > 1:
-        m = plan.num_micro_batches
         return (min(m, plan.pp) if plan.zero >= 3 else 1) / m, zero3, 1 / m
-    return 1.0, zero3, 1.0
+    return 1.0, zero3, (1 / m if plan.holds_unsharded_gradients else 1.0)
 
 
 def offloaded_shard_bytes(params: float, plan: Plan) -> float:
     """A rank's shard of `params` weights as the host holds them (the master precision)."""
-    return params * state_bytes_per_param(plan.dtype, plan.stack)[0] / plan.shard_degree
+    return params * plan_state_bytes(plan)[0] / plan.shard_degree
 
 
 def host_copy_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
@@ -161,12 +164,12 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
     if plan.data_parallel == 1:
         return 0.0
     if plan.zero >= 2:
-        shard = params / plan.shard_degree * WEIGHT_BYTES[plan.dtype]
-        once = coll.reduce_scatter(params * WEIGHT_BYTES[plan.dtype], lay.shard_group, lay.ctx.cluster) if plan.pp > 1 else 0.0
+        shard = params / plan.shard_degree * reduce_bytes(plan)
+        once = coll.reduce_scatter(params * reduce_bytes(plan), lay.shard_group, lay.ctx.cluster) if plan.pp > 1 else 0.0
         return once + coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
-    nbytes = params * WEIGHT_BYTES[plan.dtype]
+    nbytes = params * reduce_bytes(plan)
     # FSDP2's replicate (TP or pipelined ranks) reduces the stage as one unit from a new flat copy of
     # its gradients: on a host allocator, fresh pages every step (DDP's buckets persist)
     flat = 0.0 if plan.reduces_through_ddp else fresh_page_time(nbytes, 1, lay.ctx.cluster)
@@ -176,10 +179,12 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
 
 
 def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
-    """ZeRO-1's all-gather of the updated weights: after the optimizer step, so never hidden."""
+    """ZeRO-1's all-gather of the updated weights: after the optimizer step, so never hidden;
+    Megatron gathers its 16-bit copy, the executor broadcasts the weights themselves."""
     if plan.zero != 1 or plan.data_parallel == 1:
         return 0.0
-    return coll.all_gather(params * WEIGHT_BYTES[plan.dtype], lay.dp_group, lay.ctx.cluster)
+    per_param = WEIGHT_BYTES[plan.dtype] if plan.stack == "fused" else plan_state_bytes(plan)[0]
+    return coll.all_gather(params * per_param, lay.dp_group, lay.ctx.cluster)
 
 
 def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout | list[Layout]) -> float:
@@ -212,11 +217,11 @@ def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
-    copies = reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype] / bandwidth
+    copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
     if plan.offload:
         return host_optimizer_seconds_per_param(plan, cluster) + copies
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
-    return OPTIMIZER_TRAFFIC_BYTES / plan.shard_degree / speed / bandwidth + copies
+    return optimizer_traffic_bytes(plan) / plan.shard_degree / speed / bandwidth + copies
 
 
 def optimizer_time(ranks: list[RankTime], plan: Plan, cluster: Cluster) -> float:

@@ -29,22 +29,70 @@ from __future__ import annotations
 from .workload import LayerProfile
 
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
-WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8: bf16 weights, gradients and collectives
+WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # the compute copy: fp8 runs bf16 weights, gradients and collectives
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a state or reduction dtype (Plan.master_dtype, optimizer_dtype, reduce_dtype)
 FP8_WEIGHT_COPY_BYTES = 1  # per held weight: the FP8 cast the GEMMs read, kept beside the bf16 weight
-AUTOCAST_STATE_BYTES = (4, 4, 8)  # eager/compile: fp32 weights (the master), fp32 gradients, AdamW's two moments
 
 
-def state_bytes_per_param(dtype: str, stack: str = "eager") -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter, unsharded."""
-    if stack != "fused":
-        return AUTOCAST_STATE_BYTES
+def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32", moments: str = "fp32",
+                          reduce: str | None = None) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter, unsharded, for compute `dtype`,
+    master weights in `master`, AdamW's two moments in `moments` and gradients reduced in
+    `reduce` (None: `reduce_bytes`' default).
+    - eager and compile (torch autocast and torch's AdamW): the weights are the master copy and
+      their gradients share its dtype; the moments are the weights' dtype too (the rulebook
+      refuses other pairs), so fp32 states are 4 + 4 + 8 and bf16 ones 2 + 2 + 4.
+    - fused (Megatron-LM's mixed precision optimizer, Rajbhandari et al. 2020): 16-bit weights (and
+      FP8's cast), gradients in the reduction's dtype (16-bit unless grad_reduce_in_fp32), and
+      an fp32 master copy beside the moments unless the master is the 16-bit weights."""
+    if dtype == "fp32" or stack != "fused":
+        w = DTYPE_BYTES[master] if dtype != "fp32" else 4
+        return w, w, 2 * (DTYPE_BYTES[moments] if dtype != "fp32" else 4)
     w = WEIGHT_BYTES[dtype] + (FP8_WEIGHT_COPY_BYTES if dtype == "fp8" else 0)
-    return w, WEIGHT_BYTES[dtype], OPTIMIZER_BYTES[dtype]
+    grads = DTYPE_BYTES[reduce] if reduce else WEIGHT_BYTES[dtype]
+    master_copy = DTYPE_BYTES[master] if master == "fp32" else 0
+    return w, grads, master_copy + 2 * DTYPE_BYTES[moments]
 
 
-def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str = "eager") -> dict[str, float]:
-    """Weights, gradients and optimizer state of `params` parameters on one rank."""
-    w, g, o = state_bytes_per_param(dtype, stack)
+def plan_state_bytes(plan) -> tuple[float, float, float]:
+    """`state_bytes_per_param` of a plan's (or a layout with a dtype's) precision policy."""
+    return state_bytes_per_param(plan.dtype, plan.stack, plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype)
+
+
+def moment_bytes(plan) -> float:
+    """Bytes of one AdamW moment element under the plan's precision."""
+    return 4.0 if plan.dtype == "fp32" else float(DTYPE_BYTES[plan.optimizer_dtype])
+
+
+def reduce_bytes(plan) -> float:
+    """Bytes per gradient element on the data-parallel wire: the pinned reduce dtype, else what
+    the stack's reference recipe reduces in. On the eager and compile stacks FSDP2's units
+    (zero 2/3) reduce in fp32 (torchtitan's `mixed_precision_reduce`, the only value 0.3.0
+    takes), DDP and FSDP2's replicate (zero 0/1) the gradients as autograd made them, in the
+    weights' dtype; Megatron reduces its 16-bit gradients (grad_reduce_in_fp32 off)."""
+    if plan.dtype == "fp32":
+        return 4.0
+    if plan.reduce_dtype:
+        return float(DTYPE_BYTES[plan.reduce_dtype])
+    if plan.stack == "fused":
+        return float(WEIGHT_BYTES[plan.dtype])
+    return 4.0 if plan.zero >= 2 else float(DTYPE_BYTES[plan.master_dtype])
+
+
+def held_gradient_bytes(params: float, plan) -> float:
+    """The unsharded gradients FSDP2 holds between micro-batches under `hold_unsharded`
+    (`Layout.holds_unsharded_gradients`), `params` being the rank's (TP- and stage-split):
+    FSDP2 keeps them in the reduce dtype where it differs from the compute copy's
+    (`FSDPParam.to_accumulated_grad_if_needed`), else in the compute dtype, which is the
+    reduce dtype by default, so in `reduce_bytes` either way."""
+    return params * reduce_bytes(plan) if plan.holds_unsharded_gradients and plan.num_micro_batches > 1 else 0.0
+
+
+def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str = "eager",
+                      per_param: tuple[float, float, float] | None = None) -> dict[str, float]:
+    """Weights, gradients and optimizer state of `params` parameters on one rank
+    (`per_param`: the plan's `plan_state_bytes`; default, fp32 master and moments)."""
+    w, g, o = per_param or state_bytes_per_param(dtype, stack)
     weights, grads, optimizer = w * params, g * params, o * params
     if zero >= 1:
         optimizer /= dp
@@ -62,21 +110,33 @@ def gathered_weight_bytes(params: float, dtype: str, zero: int, dp: int, stack: 
     return WEIGHT_BYTES[dtype] * params if zero == 2 and dp > 1 and stack != "fused" else 0.0
 
 
-MOMENT_BYTES = 4  # AdamW's moments are fp32 on every stack
-OPTIMIZER_TRAFFIC_BYTES = 28  # AdamW per owned parameter: read grad+states+weights, write states+weights
+OPTIMIZER_TRAFFIC_BYTES = 28  # AdamW per owned fp32 parameter: read grad+states+weights, write states+weights
 
 
-def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type: str, stack: str = "eager") -> float:
+def optimizer_traffic_bytes(plan) -> float:
+    """AdamW's memory traffic per owned parameter under the plan's precision: it reads the
+    gradient, the weights and both moments and writes the weights and the moments back
+    (28 bytes in fp32, 14 with bf16 weights and moments); Megatron's reads its 16-bit gradient and
+    fp32 master and moments, writes those and the 16-bit copy (28)."""
+    w, g, o = plan_state_bytes(plan)
+    if plan.stack == "fused" and plan.dtype != "fp32":
+        return g + 2 * o + WEIGHT_BYTES[plan.dtype]
+    return g + 2 * w + 2 * o
+
+
+def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type: str, stack: str = "eager",
+                         moment_bytes: float = 4) -> float:
     """Temporaries torch's AdamW makes during its step, when activations are gone but every
     gradient is there: on cuda its default foreach path computes sqrt(v) for all the rank's
     owned parameters at once (one moment's size); on cpu its per-tensor loop makes sqrt(v)
     and its quotient by the bias correction as two new tensors, one parameter at a time (the
-    largest's, twice). The fused stack's multi-tensor Adam updates in place."""
+    largest's, twice), each in the moments' dtype (`moment_bytes`). The fused stack's
+    multi-tensor Adam updates in place."""
     if stack == "fused":
         return 0.0
     if device_type == "cpu":
-        return 2 * MOMENT_BYTES * largest_owned
-    return MOMENT_BYTES * owned_params
+        return 2 * moment_bytes * largest_owned
+    return moment_bytes * owned_params
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,

@@ -25,8 +25,9 @@ from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
-from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
-                     model_state_bytes, optimizer_step_bytes, transient_bytes)
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+                     in_flight_micro_batches, model_state_bytes, moment_bytes, optimizer_step_bytes, plan_state_bytes,
+                     transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
 from .runtime_memory import runtime_memory_bytes
@@ -143,10 +144,12 @@ def device_states(params: float, expert_params: float, plan: Plan, cluster: Clus
     states shard over the ranks holding the same experts; offloaded ones are on the host."""
     if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
         return device_state_bytes(params, plan)
-    states = model_state_bytes(params - expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    per_param = plan_state_bytes(plan)
+    states = model_state_bytes(params - expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack,
+                               per_param)
     if expert_params:
         experts = model_state_bytes(expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
-                                    plan.stack)
+                                    plan.stack, per_param)
         states = {k: states[k] + experts[k] for k in states}
     return states
 
@@ -176,11 +179,15 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`).
     Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
-    FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`). Returns the peak's categories and every
+    FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`); held unsharded
+    (`held_gradient_bytes`), they sit beside the gather buffers instead. Returns the peak's categories and every
     in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
     states = device_states(rank.params, rank.expert_params, plan, cluster)
     stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
+        states["gradients"] = 0.0
+    held_gradients = held_gradient_bytes(rank.params, plan)
+    if held_gradients:  # unsharded until the last micro-batch reduces them, and no sharded ones yet
         states["gradients"] = 0.0
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
@@ -208,6 +215,8 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         moments = [{**m, "buffers": held} for m in moments]
     elif not sharded:
         moments = [{"activations": m["activations"]} for m in moments]
+    if held_gradients:  # FSDP2's unsharded parameters' gradients, beside its gather buffers
+        moments = [{**m, "buffers": m.get("buffers", 0.0) + held_gradients} for m in moments]
     peak = {**states, **max(moments, key=lambda m: sum(m.values()))}
     if sum(stepping.values()) > sum(peak.values()):
         return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
@@ -240,7 +249,8 @@ def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, c
         for layer, _, _ in stage_runs(plan, workload, est.index):
             largest = max(largest, layer.largest_weight / (plan.tp if layer.tp_shardable else 1))
     params_share, largest_share = owned_shares(plan)
-    return optimizer_step_bytes(rank.params * params_share, largest * largest_share, cluster.gpu.device_type, plan.stack)
+    return optimizer_step_bytes(rank.params * params_share, largest * largest_share, cluster.gpu.device_type, plan.stack,
+                                moment_bytes(plan))
 
 
 def gradients_at_peak(plan: Plan) -> bool:

@@ -34,12 +34,18 @@ CHUNKED_SCHEDULES = ("interleaved", "zero-bubble")  # several model chunks per p
 COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 STACKS: tuple[str, ...] = get_args(Stack)  # the profiles' efficiencies are keyed by these (hardware.schema)
 ZERO_STAGES = (0, 1, 2, 3)
+STATE_DTYPES = ("fp32", "bf16")  # master weights and AdamW moments (the planner never lowers them itself)
+REDUCE_DTYPES = ("fp32", "bf16", "fp16")
+ACCUMULATION = ("reduce_each", "hold_unsharded")
 TP_DEGREES = (1, 2, 4, 8, 16, 32, 64)  # powers of two: heads, kv heads and vocabularies divide by them
 
 Recompute = Literal[RECOMPUTE]
 Schedule = Literal[SCHEDULES]
 Compression = Literal[COMPRESSION]
 ZeroStage = Literal[ZERO_STAGES]
+StateDtype = Literal[STATE_DTYPES]
+ReduceDtype = Literal[REDUCE_DTYPES]
+Accumulation = Literal[ACCUMULATION]
 
 
 @dataclass(frozen=True)
@@ -106,6 +112,18 @@ AXES: tuple[Axis, ...] = (
     Axis("stack", str, "eager", "kernel stack priced: eager (what `parallax run` executes), compile (torch.compile) "
          "or fused (Megatron-LM / Transformer Engine; priced, not run)", choices=STACKS),
     _count("micro_batch", "sequences per micro-batch and data-parallel replica", high=MAX_GLOBAL_BATCH),
+    Axis("master_dtype", str, "fp32", "the weights' own precision, the copy the optimizer updates: fp32 (beside a "
+         "16-bit compute copy) or bf16 (the weights are the bf16 copy); kept as given, never lowered by the planner",
+         choices=STATE_DTYPES, searched=("fp32",)),
+    Axis("optimizer_dtype", str, "fp32", "AdamW's two moments: fp32 or bf16 (the eager and compile stacks run "
+         "torch's AdamW, which keeps them in the weights' dtype); kept as given, never lowered by the planner",
+         choices=STATE_DTYPES, searched=("fp32",)),
+    Axis("reduce_dtype", str, None, "the dtype gradients are reduced in over data parallelism: fp32, bf16 or fp16 "
+         "(default: the stack's recipe: FSDP2 units in fp32 as torchtitan, DDP in the weights' dtype, Megatron in 16 bits)", choices=REDUCE_DTYPES,
+         optional=True, searched=(None,)),
+    Axis("accumulation", str, "reduce_each", "gradient accumulation under FSDP2 (zero 2/3): reduce_each "
+         "reduce-scatters after every micro-batch; hold_unsharded holds the unsharded gradients until the step's "
+         "last micro-batch and reduces once (more memory, fewer collectives)", choices=ACCUMULATION),
     Axis("recompute", str, "none", "activation recomputation of every block: none, selective, op or full (the solver "
          "picks per layer)", choices=RECOMPUTE),
 )

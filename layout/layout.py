@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .axes import AXIS, Compression, Schedule, ZeroStage
+from .axes import AXIS, Accumulation, Compression, ReduceDtype, Schedule, StateDtype, ZeroStage
 from hardware.schema import Stack
 
 
@@ -39,6 +39,10 @@ class Layout(BaseModel):
     stack: Stack = axis_field("stack")
     offload: bool = axis_field("offload")
     micro_batch: int = axis_field("micro_batch")
+    master_dtype: StateDtype = axis_field("master_dtype")
+    optimizer_dtype: StateDtype = axis_field("optimizer_dtype")
+    reduce_dtype: ReduceDtype | None = axis_field("reduce_dtype")
+    accumulation: Accumulation = axis_field("accumulation")
 
     @property
     def n_gpus(self) -> int:
@@ -85,6 +89,13 @@ class Layout(BaseModel):
         return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
 
     @property
+    def holds_unsharded_gradients(self) -> bool:
+        """Whether FSDP2's units hold their unsharded gradients from micro-batch to micro-batch
+        and reduce-scatter once, in the step's last (`accumulation` hold_unsharded, zero 2/3,
+        no pipeline: torch.distributed.pipelining's schedules decide that themselves)."""
+        return self.accumulation == "hold_unsharded" and self.zero >= 2 and self.pp == 1
+
+    @property
     def hsdp_label(self) -> str:
         """"hsdp 2x8" (replicas x shard group) for a hybrid-sharded layout, else ""."""
         return f"hsdp {self.dp_replicate}x{self.shard_degree}" if self.zero >= 2 and self.dp_replicate > 1 else ""
@@ -108,6 +119,12 @@ class Layout(BaseModel):
         parts.append(f"mb{self.micro_batch}")
         if self.compression != "none":
             parts.append(self.compression)
+        if self.holds_unsharded_gradients:
+            parts.append("hold-grads")
+        if self.master_dtype != "fp32" or self.optimizer_dtype != "fp32":
+            parts.append(f"states {self.master_dtype}/{self.optimizer_dtype}")
+        if self.reduce_dtype:
+            parts.append(f"reduce {self.reduce_dtype}")
         return parts
 
     def axes(self) -> dict:

@@ -27,10 +27,11 @@ from .axes import Recompute
 from .groups import GroupShare, check_groups, split_of
 from .layout import Layout
 from .results import CheckpointAdvice, Estimate, SolverReport
-from .rules import ModelFacts, layout_problem, structural_problem
+from .rules import ModelFacts, layout_problem, precision_problem, structural_problem
 
-SCHEMA_VERSION = 6  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
-# 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups
+SCHEMA_VERSION = 7  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
+# 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups; 7: master_dtype, optimizer_dtype,
+# reduce_dtype, accumulation
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # the training precisions: fp8 runs its GEMMs in FP8
 DEFAULT_TOPK_FRACTION = 0.01  # k: the fraction of gradient entries Top-K sends
@@ -59,15 +60,15 @@ class StagePlan(BaseModel):
 class Plan(Layout):
     model_config = ConfigDict(frozen=False, extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4, 5, 6] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5, 6, 7] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "
                                              "catalog spec (a calibrated or edited profile)")
     global_batch: int = Field(gt=0, le=MAX_GLOBAL_BATCH)
     seq_len: int = Field(gt=0, le=MAX_SEQ_LEN)
-    dtype: Literal[DTYPES] = Field("bf16", description="fp8: GEMMs in FP8 (the GPU's FP8 "
-                                                          "peak), the rest in bf16, fp32 master weights")
+    dtype: Literal[DTYPES] = Field("bf16", description="the compute dtype; fp8: GEMMs in FP8 (the GPU's FP8 "
+                                   "peak), the rest in bf16 (the states' dtypes: master_dtype, optimizer_dtype)")
     dp_micro_batches: list[int] | None = Field(
         None, description="micro-batches each data-parallel replica runs per step, when the shares are uneven (a "
         "mixed cluster's faster GPUs take more); their sum times micro_batch is the global batch, and the "
@@ -115,7 +116,7 @@ class Plan(Layout):
     def _consistent_layout(self):
         """The rulebook's model-free rules (`layout.rules.structural_problem`), then the plan's own:
         batch shares, mixed-cluster groups and the stage partition."""
-        problem = structural_problem(self, self.seq_len)
+        problem = structural_problem(self, self.seq_len) or precision_problem(self, self.dtype)
         if problem is not None:
             raise ValueError(str(problem))
         if self.dp_micro_batches is not None:

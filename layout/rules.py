@@ -45,7 +45,8 @@ class ModelFacts:
 
 def structural_problem(layout: Layout, seq_len: int | None = None) -> PlanError | None:
     """The first rule `layout` breaks whatever the model, or None (`seq_len`: checked when given)."""
-    for check in (_sp_structure, _schedule_structure, _shard_structure, _ep_structure):
+    for check in (_sp_structure, _schedule_structure, _shard_structure, _ep_structure, _accumulation_structure,
+                  _state_structure):
         if (problem := check(layout)) is not None:
             return problem
     if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
@@ -110,6 +111,49 @@ def _ep_structure(f: Layout) -> PlanError | None:
     if f.data_parallel % f.ep:
         return PlanError("ep", f"ep={f.ep} must divide the data-parallel ranks dp*cp = {f.data_parallel}",
                          "use a divisor of dp*cp")
+    return None
+
+
+def _accumulation_structure(f: Layout) -> PlanError | None:
+    if f.accumulation != "hold_unsharded":
+        return None
+    if f.zero < 2:
+        return PlanError("accumulation", f"hold_unsharded is FSDP2's (zero 2/3); zero={f.zero} already holds whole "
+                         "gradients until the step's last micro-batch", "use reduce_each, or zero 2 or 3")
+    if f.pp > 1:
+        return PlanError("accumulation", "a pipeline schedule holds FSDP2's gradients until the step's end itself",
+                         "use reduce_each with pp > 1")
+    return None
+
+
+def _state_structure(f: Layout) -> PlanError | None:
+    """torch's AdamW keeps its moments in each weight's dtype, and DDP (or FSDP2's replicate)
+    reduces gradients in the dtype autograd made them in, the weights'."""
+    if f.stack != "fused" and f.optimizer_dtype != f.master_dtype:
+        return PlanError("optimizer_dtype", f"{f.optimizer_dtype} moments beside {f.master_dtype} weights: torch's "
+                         f"AdamW (the {f.stack} stack's) keeps its moments in the weights' dtype",
+                         f"use optimizer_dtype {f.master_dtype}, or stack fused")
+    if f.stack != "fused" and f.zero < 2 and f.reduce_dtype not in (None, f.master_dtype):
+        return PlanError("reduce_dtype", f"zero={f.zero} reduces through DDP or FSDP2's replicate, in the weights' "
+                         f"dtype ({f.master_dtype})", "leave reduce_dtype unset and use compression bf16 or fp16 for "
+                         "16-bit traffic, or zero 2/3")
+    return None
+
+
+def precision_problem(f: Layout, dtype: str) -> PlanError | None:
+    """The precision policy against the compute dtype: fp32 training keeps every state in
+    fp32; bf16 weights need bf16 compute (fp16 weights would need loss scaling); a 16-bit
+    reduction is the compute's own 16-bit type."""
+    if dtype == "fp32":
+        for name in ("master_dtype", "optimizer_dtype", "reduce_dtype"):
+            if getattr(f, name) not in (None, "fp32"):
+                return PlanError(name, f"{getattr(f, name)} with fp32 compute", f"use {name} fp32, or dtype bf16")
+        return None
+    if f.master_dtype == "bf16" and dtype == "fp16":
+        return PlanError("master_dtype", "bf16 weights under fp16 compute", "use dtype bf16, or master_dtype fp32")
+    half = "fp16" if dtype == "fp16" else "bf16"
+    if f.reduce_dtype not in (None, "fp32", half):
+        return PlanError("reduce_dtype", f"{f.reduce_dtype} reduction of {dtype} compute", f"use fp32 or {half}")
     return None
 
 

@@ -11,7 +11,9 @@ from typing import Any, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from costmodel.terms import DEFAULT_MEMORY_RESERVE
+from layout.layout import Layout
 from layout.plan import DTYPES
+from layout.rules import precision_problem
 from hardware.errors import ParallaxError, PlanError
 from hardware.limits import MAX_GLOBAL_BATCH, MAX_SEQ_LEN, check_count, check_positive
 
@@ -62,6 +64,9 @@ class PlanRequest(BaseModel):
         from planner.search.space import check_pins
 
         check_pins(self.fixed)
+        precision = Layout(**{k: self.fixed[k] for k in ("master_dtype", "optimizer_dtype", "reduce_dtype") if k in self.fixed})
+        if (problem := precision_problem(precision, self.dtype or "bf16")) is not None:
+            raise problem
         return self
 
     @classmethod

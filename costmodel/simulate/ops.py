@@ -24,7 +24,7 @@ from ..compression import reduction_element_bytes
 from ..compute import LayerTime, forward_collectives, layer_time
 from ..data_parallel import layer_params_on_rank, sharded_collectives
 from ..layout import Layout
-from ..memory import WEIGHT_BYTES, activation_bytes, activation_keywords
+from ..memory import WEIGHT_BYTES, activation_bytes, activation_keywords, reduce_bytes
 from layout.plan import Plan
 from ..workload import LayerProfile, Workload
 
@@ -164,7 +164,7 @@ def p2p_seconds(plan: Plan, workload: Workload, lay: Layout, boundary_layer: int
 def buckets(plan: Plan, pricer: Pricer, index: int, template: OpTemplate, bucket_bytes: float) -> list[Bucket]:
     """Group a stage's gradients (last layer first, as backward produces them) into ~bucket_bytes buckets."""
     wire = reduction_element_bytes(plan)
-    grad_size = WEIGHT_BYTES[plan.dtype]
+    grad_size = reduce_bytes(plan)
     stage = plan.stages[index]
     out, first, grads, params = [], stage.end, 0.0, 0.0
     for i in range(stage.end - 1, stage.start - 1, -1):

@@ -20,10 +20,9 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from .. import collectives as coll
-from ..data_parallel import expert_reduction_time, optimizer_time
+from ..data_parallel import expert_reduction_time, optimizer_time, weight_gather_time
 from ..terms import peak_moments, price_ranks
 from ..layout import RankTime
-from ..memory import WEIGHT_BYTES
 from layout.plan import Plan
 from .engine import Engine, EngineInput, Event
 from .ops import Pricer, buckets, p2p_seconds, stage_activation
@@ -156,8 +155,7 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     out.events.append(Event(r, "compute", "optimizer", start, opt, "optimizer"))
     end = start + opt
     if plan.zero == 1 and plan.data_parallel > 1:
-        nbytes = (rank_time.params - rank_time.expert_params) * WEIGHT_BYTES[plan.dtype]
-        gather = coll.all_gather(nbytes, lay.dp_group, cluster)
+        gather = weight_gather_time(rank_time.params - rank_time.expert_params, plan, lay)
         stream = "intra" if lay.dp_group.nodes == 1 else "inter"
         out.events.append(Event(r, stream, "allgather weights", end, gather, "dp"))
         end += gather

@@ -7,8 +7,9 @@ sharded by parameter ownership (executor/apply/optimizer.py); zero 0: replicated
 sharded one by one so that only one block's parameters are gathered at a time.
 Hybrid sharding (`plan.dp_shard`) hands FSDP2 the 2-D (dp_replicate, dp_shard)
 view of the dp dimension: states sharded inside a shard group, gradients all-reduced across the
-groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients (the
-cost model prices it so): accumulating them unsharded would hold a full copy.
+groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients, or under
+`accumulation` hold_unsharded hold them unsharded (a full copy, in the reduce dtype) and
+reduce-scatter once, in the step's last micro-batch.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
 module per rank, `layout.layout.Layout.reduces_through_ddp`) and through FSDP2's
@@ -71,14 +72,32 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     return ddp
 
 
+REDUCE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def mixed_precision(plan: Plan) -> MixedPrecisionPolicy:
     """FSDP2 gathers half-precision plans' weights in the compute dtype and reduce-scatters their
-    gradients in it (the 2-byte collectives and unsharded buffers the cost model prices); the
-    sharded weights, gradients and AdamW state stay fp32. fp8 plans compute in bf16 here."""
+    gradients in the plan's reduce dtype, by default fp32 as torchtitan does (the collectives
+    and unsharded buffers the cost model prices, `costmodel.memory.reduce_bytes`); the sharded
+    weights, their gradients and AdamW's state stay in the master dtype. fp8 plans compute in
+    bf16 here."""
     if plan.dtype == "fp32":
         return MixedPrecisionPolicy()
     half = torch.float16 if plan.dtype == "fp16" else torch.bfloat16
-    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half)
+    return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=REDUCE_DTYPES.get(plan.reduce_dtype, torch.float32))
+
+
+def cast_master_weights(module: nn.Module, plan: Plan) -> nn.Module:
+    """bf16 master weights (`master_dtype`): the parameters themselves become bf16, so their
+    gradients and torch AdamW's moments (made like the parameter) are bf16 too; buffers (rotary
+    frequencies) keep their dtype."""
+    if plan.master_dtype == "fp32" or plan.dtype == "fp32":
+        return module
+    with torch.no_grad():
+        for param in module.parameters():
+            if param.is_floating_point():
+                param.data = param.data.to(torch.bfloat16)
+    return module
 
 
 def offload_policy(plan: Plan) -> OffloadPolicy:
@@ -112,13 +131,17 @@ def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool 
             getattr(sub, n).expert_parallel = tag
 
 
-def sync_context(module: nn.Module, last_micro_batch: bool):
-    """Skip gradient synchronisation on all but the last micro-batch of a step."""
+def sync_context(module: nn.Module, last_micro_batch: bool, plan: Plan):
+    """Skip gradient synchronisation on all but the last micro-batch of a step: DDP's and
+    replicate's whole; FSDP2's HSDP all-reduce, its reduce-scatter too where the plan holds
+    the unsharded gradients (`accumulation` hold_unsharded)."""
     import contextlib
 
     if isinstance(module, DDP) and not last_micro_batch:
         return module.no_sync()
-    if hasattr(module, "set_requires_all_reduce"):  # FSDP2 sharded: reduce-scatter always, HSDP's all-reduce once
+    if plan.holds_unsharded_gradients and hasattr(module, "set_requires_gradient_sync"):
+        module.set_requires_gradient_sync(last_micro_batch)
+    elif hasattr(module, "set_requires_all_reduce"):  # FSDP2 sharded: reduce-scatter always, HSDP's all-reduce once
         module.set_requires_all_reduce(last_micro_batch)
     elif hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(last_micro_batch)

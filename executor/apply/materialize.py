@@ -26,7 +26,7 @@ from layout.plan import Plan
 from executor.apply.recompute import apply_recompute
 from executor.apply.context_parallel import apply_context_parallel
 from executor.apply.expert_parallel import ExpertGradients, apply_expert_parallel
-from executor.apply.data_parallel import apply_data_parallel
+from executor.apply.data_parallel import apply_data_parallel, cast_master_weights
 from executor.apply.optimizer import ChunkOptimizers, build_optimizer
 from executor.apply.layers import LayerMap, layer_map
 from executor.runtime.mesh import build_mesh, local_device
@@ -106,6 +106,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
     device = local_device()
     if any(p.device != device for p in model.parameters()):  # a no-op .to() fails on fake tensors
         model = model.to(device)
+    model = cast_master_weights(model, plan)
     lmap: LayerMap = layer_map(model)
     analysis = tp_analysis(model, plan)
     groups = tied_groups(model)

@@ -312,11 +312,12 @@ def _stages(schedule) -> list:
 
 
 def _hidden_stand_in(tokens: torch.Tensor, hidden: int, plan: Plan) -> torch.Tensor:
-    """What a later stage receives: fp32 hidden states (the executor keeps fp32 weights, so the
-    residual stream is fp32 under autocast), as a leaf that wants its gradient; under SP the
-    local sequence shard, which the stage wraps back into its sequence-sharded DTensor."""
+    """What a later stage receives: hidden states in the weights' dtype (the residual stream
+    keeps it under autocast: fp32, or bf16 master weights'), as a leaf that wants its gradient;
+    under SP the local sequence shard, which the stage wraps back into its sequence-sharded DTensor."""
     rows, seq = tokens.shape
-    return torch.zeros(rows, seq // plan.tp if plan.sp else seq, hidden, requires_grad=True)
+    dtype = torch.bfloat16 if plan.master_dtype == "bf16" and plan.dtype != "fp32" else torch.float32
+    return torch.zeros(rows, seq // plan.tp if plan.sp else seq, hidden, dtype=dtype, requires_grad=True)
 
 
 def _defer_fsdp(module, defer: bool) -> None:

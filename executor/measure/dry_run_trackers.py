@@ -12,10 +12,11 @@ peak together; activations, buffers and temporaries at their worst moment), so
 from __future__ import annotations
 
 import contextlib
+from functools import wraps
 
 import torch
 from torch import nn
-from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefType
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
@@ -120,7 +121,26 @@ def _recording(base: type):
     return Recording
 
 
-_FSDPRecording = _recording(FSDPMemTracker)
+class _FSDPRecording(_recording(FSDPMemTracker)):
+    """Also names the gradients FSDP2 holds unsharded across micro-batches in the reduce dtype
+    (`FSDPParam.unsharded_accumulated_grad`, made in its post-backward where the tracker sees a
+    new tensor): unsharded gradients, as the ones it holds in the compute dtype."""
+
+    def _fsdp_param_group_post_backward(self, fsdp_mod, orig_post_backward):
+        inner = super()._fsdp_param_group_post_backward(fsdp_mod, orig_post_backward)
+
+        @wraps(inner)
+        def tagged(*args, **kwargs):
+            inner(*args, **kwargs)
+            group = fsdp_mod._get_fsdp_state()._fsdp_param_group
+            for param in group.fsdp_params if group else ():
+                if param.unsharded_accumulated_grad is not None:
+                    self._update_and_maybe_create_winfos(param.unsharded_accumulated_grad,
+                                                         _FSDPRefType.UNSHARDED_GRAD, update_existing=True)
+
+        return tagged
+
+
 _Recording = _recording(MemTracker)
 
 

@@ -39,9 +39,10 @@ def local_batch(plan: Plan, tokens: torch.Tensor, dp_rank: int) -> tuple[torch.T
 
 
 def precision(plan: Plan, device: torch.device):
-    """bf16/fp16 plans compute under autocast with fp32 weights, gradients and AdamW state:
-    the 16 bytes per parameter the cost model's mixed precision holds, and half-width
-    activations where autocast casts (GEMM inputs and outputs)."""
+    """bf16/fp16 plans compute under autocast, their weights, gradients and AdamW state in the
+    master dtype (`executor.apply.data_parallel.cast_master_weights`): the bytes per parameter
+    the cost model holds, and half-width activations where autocast casts (GEMM inputs and
+    outputs)."""
     import contextlib
 
     if plan.dtype == "fp32":  # fp8 plans compute in bf16 here: see executor.runtime.launch.executed_dtype_notes
@@ -63,7 +64,7 @@ def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None, repl
     phase = phase or (lambda name: _null())
     total = torch.zeros((), device=run.device)
     for i, (xs, ys) in enumerate(zip(x.chunk(n), y.chunk(n))):
-        with sync_context(module, i == n - 1):
+        with sync_context(module, i == n - 1, plan):
             with phase("forward"):
                 loss = lm_loss(call(module, xs) if call else module(xs), ys)
             with phase("backward"):

@@ -16,8 +16,8 @@ from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill
                              p2p_time, pipeline_seconds, root_buffer_bytes)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes,
-                              in_flight_micro_batches, optimizer_step_bytes, transient_bytes)
+from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+                              in_flight_micro_batches, moment_bytes, optimizer_step_bytes, transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -134,7 +134,9 @@ def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
     vpp or the pipeline's depth beyond whether there is one (held_zero, gradients_at_peak), so
     the layouts that differ only there share them."""
     return (id(layer), id(cluster), plan.dtype, plan.tp, plan.sp, plan.micro_batch, plan.cp, plan.ep, plan.stack,
-            plan.zero, plan.dp_shard, plan.dp, plan.pp > 1, plan.num_micro_batches == 1, plan.offload)
+            plan.zero, plan.dp_shard, plan.dp, plan.pp > 1, plan.num_micro_batches == 1, plan.offload,
+            plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype,
+            plan.num_micro_batches if plan.holds_unsharded_gradients else 0)
 
 
 def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
@@ -160,9 +162,10 @@ def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Clus
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights)."""
     device = device_states(params, expert_params, plan, cluster)
     held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    at_peak = sum(device.values()) - (0.0 if gradients_at_peak(plan) else device["gradients"]) + held
+    gradients = held_gradient_bytes(params, plan) or (device["gradients"] if gradients_at_peak(plan) else 0.0)
+    at_peak = sum(device.values()) - device["gradients"] + gradients + held
     temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
-        params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack)
+        params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack, moment_bytes(plan))
     return at_peak, sum(device.values()) + temporaries
 
 
@@ -239,7 +242,7 @@ def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[La
     for r in range(plan.pp):
         own = [block] + (prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else [])
         largest = max(layer.largest_weight / (plan.tp if layer.tp_shardable else 1) for layer in own)
-        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack))
+        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack, moment_bytes(plan)))
     return tuple(fixed)
 
 

@@ -18,9 +18,9 @@ from layout.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.schema import Cluster
-from layout.axes import AXIS, RECOMPUTE, axis_problem
+from layout.axes import ACCUMULATION, AXIS, RECOMPUTE, axis_problem
 from layout.layout import Layout
-from layout.rules import allowed_recompute, layout_problem, moe_sp_problem
+from layout.rules import allowed_recompute, layout_problem, moe_sp_problem, structural_problem
 from planner.executable import facts_of_workload
 
 MAX_MICRO_BATCH = 16
@@ -67,6 +67,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
             raise PlanError("fixed" if key not in AXIS else key, why)
     if "recompute" in fixed:
         _check_recompute_pin(fixed)
+    _check_recipe_pins(fixed)
     if workload is not None and cluster is not None:
         _check_pins_fit(fixed, workload, cluster)
 
@@ -81,6 +82,15 @@ def _check_recompute_pin(fixed: dict) -> None:
                         "without recomputation", "pin recompute none, or another schedule")
     raise PlanError("recompute", f"{fixed['recompute']!r} on the {stack} stack: Megatron-LM has no op-level "
                     "checkpointing", f"use one of {', '.join(allowed)}, or stack eager")
+
+
+def _check_recipe_pins(fixed: dict) -> None:
+    """The precision and accumulation pins against each other and the pinned stack, ZeRO stage
+    and pipeline (an unpinned stage is one of FSDP2's, where every pin can hold)."""
+    keys = (*RECIPE, "accumulation", "zero", "pp")
+    probe = Layout(**{"zero": 3, **{k: fixed[k] for k in keys if k in fixed}})
+    if (problem := structural_problem(probe)) is not None:
+        raise problem
 
 
 def _check_pins_fit(fixed: dict, workload: Workload, cluster: Cluster) -> None:
@@ -157,12 +167,15 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in ep_choices(workload, dp * cp, fixed):
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
-                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep, stack=fixed.get("stack", "eager"))
+                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep, **_recipe(fixed))
                                 if _honours(layout, fixed) and recompute_choices(fixed, layout):
-                                    for method, offload in _method_offload(layout, cluster, fixed):
-                                        offered = layout.model_copy(update=dict(compression=method, offload=offload))
-                                        # a pinned stack the executor does not run is still priced (a what-if)
-                                        runnable = offered.model_copy(update=dict(stack="eager"))
+                                    for method, offload, held in _method_offload(layout, cluster, fixed, m):
+                                        offered = layout.model_copy(update=dict(compression=method, offload=offload,
+                                                                                accumulation=held))
+                                        # a pinned stack the executor does not run is still priced (a what-if),
+                                        # and so are the precision pairs only Megatron's optimizer keeps
+                                        runnable = offered.model_copy(update=dict(stack="eager",
+                                                                                  optimizer_dtype=offered.master_dtype))
                                         if layout_problem(runnable, facts, workload.seq_len, m) is None:
                                             yield offered
 
@@ -228,10 +241,28 @@ def offload_choices(layout: Layout, cluster: Cluster, fixed: dict) -> tuple[bool
     return tuple(c for c in choices if c == fixed.get("offload", c))
 
 
-def _method_offload(layout: Layout, cluster: Cluster, fixed: dict):
+def accumulation_choices(layout: Layout, m: int, fixed: dict) -> tuple[str, ...]:
+    """A pinned policy as given; both where FSDP2 units accumulate several micro-batches
+    without a pipeline (holding the gradients trades memory for collectives), else reduce_each."""
+    if "accumulation" in fixed:
+        return (fixed["accumulation"],)
+    if layout.zero >= 2 and layout.pp == 1 and m > 1:
+        return ACCUMULATION
+    return ("reduce_each",)
+
+
+RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype")  # pinned or the default, never searched
+
+
+def _recipe(fixed: dict) -> dict:
+    return {name: fixed.get(name, AXIS[name].default) for name in RECIPE}
+
+
+def _method_offload(layout: Layout, cluster: Cluster, fixed: dict, m: int):
     for method in compression_choices(layout, fixed):
         for offload in offload_choices(layout, cluster, fixed):
-            yield method, offload
+            for held in accumulation_choices(layout, m, fixed):
+                yield method, offload, held
 
 
 def _honours(layout: Layout, fixed: dict) -> bool:
@@ -239,7 +270,7 @@ def _honours(layout: Layout, fixed: dict) -> bool:
         return (layout.dp_shard or layout.dp * layout.cp) if key == "dp_shard" else getattr(layout, key)
 
     return all(value_of(key) == value for key, value in fixed.items()
-               if key not in ("recompute", "compression", "offload"))
+               if key not in ("recompute", "compression", "offload", "accumulation"))
 
 
 def recompute_choices(fixed: dict | None, layout: Layout | None = None) -> tuple[str, ...]:
