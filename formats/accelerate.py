@@ -21,7 +21,7 @@ import yaml
 from hardware.errors import FormatError
 from layout.plan import Plan
 
-from .common import rebuilds_any, Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
+from .common import Exported, Losses, Stated, block_recompute, n_nodes, rebuilds_any, recipe_losses, section, uniform, whole_number
 
 NAME = "accelerate"
 PINS = {"pp": 1, "ep": 1, "sp": False, "compression": "none"}  # what a search for Accelerate may not change
@@ -91,6 +91,7 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     for field, lost, what in checks:
         if lost:
             losses.add(field, what)
+    recipe_losses(plan, losses)
 
 
 def read(text: str) -> Stated:

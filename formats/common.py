@@ -72,6 +72,19 @@ class Losses:
         return list(self.items)
 
 
+RECIPE_DEFAULTS = {"master_dtype": "fp32", "optimizer_dtype": "fp32", "reduce_dtype": None, "accumulation": "reduce_each"}
+
+
+def recipe_losses(plan: Plan, losses: Losses, says: dict[str, tuple] | None = None) -> None:
+    """The precision and accumulation pins a tool's file cannot state: each field off its
+    default unless `says` lists the value among those the tool writes."""
+    says = says or {}
+    for field, default in RECIPE_DEFAULTS.items():
+        value = getattr(plan, field)
+        if value != default and value not in says.get(field, ()):
+            losses.add(field, f"{field} {value} (its file states the default recipe's)")
+
+
 def blocks_of_stages(plan: Plan) -> list[int]:
     """Transformer blocks in each virtual stage: the stage's layers less the embedding (layer 0)
     and the head (the last layer)."""

@@ -23,7 +23,7 @@ from hardware.errors import FormatError
 from hardware.untrusted import parse_json
 from layout.plan import Plan
 
-from .common import rebuilds_any, Exported, Losses, Stated, block_recompute, n_nodes, section, uniform, whole_number
+from .common import Exported, Losses, Stated, block_recompute, n_nodes, rebuilds_any, recipe_losses, section, uniform, whole_number
 
 NAME = "deepspeed"
 PINS = {"pp": 1, "cp": 1, "ep": 1, "sp": False}  # what a search for a DeepSpeed run may not change
@@ -83,6 +83,7 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     for field, lost, what in checks:
         if lost:
             losses.add(field, what)
+    recipe_losses(plan, losses)
 
 
 def _policies(policies: list[str]) -> str:

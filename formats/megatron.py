@@ -20,7 +20,7 @@ from hardware.errors import FormatError
 from layout.plan import Plan
 
 from . import argv
-from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages, is_even_split, n_nodes, uniform
+from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages, is_even_split, n_nodes, recipe_losses, uniform
 
 NAME = "megatron"
 PINS = {"stack": "fused", "offload": False}  # what a search for a Megatron-LM run may not change
@@ -53,6 +53,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
+    recipe_losses(plan, losses)
     if plan.stack != "fused":
         losses.add("stack", f"the {plan.stack} stack: Megatron runs its fused kernels (plan with --stack fused)")
     if plan.offload:

@@ -12,7 +12,8 @@ What maps: the data-parallel replicate and shard degrees (DDP, FSDP2 with ZeRO-3
 `fsdp_reshard_after_forward always` and ZeRO-2 as `never`, HSDP), tensor parallelism with or
 without sequence parallelism, the pipeline's degree, schedule, micro-batch and exact
 partition (`module_fqns_per_model_part`), context and expert degrees, the batch and
-accumulation, bf16 or fp32 weights, FSDP2's CPU offload, full recomputation of every block,
+accumulation, bf16 or fp32 compute, bf16 or fp32 weights (`training.dtype`, its AdamW's moments
+following them), FSDP2's fp32 gradient reduction, FSDP2's CPU offload, full recomputation of every block,
 its op-level selective checkpointing (Parallax's `op`), and the compile stack. torchtitan
 0.3.0 has no ZeRO-1, no gradient compression, no fp16, no FP8 recipe for these models in its
 registry, and no Megatron-style selective policy.
@@ -28,7 +29,8 @@ from hardware.errors import FormatError
 from layout.plan import Plan
 
 from . import argv
-from .common import Exported, Losses, Stated, block_recompute, blocks_of_stages, n_nodes, rebuilds_any, uniform
+from .common import (Exported, Losses, Stated, block_recompute, blocks_of_stages, n_nodes, rebuilds_any, recipe_losses,
+                     uniform)
 
 NAME = "torchtitan"
 PINS = {"compression": "none"}  # what a search for a torchtitan run may not change
@@ -56,6 +58,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
                                       (P + "tensor_parallel_degree", plan.tp), (P + "context_parallel_degree", plan.cp),
                                       (P + "expert_parallel_degree", plan.ep), *_pipeline(plan), *_batch(plan),
                                       (T + "mixed_precision_param", PARAM_DTYPE.get(plan.dtype, "bfloat16")),
+                                      (T + "dtype", "bfloat16" if plan.master_dtype == "bf16" else "float32"),
                                       ("--compile.enable" if plan.stack == "compile" else "--compile.no-enable", True),
                                       ("--compile.no-enable-async-tensor-parallel", True)]
     if plan.tp > 1:
@@ -68,7 +71,12 @@ def export(plan: Plan, lossy: bool) -> Exported:
     return Exported(format=NAME, text=text, launch=launch, lost=losses.settle(lossy))
 
 
+# bf16 weights (training.dtype, its AdamW then keeps bf16 moments) and FSDP2's fp32 reduction, the only one 0.3.0 takes
+SAYS = {"master_dtype": ("bf16",), "optimizer_dtype": ("bf16",), "reduce_dtype": ("fp32",)}
+
+
 def _unsayable(plan: Plan, losses: Losses) -> None:
+    recipe_losses(plan, losses, SAYS)
     checks = (("zero", plan.zero == 1, "ZeRO-1 (its FSDP2 shards gradients with the optimizer state)"),
               ("compression", plan.compression != "none", f"{plan.compression} gradient compression"),
               ("stack", plan.stack == "fused", "the fused stack (torchtitan runs eager or compiled PyTorch)"),
@@ -170,6 +178,8 @@ def read(text: str, suffix: str = "") -> Stated:
     axes.update(_read_sharding(found, get, cp, pp))
     if found.get("--compile.enable") is True:
         axes["stack"] = "compile"
+    if found.get(T + "dtype") == "bfloat16":  # the weights themselves bf16, so its AdamW's moments too
+        axes.update(master_dtype="bf16", optimizer_dtype="bf16")
     param = found.get(T + "mixed_precision_param", "bfloat16")
     stated = Stated(format=NAME, axes=axes, global_batch=_global_batch(found), local_batch=get(T + "local_batch_size"),
                     seq_len=get(T + "seq_len"),
@@ -223,8 +233,6 @@ def _read_unpriced(found: dict, mode: str) -> list[str]:
         notes.append(f"activation_checkpoint:{mode}: the compiler's memory-budget checkpointing priced as none")
     if found.get("--compile.enable_async_tensor_parallel") is True:
         notes.append("compile.enable_async_tensor_parallel: priced as synchronous TP")
-    if found.get(T + "dtype") == "bfloat16":
-        notes.append("training.dtype bfloat16: bf16 master weights and moments priced as fp32")
     return notes
 
 

@@ -18,7 +18,17 @@ def _layout_line(plan: Plan) -> str:
         f"micro_batch={plan.micro_batch} x {_micro_batches(plan)} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
         + (f" stack={plan.stack} (priced, not run)" if plan.stack != "eager" else "")
+        + _recipe(plan)
     )
+
+
+def _recipe(plan: Plan) -> str:
+    """The precision and accumulation policies off their defaults."""
+    parts = [f"{name}={getattr(plan, name)}" for name, default in
+             (("master_dtype", "fp32"), ("optimizer_dtype", "fp32"), ("reduce_dtype", None)) if getattr(plan, name) != default]
+    if plan.holds_unsharded_gradients:
+        parts.append("accumulation=hold_unsharded")
+    return "".join(" " + part for part in parts)
 
 
 def _micro_batches(plan: Plan) -> str:

@@ -90,8 +90,11 @@ def test_int8_wire_bytes_are_a_quarter_of_fp32_and_half_of_bf16():
     lay = layout_of(plan, cluster)
     expected = coll.all_reduce(p * 1, lay.dp_group, cluster) + compression_compute_time("int8", p, "bf16", 64, cluster)
     assert dp_time(p, plan, lay) == pytest.approx(expected)
+    # DDP under autocast reduces the fp32 gradients autograd made for the fp32 weights; with bf16 ones, bf16
     uncompressed = dp_time(p, plan.model_copy(update={"compression": "none"}), lay)
-    assert coll.all_reduce(p * 1, lay.dp_group, cluster) == pytest.approx(uncompressed / 2, rel=0.05)
+    assert coll.all_reduce(p * 1, lay.dp_group, cluster) == pytest.approx(uncompressed / 4, rel=0.1)
+    bf16_weights = plan.model_copy(update={"compression": "none", "master_dtype": "bf16", "optimizer_dtype": "bf16"})
+    assert coll.all_reduce(p * 1, lay.dp_group, cluster) == pytest.approx(dp_time(p, bf16_weights, lay) / 2, rel=0.1)
 
 
 def test_topk_is_priced_as_an_all_gather_of_values_and_indices():

@@ -1,0 +1,105 @@
+"""The precision policy and the gradient accumulation policy: refused by name where no stack runs
+them, priced by what they hold and send, and held to the dry run on fake tensors (the executor's
+runs against a single-process reference are in test_executor.py)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+import hardware
+from costmodel.estimate import estimate
+from costmodel.memory import plan_state_bytes, reduce_bytes
+from executor.measure.dry_run import dry_run
+from hardware.errors import InfeasibleError, PlanError
+from layout.layout import Layout
+from layout.plan import Plan
+from planner import plan as make_plan
+from planner.search.space import to_plan
+from planner.trace.workload_for import workload_for
+
+
+@pytest.fixture(scope="module")
+def llama():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        workload, _ = workload_for("llama-3-8b", seq_len=4096, dtype="bf16")
+    return workload, hardware.load("8xh100-sxm")
+
+
+def _plan(llama, recompute="full", dtype="bf16", **axes) -> Plan:
+    workload, cluster = llama
+    return to_plan(Layout(**axes), workload, cluster, global_batch=16, dtype=dtype, recompute=recompute,
+                   model="llama-3-8b")
+
+
+@pytest.mark.parametrize("pins, field", [
+    ({"dtype": "fp32", "master_dtype": "bf16", "optimizer_dtype": "bf16"}, "master_dtype"),
+    ({"master_dtype": "bf16"}, "optimizer_dtype"),  # torch's AdamW keeps its moments in the weights' dtype
+    ({"dtype": "fp16", "master_dtype": "bf16", "optimizer_dtype": "bf16"}, "master_dtype"),
+    ({"reduce_dtype": "fp16"}, "reduce_dtype"),  # a 16-bit reduction is the compute's own type
+    ({"zero": 0, "reduce_dtype": "bf16"}, "reduce_dtype"),  # DDP reduces in the weights' dtype
+    ({"zero": 1, "accumulation": "hold_unsharded"}, "accumulation"),
+    ({"zero": 3, "pp": 2, "accumulation": "hold_unsharded"}, "accumulation"),
+])
+def test_a_recipe_no_stack_runs_is_refused_by_name(pins, field):
+    dtype = pins.pop("dtype", "bf16")
+    with pytest.raises(PlanError) as refused:
+        make_plan("llama-3-8b", "8xh100-sxm", global_batch=16, seq_len=4096, dtype=dtype, fixed=pins)
+    assert refused.value.field == field
+    with pytest.raises(ValueError, match=field):  # and a plan file stating it
+        Plan(model="gpt2", hardware="8xh100-sxm", global_batch=8, seq_len=64, dtype=dtype, dp=8,
+             stages=[{"start": 0, "end": 3, "recompute": ["none"] * 3}], **{"zero": 3, **pins})
+
+
+def test_megatrons_optimizer_keeps_moments_apart_from_the_weights(llama):
+    """The fused stack prices fp32 master weights beside bf16 moments (Megatron's precision-aware
+    optimizer): 2 + 2 + 4 + 2*2 bytes per parameter, against 2 + 2 + 12."""
+    fused = _plan(llama, dp=8, zero=1, stack="fused")
+    assert plan_state_bytes(fused) == (2, 2, 12)
+    assert plan_state_bytes(fused.with_overrides(optimizer_dtype="bf16")) == (2, 2, 8)
+
+
+def test_bf16_states_halve_the_states_and_the_wire(llama):
+    fp32 = _plan(llama, dp=8, zero=3)
+    bf16 = fp32.with_overrides(master_dtype="bf16", optimizer_dtype="bf16")
+    assert sum(plan_state_bytes(fp32)) == 16 and sum(plan_state_bytes(bf16)) == 8
+    states = ("weights", "gradients", "optimizer")
+    a, b = (estimate(llama[0], p, llama[1]).stages[0].memory_bytes for p in (fp32, bf16))
+    assert sum(b[k] for k in states) == pytest.approx(sum(a[k] for k in states) / 2)
+    ddp = fp32.with_overrides(zero=0)
+    assert reduce_bytes(ddp) == 4 and reduce_bytes(ddp.with_overrides(master_dtype="bf16", optimizer_dtype="bf16")) == 2
+    assert reduce_bytes(fp32) == 4 and reduce_bytes(fp32.with_overrides(reduce_dtype="bf16")) == 2
+
+
+def test_holding_gradients_trades_their_memory_for_fewer_reduce_scatters(llama):
+    each = _plan(llama, dp=8, zero=3, micro_batch=1)  # two micro-batches per step
+    hold = each.with_overrides(accumulation="hold_unsharded")
+    workload, cluster = llama
+    a, b = estimate(workload, each, cluster), estimate(workload, hold, cluster)
+    params = sum(layer.params for layer in workload.layers)
+    held = b.stages[0].memory_bytes["buffers"] - a.stages[0].memory_bytes["buffers"]
+    assert held == pytest.approx(params * reduce_bytes(hold), rel=0.02)  # the whole model's unsharded, in fp32
+    assert b.breakdown_s["zero_comm"] <= a.breakdown_s["zero_comm"]
+
+
+def test_a_pinned_bf16_recipe_fits_where_fp32_states_do_not():
+    """An 8B model on one H200: 16 bytes per parameter leave no room at 8K tokens, 8 do."""
+    pins = {"recompute": "full", "micro_batch": 1}
+    with pytest.raises(InfeasibleError):
+        make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192, fixed={**pins, "offload": False})
+    ok = make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192,
+                   fixed={**pins, "master_dtype": "bf16", "optimizer_dtype": "bf16"})
+    assert ok.master_dtype == "bf16" and ok.estimate.peak_memory_bytes <= ok.estimate.memory_capacity_bytes
+
+
+def test_held_gradients_and_bf16_states_match_the_dry_run(llama):
+    """FSDP2 holding its unsharded gradients (in fp32, the reduce dtype) beside bf16 weights and
+    moments, over TP with SP: the peak and each category as the executor's appliers hold them."""
+    plan = _plan(llama, dp=4, tp=2, sp=True, zero=3, micro_batch=1, master_dtype="bf16", optimizer_dtype="bf16",
+                 accumulation="hold_unsharded")
+    (rank,) = dry_run(plan).ranks
+    assert abs(rank.error) <= 0.05, (rank.measured_peak, rank.predicted_peak)
+    for name, measured in rank.at_peak.items():
+        assert abs(rank.predicted.get(name, 0.0) - measured) <= max(0.10 * measured, 0.01 * rank.measured_peak), name
+    assert rank.at_peak["buffers"] > rank.at_peak["weights"] + rank.at_peak["optimizer"]  # the held copy dominates
