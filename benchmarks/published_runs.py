@@ -32,7 +32,10 @@ stack is priced with its own efficiencies where the GPU's profile has them
 beside the time error and a memory MAPE line follows the time MAPE; a row with
 a peak and no metric is a memory row alone (`memory_runs.csv`), and its
 optional `memory_figure` says which counter the source read (allocated,
-reserved, nvidia-smi, unstated). Other columns (source) are ignored.
+reserved, nvidia-smi, unstated). Optional master_dtype and optimizer_dtype (fp32, bf16), reduce_dtype
+(fp32, bf16) and accumulation (reduce_each, hold_unsharded) state the run's recipe; blank is the
+stack's default (fp32 weights and moments, each stack's reduction, a reduce-scatter per
+micro-batch). Other columns (source) are ignored.
 """
 from __future__ import annotations
 
@@ -121,6 +124,11 @@ def row_pins(row: dict) -> dict:
     recompute = (row.get("recompute") or "").strip().lower()
     if recompute:
         pins["recompute"] = recompute
+    for column in ("master_dtype", "optimizer_dtype", "reduce_dtype", "accumulation"):  # the recipe, where stated
+        value = (row.get(column) or "").strip().lower()
+        if value:
+            pins[column] = value
+    pins.setdefault("accumulation", "reduce_each")  # a published run's own, not the planner's choice
     pins["stack"] = row_stack(row)
     return pins
 
