@@ -35,13 +35,15 @@ optional `memory_figure` says which counter the source read (allocated,
 reserved, nvidia-smi, unstated). Optional master_dtype and optimizer_dtype (fp32, bf16), reduce_dtype
 (fp32, bf16) and accumulation (reduce_each, hold_unsharded) state the run's recipe; blank is the
 stack's default (fp32 weights and moments, each stack's reduction, a reduce-scatter per
-micro-batch). Other columns (source) are ignored.
+micro-batch); tied_embeddings (yes/no, blank: no for gated rows) ties a Llama-era head to its embedding.
+Other columns (source) are ignored.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import sys
+import warnings
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,6 +51,9 @@ sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
+from costmodel.attention import on_path  # noqa: E402
+from planner.trace.models.reference_gpt import GPTConfig  # noqa: E402
+from planner.trace.workload_for import workload_for  # noqa: E402
 from planner.request import PlanRequest  # noqa: E402
 from planner.search.branch_and_bound import best_plan  # noqa: E402
 
@@ -74,27 +79,49 @@ def _flag(row: dict, key: str, default: bool) -> bool:
     return default if value is None else value
 
 
+def row_model(row: dict):
+    """The row's architecture as users hand it over: an HF config dict (Llama-era rows: a llama,
+    or a mixtral with experts) or the reference GPT's config (GPT-era rows: learned positions,
+    LayerNorm, GELU MLP, biases, the head tied to the embedding as Megatron-LM and MPT tie it)."""
+    hidden, heads = _int(row, "hidden"), _int(row, "heads")
+    seq_len, ffn = _int(row, "seq_len"), _int(row, "ffn_hidden", 4 * hidden)
+    if not _yes(row, "gated_mlp"):
+        return GPTConfig(vocab_size=_int(row, "vocab"), n_layers=_int(row, "n_layers"), hidden=hidden, heads=heads,
+                         ffn_hidden=ffn, max_seq_len=seq_len, tie_embeddings=True)
+    config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
+              "num_hidden_layers": _int(row, "n_layers"), "num_attention_heads": heads,
+              "num_key_value_heads": _int(row, "kv_heads", heads), "vocab_size": _int(row, "vocab"),
+              "max_position_embeddings": seq_len, "tie_word_embeddings": bool(_yes(row, "tied_embeddings")),
+              "hidden_act": "silu"}
+    if _int(row, "n_experts", 0):
+        config.update(model_type="mixtral", num_local_experts=_int(row, "n_experts"),
+                      num_experts_per_tok=_int(row, "top_k", 2))
+    return config
+
+
 def row_workload(row: dict):
+    """The row's workload through the tracer, the door users plan by; a row run without a fused
+    attention kernel (its flash_attention column, blank: GPT-era rows) materialises the scores."""
+    dtype = (row.get("dtype") or "").strip().lower() or "bf16"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        workload, _ = workload_for(row_model(row), seq_len=_int(row, "seq_len"), dtype=dtype)
+    if not _flag(row, "flash_attention", bool(_yes(row, "gated_mlp"))):
+        workload = on_path(workload, "math")
+    return workload
+
+
+def row_dims_workload(row: dict):
+    """The row through the analytic door (`costmodel.transformer`: Korthikanti et al.'s
+    accounting of Megatron's kernels), kept beside the traced one for comparison (--door dims)."""
     hidden, heads = _int(row, "hidden"), _int(row, "heads")
     gated = bool(_yes(row, "gated_mlp"))
-    dims = TransformerDims(
-        name=row["id"],
-        n_layers=_int(row, "n_layers"),
-        hidden=hidden,
-        heads=heads,
-        kv_heads=_int(row, "kv_heads", heads),
-        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden),
-        vocab=_int(row, "vocab"),
-        seq_len=_int(row, "seq_len"),
-        gated_mlp=gated,
-        dropout=_flag(row, "dropout", not gated),
-        biases=_flag(row, "biases", not gated),
-        learned_positions=_flag(row, "learned_positions", not gated),
-        flash_attention=_flag(row, "flash_attention", gated),
-        n_experts=_int(row, "n_experts", 0),
-        top_k=_int(row, "top_k", 0),
-    )
-    return transformer_workload(dims)
+    return transformer_workload(TransformerDims(
+        name=row["id"], n_layers=_int(row, "n_layers"), hidden=hidden, heads=heads, kv_heads=_int(row, "kv_heads", heads),
+        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden), vocab=_int(row, "vocab"), seq_len=_int(row, "seq_len"),
+        gated_mlp=gated, dropout=_flag(row, "dropout", not gated), biases=_flag(row, "biases", not gated),
+        learned_positions=_flag(row, "learned_positions", not gated), flash_attention=_flag(row, "flash_attention", gated),
+        n_experts=_int(row, "n_experts", 0), top_k=_int(row, "top_k", 0)))
 
 
 def row_cluster(row: dict):
@@ -153,9 +180,12 @@ def mechanism(plan, stack: str = "fused") -> str:
     return f"{stack} {kind} {plan.hardware.split('x', 1)[-1]}"
 
 
-def predict(row: dict) -> tuple[float | None, float, str, str, list[str]]:
+DOORS = {"traced": row_workload, "dims": row_dims_workload}
+
+
+def predict(row: dict, door: str = "traced") -> tuple[float | None, float, str, str, list[str]]:
     """(predicted metric (None for a memory row), predicted peak GiB per GPU, layout, class, notes)."""
-    workload, cluster = row_workload(row), row_cluster(row)
+    workload, cluster = DOORS[door](row), row_cluster(row)
     dtype = (row.get("dtype") or "").strip().lower() or "bf16"
     request = PlanRequest(global_batch=_int(row, "global_batch"), seq_len=workload.seq_len, fixed=row_pins(row),
                           dtype=dtype, time_limit_s=8.0)
@@ -178,6 +208,9 @@ def predict(row: dict) -> tuple[float | None, float, str, str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", type=Path, default=DEFAULT_CSV)
+    parser.add_argument("--door", choices=sorted(DOORS), default="traced",
+                        help="traced: each row's model through the tracer, as users plan (default); dims: the "
+                        "analytic workload of costmodel.transformer")
     args = parser.parse_args(argv)
     try:
         with open(args.csv, newline="") as handle:
@@ -197,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
             if metric not in METRICS and not (has_peak and not metric):
                 raise ValueError(f"unknown metric {row.get('metric')!r} (use one of {', '.join(METRICS)})")
             published = float(row["value"]) if metric else None
-            predicted, peak_gib, layout, kind, notes = predict(row)
+            predicted, peak_gib, layout, kind, notes = predict(row, args.door)
         except Exception as error:  # noqa: BLE001 - one bad row must not stop the table
             missed += 1
             print(f"{name:32} not predicted: {type(error).__name__}: {' '.join(str(error).split())}")

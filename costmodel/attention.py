@@ -98,6 +98,22 @@ def _path_for(layer: LayerProfile, gpus: list[GPU]) -> tuple[LayerProfile, set[s
     return swapped, backends
 
 
+def on_path(workload: Workload, path: str) -> Workload:
+    """`workload` with every attention layer on `path` ("math": the scores materialised, as runs
+    before fused attention kernels; "fused") whatever the GPU would dispatch: the other path
+    is dropped, so `for_device` keeps this one."""
+    segments = []
+    for segment in workload.segments:
+        layer = segment.layer
+        if layer.attention is not None and layer.attention_path != path and layer.other_path is not None:
+            layer = layer.other_path
+        if layer.attention is not None:
+            layer = layer.model_copy(update={"other_path": None})
+        segments.append(Segment(layer=layer, count=segment.count))
+    fields = {name: getattr(workload, name) for name in Workload.model_fields}
+    return Workload(**{**fields, "segments": segments, "flash_attention": path != "math"})
+
+
 def for_device(workload: Workload, gpus: GPU | list[GPU]) -> Workload:
     """`workload` with each attention layer on the path `gpus` run (the math path if any of a
     mixed cluster's GPUs runs it) and `attention_backend` naming the kernels."""

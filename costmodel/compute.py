@@ -111,7 +111,10 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
 
 def elementwise_traffic(layer: LayerProfile, ctx: Context) -> float:
     """Forward memory-bound bytes per sequence: each pointwise op its own kernel under eager,
-    each chain of them one kernel under the compile and fused stacks."""
+    each chain of them one kernel under the compile and fused stacks, the fused stack's
+    kernels reading and writing 16-bit tensors where autocast's traced chains hold fp32."""
+    if ctx.stack == "fused" and layer.elementwise_kernel_bytes is not None:
+        return layer.elementwise_kernel_bytes
     if ctx.stack == "eager" or layer.elementwise_fused_bytes is None:
         return layer.elementwise_bytes
     return layer.elementwise_fused_bytes
@@ -151,8 +154,10 @@ def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
 
 
 def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
-    """One backward's TP all-reduces: the forward's mirror unless the layer says otherwise."""
-    if layer.tp_allreduces_bwd is None:
+    """One backward's TP all-reduces: the forward's mirror unless the layer says otherwise. The
+    traced count is DTensor's, one per column-split linear; the fused stack's Megatron-LM fuses the
+    projections that share an input (QKV, and gate with up), so it mirrors the forward."""
+    if layer.tp_allreduces_bwd is None or ctx.stack == "fused":
         return tp_collective_time(layer, ctx)
     if _split(layer, ctx) == 1 or not layer.tp_allreduces_bwd:
         return 0.0

@@ -62,6 +62,10 @@ class LayerProfile(BaseModel):
     elementwise_fused_bytes: float | None = Field(
         None, ge=0, description="the same traffic with each chain of pointwise ops fused into one kernel, as the "
                                 "compile and fused stacks run it (None: elementwise_bytes, already counted fused)")
+    elementwise_kernel_bytes: float | None = Field(
+        None, ge=0, description="the fused chains with 16-bit inputs and outputs, as the fused stack's kernels "
+                                "(Megatron-LM's, Transformer Engine's) take and return them, their fp32 math inside "
+                                "(None: elementwise_fused_bytes)")
     act_replicated: float = Field(0.0, ge=0, description="saved bytes TP leaves replicated (SP splits them)")
     act_tp_sharded: float = Field(0.0, ge=0, description="saved bytes TP splits")
     act_attention_scores: float = Field(0.0, ge=0, description="saved s^2 bytes (dropped by selective recompute)")

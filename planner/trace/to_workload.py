@@ -38,6 +38,13 @@ def nbytes(data: dict) -> float:
     return float(count * _ELEM.get(data["dtype"], 4))
 
 
+def half_nbytes(data: dict) -> float:
+    """`nbytes` with floating outputs at 16 bits: what a fused kernel stack (Megatron-LM's,
+    Transformer Engine's) reads and writes, its fp32 math kept inside the kernel."""
+    wide = data["dtype"] in ("float32", "float64")
+    return nbytes(data) * (2 / _ELEM[data["dtype"]] if wide else 1)
+
+
 def _is_attention(og: OpGraph, node: int, data: dict) -> bool:
     if data["kind"] == "attention":
         return True
@@ -84,6 +91,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         matmul_flops=matmul / b, matmul_min_dim=_effective_dim(matmul, flops_per_dim, og.seq_len),
         attention_flops=attention / b, elementwise_bytes=elementwise / b,
         elementwise_fused_bytes=min(elementwise, fused_elementwise_bytes(og, members, nbytes)) / b,
+        elementwise_kernel_bytes=min(elementwise, fused_elementwise_bytes(og, members, half_nbytes)) / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
         act_input=max(inputs, default=0.0) / b,
         **{name: value / b for name, value in op_policy(nodes).items()}, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,

@@ -1,8 +1,8 @@
 """One entry point from "a model" to the cost model's `Workload`.
 
 `model` may be a built-in name (see `planner.trace.models.catalog`), a HuggingFace
-config object or dict, a path to an .onnx file, or an nn.Module (with example
-inputs; the ReferenceGPT's are made from its config). Built-in names are
+config object or dict, a reference GPT's `GPTConfig`, a path to an .onnx file, or an
+nn.Module (with example inputs; the ReferenceGPT's are made from its config). Built-in names are
 cached: the planner asks for the same (name, seq_len, dtype) many times.
 """
 from __future__ import annotations
@@ -28,6 +28,10 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
         dtype = "bf16"
     if isinstance(model, str) and not model.endswith(".onnx"):
         return _named(model, seq_len, dtype)
+    from planner.trace.models.reference_gpt import GPTConfig
+
+    if isinstance(model, GPTConfig):  # the reference GPT by its dimensions (a GPT-era decoder)
+        return _reference_gpt(model, seq_len, dtype, "reference-gpt")
     if isinstance(model, (str, Path)):
         from planner.trace.onnx_file import trace_onnx
 
@@ -53,15 +57,23 @@ def _named(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
 
 
 def _reference(name: str, seq_len: int, dtype: str) -> tuple[Workload, OpGraph]:
+    from planner.trace.models.build import reference_config
+
+    return _reference_gpt(reference_config(name), seq_len, dtype, name)
+
+
+@lru_cache(maxsize=64)
+def _reference_gpt(real, seq_len: int, dtype: str, name: str) -> tuple[Workload, OpGraph]:
+    """The reference GPT of config `real` (a `GPTConfig`), traced on two blocks and priced at its depth."""
+    import dataclasses
+
     import torch
 
-    from planner.trace.models.build import reference_config
     from planner.trace.models.reference_gpt import ReferenceGPT
     from planner.trace.module import trace_module
 
-    real = reference_config(name)
     with torch.device("meta"):
-        module = ReferenceGPT(reference_config(name, n_layers=min(2, real.n_layers)))
+        module = ReferenceGPT(dataclasses.replace(real, n_layers=min(2, real.n_layers)))
         tokens = torch.zeros(1, seq_len, dtype=torch.long)
     graph = trace_module(module, (tokens,), seq_len=seq_len, dtype=dtype, name=name)
     graph.meta.update({k: v for k, v in _module_meta(module).items() if v is not None})
