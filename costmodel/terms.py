@@ -26,7 +26,7 @@ from .compute import expert_exchange_time, layer_time, recompute_flops
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
-                     in_flight_micro_batches, model_state_bytes, moment_bytes, optimizer_step_bytes, plan_state_bytes,
+                     in_flight_micro_batches, model_state_bytes, moment_bytes, optimizer_step_bytes, plan_state_bytes, reduce_bytes,
                      transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
@@ -176,7 +176,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
       then), the block's and the next's gathered weights and one block's unsharded gradients,
       the accumulation transient, and the larger of the block's temporaries and a fully
       recomputed block being rebuilt (one layer at a time);
-    - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`).
+    - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`), or
+      just before it, under ZeRO-3, the root unit's unsharded gradients and the flat copy its
+      reduce-scatter reads (in the reduce dtype) beside every other gradient.
     Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
     FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`); held unsharded
@@ -207,7 +209,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
     saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
-    gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype)}
+    gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
     moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),
                                  accumulation_transient(plan, workload, rank), gathered["root"], gathered["block"])
     held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
@@ -218,6 +220,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     if held_gradients:  # FSDP2's unsharded parameters' gradients, beside its gather buffers
         moments = [{**m, "buffers": m.get("buffers", 0.0) + held_gradients} for m in moments]
     peak = {**states, **max(moments, key=lambda m: sum(m.values()))}
+    if sharded and root:  # the backward's end: every gradient but the root's, which FSDP2 copies for its reduce-scatter
+        closing = {**stepping, "buffers": WEIGHT_BYTES[plan.dtype] * root, "activations": reduce_bytes(plan) * root}
+        stepping = max(stepping, closing, key=lambda m: sum(m.values()))
     if sum(stepping.values()) > sum(peak.values()):
         return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
     return peak, saved
@@ -267,10 +272,12 @@ def root_buffer_bytes(root_params: float, dtype: str) -> float:
     return 2 * WEIGHT_BYTES[dtype] * root_params
 
 
-def block_buffer_bytes(block_params: float, dtype: str) -> float:
+def block_buffer_bytes(block_params: float, dtype: str, reduced: float = 2.0) -> float:
     """FSDP2 under ZeRO-3 during a block's backward: the block gathered while the next is
-    prefetched, and one block's unsharded gradients waiting for their reduce-scatter."""
-    return 3 * WEIGHT_BYTES[dtype] * block_params
+    prefetched, one block's unsharded gradients, and the flat copy of them its reduce-scatter
+    reads, in the reduce dtype (`reduced` bytes each: FSDP2 copies the gradients in before it
+    frees them)."""
+    return (3 * WEIGHT_BYTES[dtype] + reduced) * block_params
 
 
 def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> float:

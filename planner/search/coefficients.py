@@ -17,7 +17,7 @@ from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
-                              in_flight_micro_batches, moment_bytes, optimizer_step_bytes, transient_bytes)
+                              in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -308,7 +308,8 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
 
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
-    block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype) if sharded else 0.0
+    block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype,
+                                      reduce_bytes(plan)) if sharded else 0.0
     without, growth, seen = [], [], {}
     for own in ends:
         if len(own) in seen and seen[len(own)][0] == own:  # the middle ranks hold no ends: priced once
