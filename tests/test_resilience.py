@@ -163,7 +163,7 @@ def test_a_node_dies_and_the_job_goes_on_replanned(tmp_path):
     plan = two_node_plan()
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
-    steps = 24
+    steps = 12
     whole = run(plan, RunConfig(steps=steps), timeout_s=600)
     procs = start_nodes(path, tmp_path, steps, "1:2", free_port(),
                         ["--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--max-restarts", "2",
