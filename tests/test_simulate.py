@@ -188,4 +188,6 @@ def test_simulation_agrees_with_estimate_on_uniform_plans(llama, model, gpus, la
     hw = hardware.load(f"{gpus}xh100-sxm")
     plan = plan_for(w, hw, **layout)
     sim, est = simulate(w, plan, hw), estimate(w, plan, hw)
-    assert sim.step_time_s == pytest.approx(est.step_time_s, rel=0.03)
+    # zero-bubble: the estimate fills the ramp with a closed form (2 W per rank), the played order with whole ops
+    tolerance = 0.035 if plan.schedule == "zero-bubble" else 0.03
+    assert sim.step_time_s == pytest.approx(est.step_time_s, rel=tolerance)
