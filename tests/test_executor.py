@@ -191,6 +191,7 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "zero3_bf16": dict(dp=2, zero=3, dtype="bf16"),
         "zero3_bf16_reduce_bf16": dict(dp=2, zero=3, dtype="bf16", reduce_dtype="bf16"),
         "dp_bf16_states": dict(dp=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16"),
+        "pp_bf16_states": dict(pp=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16"),  # bf16 between stages
         "zero2_bf16_states_hold": dict(dp=2, zero=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
                                        micro_batch=GLOBAL_BATCH // 4, accumulation="hold_unsharded"),
         # context parallel: each sequence over 2 ranks, keys and values all-gathered
@@ -280,7 +281,7 @@ def test_a_users_module_runs_through_its_factory():
 
 
 def test_hf_gpt2_two_ranks_matches_single_process():
-    _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac")))
+    _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac", "pp_bf16_states")))
 
 
 def test_gpt2_tp_is_neither_offered_nor_run():

@@ -35,14 +35,16 @@ class Skipped(nn.Module):
 
 
 class ZeroEmbedding(nn.Module):
-    """A position embedding another stage owns: adds nothing to the incoming hidden states."""
+    """A position embedding another stage owns: adds nothing to the incoming hidden states, in
+    the dtype the embedding had (bf16 master weights keep the stream bf16)."""
 
-    def __init__(self, dim: int) -> None:
+    def __init__(self, dim: int, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.dim = dim
+        self.dtype = dtype
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(*ids.shape, self.dim, device=ids.device)
+        return torch.zeros(*ids.shape, self.dim, device=ids.device, dtype=self.dtype)
 
 
 class Passthrough(nn.Module):
@@ -78,7 +80,7 @@ def _stand_in(model: nn.Module, lmap: LayerMap):
 
     def stand_in(old: nn.Module, name: str) -> nn.Module:
         if isinstance(old, nn.Embedding) and (hf or name != tokens):
-            return ZeroEmbedding(old.embedding_dim)
+            return ZeroEmbedding(old.embedding_dim, old.weight.dtype)
         return Passthrough()
 
     return stand_in

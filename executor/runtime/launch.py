@@ -228,10 +228,12 @@ def executed_dtype_notes(plan: Plan, device: str) -> list[str]:
     """How the plan's dtype ran (see executor.runtime.train.precision)."""
     if plan.dtype == "fp32":
         return []
+    states = (f"weights and gradients in {plan.master_dtype}, AdamW state in {plan.optimizer_dtype}"
+              if plan.master_dtype != "fp32" else "weights, gradients and AdamW state in fp32")
     if plan.dtype == "fp8":
-        return [f"fp8 plan executed in bf16: weights, gradients and AdamW state in fp32, compute under "
-                f"torch.autocast({device}, bf16); this executor has no FP8 GEMMs, so the measured step is a bf16 step"]
-    return [f"{plan.dtype}: weights, gradients and AdamW state in fp32, compute under torch.autocast({device}, {plan.dtype})"]
+        return [f"fp8 plan executed in bf16: {states}, compute under torch.autocast({device}, bf16); this executor "
+                "has no FP8 GEMMs, so the measured step is a bf16 step"]
+    return [f"{plan.dtype}: {states}, compute under torch.autocast({device}, {plan.dtype})"]
 
 
 def first_failure(log_dir: str, exit_code: int, stderr: str) -> RunError:
