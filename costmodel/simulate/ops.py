@@ -24,7 +24,7 @@ from ..compression import reduction_element_bytes
 from ..compute import LayerTime, forward_collectives, layer_time
 from ..data_parallel import layer_params_on_rank, sharded_collectives
 from ..layout import Layout
-from ..memory import WEIGHT_BYTES, activation_bytes, activation_keywords, reduce_bytes
+from ..memory import activation_bytes, activation_keywords, reduce_bytes
 from layout.plan import Plan
 from ..workload import LayerProfile, Workload
 
