@@ -36,7 +36,7 @@ from hardware.schema import Cluster
 
 from layout.results import CheckpointAdvice
 
-from .memory import OPTIMIZER_BYTES, WEIGHT_BYTES
+from .memory import FP8_WEIGHT_COPY_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES, plan_state_bytes
 
 # Aggregate checkpoint write bandwidth. Llama 3 paper (Dubey et al. 2024, sec. 3.3.1):
 # Meta's Tectonic storage for the 16K-H100 training "offers 240 PB of storage out of
@@ -50,9 +50,17 @@ DEFAULT_RESTART_S = 600.0
 DEFAULT_RESTART_SOURCE = "assumption: 10 min to detect, reschedule, relaunch and reload; pass restart_s"
 
 
-def checkpoint_bytes(params: float, dtype: str = "bf16") -> float:
-    """Weights and optimizer state of `params` parameters (what a resume needs)."""
-    return params * (WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES[dtype])
+def checkpoint_bytes(params: float, dtype: str = "bf16", per_param: float | None = None) -> float:
+    """Weights and optimizer state of `params` parameters (what a resume needs); `per_param`:
+    a plan's own bytes (`plan_checkpoint_bytes`), else a 16-bit copy beside fp32 master and moments."""
+    return params * (per_param if per_param is not None else WEIGHT_BYTES[dtype] + OPTIMIZER_BYTES[dtype])
+
+
+def plan_checkpoint_bytes(plan) -> float:
+    """Bytes per parameter a plan's checkpoint holds: its weights (not FP8's cast) and optimizer
+    state under its precision policy (12 with fp32 weights and moments on the eager stack, 6 in bf16)."""
+    weights, _, optimizer = plan_state_bytes(plan)
+    return weights - (FP8_WEIGHT_COPY_BYTES if plan.stack == "fused" and plan.dtype == "fp8" else 0) + optimizer
 
 
 def young_interval(write_s: float, mtbf_s: float) -> float:
@@ -105,7 +113,7 @@ class Goodput:
 
 def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbps: float | None = None,
             restart_s: float | None = None, interval_s: float | None = None,
-            mtbf_hours: float | None = None) -> Goodput:
+            mtbf_hours: float | None = None, per_param: float | None = None) -> Goodput:
     """Expected goodput of training `params` parameters on `cluster`, at `interval_s` (default: Young's optimum)."""
     per_gpu = mtbf_hours if mtbf_hours is not None else cluster.gpu.mtbf_hours
     if per_gpu is None:
@@ -125,7 +133,7 @@ def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbp
         raise ParallaxError("storage_gbps/restart_s", "storage bandwidth must be positive and restart time non-negative")
     n = cluster.n_gpus
     mtbf_s = per_gpu * 3600 / n
-    size = checkpoint_bytes(params, dtype)
+    size = checkpoint_bytes(params, dtype, per_param)
     write = size / (storage * 1e9)
     young = young_interval(write, mtbf_s)
     tau = young if interval_s is None else interval_s
@@ -135,12 +143,12 @@ def goodput(params: float, cluster: Cluster, *, dtype: str = "bf16", storage_gbp
 
 
 def checkpoint_advice(params: float, cluster: Cluster, step_time_s: float, *, dtype: str = "bf16",
-                      mtbf_hours: float | None = None) -> CheckpointAdvice | None:
+                      mtbf_hours: float | None = None, per_param: float | None = None) -> CheckpointAdvice | None:
     """Young's interval in whole steps of `step_time_s`, and Daly's goodput there; None
     when the profile states no MTBF and none is given."""
     if mtbf_hours is None and cluster.gpu.mtbf_hours is None:
         return None
-    g = goodput(params, cluster, dtype=dtype, mtbf_hours=mtbf_hours)
+    g = goodput(params, cluster, dtype=dtype, mtbf_hours=mtbf_hours, per_param=per_param)
     steps = g.steps_between(step_time_s)
     at = expected_goodput(steps * step_time_s, g.write_s, g.restart_s, g.job_mtbf_s)
     return CheckpointAdvice(every_steps=steps, interval_s=steps * step_time_s, goodput=at, write_s=g.write_s,

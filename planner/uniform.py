@@ -68,11 +68,12 @@ def with_checkpointing(plan_: Plan, workload: Workload, cluster: Cluster, mtbf_h
     """The plan with its Young/Daly checkpoint interval in steps and the goodput it keeps."""
     if plan_.estimate is None:
         return plan_
-    from costmodel.goodput import checkpoint_advice
+    from costmodel.goodput import checkpoint_advice, plan_checkpoint_bytes
 
     cluster = cluster.resized(plan_.n_gpus)
     advice = checkpoint_advice(workload.params, cluster, plan_.estimate.step_time_s,
-                               dtype="fp32" if plan_.dtype == "fp32" else "bf16", mtbf_hours=mtbf_hours)
+                               dtype="fp32" if plan_.dtype == "fp32" else "bf16", mtbf_hours=mtbf_hours,
+                               per_param=plan_checkpoint_bytes(plan_))
     return plan_.model_copy(update={"checkpointing": advice})
 
 

@@ -103,3 +103,15 @@ def test_held_gradients_and_bf16_states_match_the_dry_run(llama):
     for name, measured in rank.at_peak.items():
         assert abs(rank.predicted.get(name, 0.0) - measured) <= max(0.10 * measured, 0.01 * rank.measured_peak), name
     assert rank.at_peak["buffers"] > rank.at_peak["weights"] + rank.at_peak["optimizer"]  # the held copy dominates
+
+
+def test_a_checkpoint_holds_the_recipes_weights_and_moments(llama):
+    """What the Young/Daly interval writes: 12 bytes per parameter with fp32 weights and moments
+    (the executor's DCP checkpoint), 6 in bf16, 14 for Megatron's 16-bit weights beside fp32 state."""
+    from costmodel.goodput import plan_checkpoint_bytes
+
+    eager = _plan(llama, dp=8, zero=3)
+    assert plan_checkpoint_bytes(eager) == 12
+    assert plan_checkpoint_bytes(eager.with_overrides(master_dtype="bf16", optimizer_dtype="bf16")) == 6
+    assert plan_checkpoint_bytes(eager.with_overrides(stack="fused", zero=1)) == 14
+    assert plan_checkpoint_bytes(eager.with_overrides(stack="fused", zero=1, dtype="fp8")) == 14
