@@ -7,9 +7,10 @@ shards some categories and not others:
   al. 2020): 2 bytes of 16-bit weights, 2 of gradients and 12 of fp32 optimizer
   state (master weights, momentum, variance). FP8 (Transformer Engine style)
   adds the 1-byte FP8 copy its GEMMs read.
-- eager and compile (PyTorch autocast, what the executor runs): the fp32
-  weights are the master copy, so 4 bytes of weights, 4 of fp32 gradients and
-  8 of AdamW moments; FSDP2 gathers the 16-bit copy only while a unit runs
+- eager and compile (PyTorch autocast, what the executor runs): the weights
+  are the master copy, so by default 4 bytes of weights, 4 of fp32 gradients and
+  8 of AdamW moments, and 2 + 2 + 4 with a bf16 master (`Plan.master_dtype`);
+  FSDP2 gathers the 16-bit copy only while a unit runs
   (`executor.apply.data_parallel.mixed_precision`), priced as ZeRO-3 buffers.
 ZeRO stage 1 shards the optimizer state, stage 2 also the gradients, stage 3
 everything over the data-parallel group; FSDP2's ZeRO-2 (the eager and compile
@@ -82,9 +83,10 @@ def reduce_bytes(plan) -> float:
 def held_gradient_bytes(params: float, plan) -> float:
     """The unsharded gradients FSDP2 holds between micro-batches under `hold_unsharded`
     (`Layout.holds_unsharded_gradients`), `params` being the rank's (TP- and stage-split):
-    FSDP2 keeps them in the reduce dtype where it differs from the compute copy's
-    (`FSDPParam.to_accumulated_grad_if_needed`), else in the compute dtype, which is the
-    reduce dtype by default, so in `reduce_bytes` either way."""
+    FSDP2 upcasts them to the reduce dtype where it differs from the compute copy's
+    (`FSDPParam.to_accumulated_grad_if_needed`; fp32 by default) and keeps them in the compute
+    dtype where the two agree, so in `reduce_bytes` either way. The adds that accumulate them
+    each micro-batch are not priced (a few bytes per parameter of HBM traffic)."""
     return params * reduce_bytes(plan) if plan.holds_unsharded_gradients and plan.num_micro_batches > 1 else 0.0
 
 
