@@ -24,6 +24,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from layout.plan import Plan
 from executor.apply.layers import get_or_none
+from executor.apply.tied import tied_groups
 from executor.apply.tp_styles import TPAnalysis
 from planner.executable import tp_split_classes
 
@@ -97,13 +98,32 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, analy
             layout[name] = _style(name, style, analysis, sp)
         elif sp and _is_norm(get_or_none(module, name)):
             layout[name] = SequenceParallel()
+    ties = tied_groups(module)
     parallelize_module(module, mesh["tp"], layout)
+    retie(module, ties)
     if sp and plan.pp > 1:
         _sequence_shard_boundaries(module, mesh["tp"])
     if replicated:
         log.info("tensor parallelism left replicated: %s", ", ".join(replicated))
     module.tp_replicated = replicated
     return module
+
+
+def retie(module: nn.Module, ties: list[tuple[str, ...]]) -> None:
+    """Share each tied weight again after `parallelize_module`, which gives every module it
+    splits a new parameter of its own: a vocabulary-split embedding and a column-split head
+    both shard the vocabulary (Shard(0)), so the head takes the embedding's DTensor."""
+    for names in ties:
+        first = module.get_parameter(names[0])
+        for name in names[1:]:
+            owner_name, _, attr = name.rpartition(".")
+            owner = module.get_submodule(owner_name) if owner_name else module
+            other = getattr(owner, attr)
+            placed = [getattr(p, "placements", None) for p in (first, other)]
+            if placed[0] != placed[1] or first.shape != other.shape:
+                raise RuntimeError(f"tied weights {names[0]} and {name} were split differently by tensor "
+                                   f"parallelism ({placed[0]} and {placed[1]})")
+            setattr(owner, attr, first)
 
 
 def _sequence_shard_boundaries(module: nn.Module, tp_mesh: DeviceMesh) -> None:
