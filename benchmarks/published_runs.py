@@ -10,6 +10,11 @@ published vs predicted with the signed error, a row it cannot predict with
 why, the MAPE per mechanism class (GPU, and ZeRO-3/FSDP, HSDP, Megatron
 TP x PP, or plain DP), then `MAPE: X% over N rows (K not predicted)`.
 
+Each row's model goes through the tracer, as users plan (`row_model`): gated rows as an HF
+llama config (mixtral with experts), the others as the reference GPT (learned positions,
+LayerNorm, GELU, biases, a tied head); the biases, dropout and learned_positions columns
+then matter only to `--door dims`, the analytic workload of `costmodel/transformer.py`.
+
 Row conventions (not per-row fudge factors): a blank kv_heads means
 kv_heads = heads, a blank ffn_hidden means 4*hidden, a blank gated_mlp means
 no. Rows with a gated MLP are taken as Llama-era models (flash attention, no
