@@ -33,8 +33,9 @@ def _register_commands() -> None:
 def _one_line(error: Exception) -> str:
     if isinstance(error, ValidationError):
         first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"]) or "input"
-        return printable(" ".join(f"{where}: {first['msg']}".split()))
+        message = first["msg"].removeprefix("Value error, ")  # a model rule's own text names its field
+        where = ".".join(str(part) for part in first["loc"])
+        return printable(" ".join((f"{where}: {message}" if where else message).split()))
     return printable(" ".join(str(error).split()))
 
 
