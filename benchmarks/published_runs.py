@@ -49,6 +49,7 @@ import argparse
 import csv
 import sys
 import warnings
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,10 +105,21 @@ def row_model(row: dict):
     return config
 
 
+MODEL_COLUMNS = ("n_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "n_experts",
+                 "top_k", "tied_embeddings", "flash_attention", "dtype")  # what `row_workload` reads
+
+
 def row_workload(row: dict):
     """The row's workload through the tracer, the door users plan by; a row run without a fused
-    attention kernel (its flash_attention column, blank: GPT-era rows) materialises the scores."""
-    dtype = (row.get("dtype") or "").strip().lower() or "bf16"
+    attention kernel (its flash_attention column, blank: GPT-era rows) materialises the scores.
+    Traced once per model (the fit prices every row many times)."""
+    return _traced(tuple((column, (row.get(column) or "").strip()) for column in MODEL_COLUMNS))
+
+
+@lru_cache(maxsize=None)
+def _traced(model: tuple):
+    row = dict(model)
+    dtype = row["dtype"].lower() or "bf16"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         workload, _ = workload_for(row_model(row), seq_len=_int(row, "seq_len"), dtype=dtype)

@@ -119,13 +119,20 @@ class Layout(BaseModel):
         parts.append(f"mb{self.micro_batch}")
         if self.compression != "none":
             parts.append(self.compression)
-        if self.holds_unsharded_gradients:
+        recipe = self.recipe_changes()
+        if "accumulation" in recipe:
             parts.append("hold-grads")
-        if self.master_dtype != "fp32" or self.optimizer_dtype != "fp32":
+        if "master_dtype" in recipe or "optimizer_dtype" in recipe:
             parts.append(f"states {self.master_dtype}/{self.optimizer_dtype}")
-        if self.reduce_dtype:
+        if "reduce_dtype" in recipe:
             parts.append(f"reduce {self.reduce_dtype}")
         return parts
+
+    def recipe_changes(self) -> dict[str, object]:
+        """The precision and accumulation axes off their defaults (accumulation where it applies)."""
+        changed = {name: getattr(self, name) for name in ("master_dtype", "optimizer_dtype", "reduce_dtype")
+                   if getattr(self, name) != AXIS[name].default}
+        return {**changed, **({"accumulation": self.accumulation} if self.holds_unsharded_gradients else {})}
 
     def axes(self) -> dict:
         """The layout's axis values alone (a Plan's too), e.g. to build another Plan from them."""

@@ -24,11 +24,7 @@ def _layout_line(plan: Plan) -> str:
 
 def _recipe(plan: Plan) -> str:
     """The precision and accumulation policies off their defaults."""
-    parts = [f"{name}={getattr(plan, name)}" for name, default in
-             (("master_dtype", "fp32"), ("optimizer_dtype", "fp32"), ("reduce_dtype", None)) if getattr(plan, name) != default]
-    if plan.holds_unsharded_gradients:
-        parts.append("accumulation=hold_unsharded")
-    return "".join(" " + part for part in parts)
+    return "".join(f" {name}={value}" for name, value in plan.recipe_changes().items())
 
 
 def _micro_batches(plan: Plan) -> str:
