@@ -109,8 +109,8 @@ AXES: tuple[Axis, ...] = (
          "host memory, the optimizer stepping on the host", choices=(False, True)),
     Axis("compression", str, "none", "gradient compression on DDP's all-reduce: none, fp16, bf16, int8, topk or "
          "powersgd (lossy ones are searched only with --allow-compression)", choices=COMPRESSION),
-    Axis("stack", str, "eager", "kernel stack priced: eager (what `parallax run` executes), compile (torch.compile) "
-         "or fused (Megatron-LM / Transformer Engine; priced, not run)", choices=STACKS),
+    Axis("stack", str, "eager", "kernel stack: eager (PyTorch's ops as they are), compile (each block torch.compile'd; both "
+         "run by `parallax run`) or fused (Megatron-LM / Transformer Engine; priced, not run)", choices=STACKS),
     _count("micro_batch", "sequences per micro-batch and data-parallel replica", high=MAX_GLOBAL_BATCH),
     Axis("master_dtype", str, "fp32", "the weights' own precision, the copy the optimizer updates: fp32 (beside a "
          "16-bit compute copy) or bf16 (the weights are the bf16 copy); kept as given, never lowered by the planner",

@@ -24,7 +24,7 @@ from hardware.errors import PlanError
 from .axes import CHUNKED_SCHEDULES, COMPRESSION, RECOMPUTE, SCHEDULES, TP_DEGREES
 from .layout import Layout
 
-EXECUTED_STACKS = ("eager",)  # the executor runs PyTorch ops as they are: no torch.compile, no fused kernels
+EXECUTED_STACKS = ("eager", "compile")  # PyTorch's ops as they are, or each block torch.compile'd; not Megatron's kernels
 TP_SPLIT_MODULES = ("Linear", "Embedding")  # nn classes DTensor's colwise/rowwise styles split (GPT-2's Conv1D is not)
 
 
@@ -162,8 +162,8 @@ def precision_problem(f: Layout, dtype: str) -> PlanError | None:
 def _stack_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
     """Other stacks are priced (a pinned what-if, a published run), not run."""
     if f.stack not in EXECUTED_STACKS:
-        return PlanError("stack", f"the executor runs the eager stack; {f.stack!r} is priced, not run",
-                         "use stack 'eager' to run the plan")
+        return PlanError("stack", f"the executor runs the eager and compile stacks; {f.stack!r} is priced, not run",
+                         "use stack 'eager' or 'compile' to run the plan")
     return None
 
 
@@ -234,9 +234,15 @@ def _zero_bubble_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanErro
     """torch's zero-bubble schedule splits each backward into input and weight gradients; run
     on CPU against the single-process reference, that matches over DDP-style replication
     (zero 0/1) and TP, but FSDP2's sharded gradients (zero 2/3) come out wrong and SP's
-    DTensor backward fails to split, so those are refused rather than offered."""
+    DTensor backward fails to split, so those are refused rather than offered. A compiled block's
+    backward is one autograd node computing both: split, it would run twice (and its donated
+    buffers refuse the retained graph)."""
     if f.schedule != "zero-bubble":
         return None
+    if f.stack == "compile":
+        return PlanError("schedule", "the zero-bubble schedule on the compile stack: a compiled block's backward "
+                         "does not split into input and weight gradients", "use the 1f1b or interleaved schedule, "
+                         "or the eager stack")
     if f.zero >= 2:
         return PlanError("zero", f"zero={f.zero} with the zero-bubble schedule: FSDP2's sharded gradients miss "
                          "the split weight gradients", "use zero 0 or 1 with zero-bubble, or another schedule")

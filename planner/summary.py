@@ -17,7 +17,7 @@ def _layout_line(plan: Plan) -> str:
         f"pp={plan.pp} zero={plan.zero}{' +offload' if plan.offload else ''} "
         f"micro_batch={plan.micro_batch} x {_micro_batches(plan)} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")
-        + (f" stack={plan.stack} (priced, not run)" if plan.stack != "eager" else "")
+        + (f" stack={plan.stack}" if plan.stack != "eager" else "") + (" (priced, not run)" if plan.stack == "fused" else "")
         + _recipe(plan)
     )
 

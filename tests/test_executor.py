@@ -66,6 +66,7 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]],
     init_distributed(timeout_s=120, init_method=f"file://{init_file}", rank=rank, world_size=world)
     for label, plan_json in cases:
         plan = Plan.from_json(plan_json)
+        frames = int(torch._dynamo.utils.counters["frames"]["ok"])  # frames dynamo has compiled in this process
         try:
             model = build_model(plan.model, seed=0, trust_module=True)  # the tests trust their own factories
             vocab = vocab_size(model)
@@ -73,8 +74,9 @@ def _worker(rank: int, world: int, init_file: str, cases: list[tuple[str, str]],
             result = train_steps(run, plan, STEPS, seed=0, vocab=vocab)
             params = full_parameters(run.modules, run.tied_aliases)
             at = coords(run.mesh)
+            compiled = int(torch._dynamo.utils.counters["frames"]["ok"]) - frames
             if at["dp"] == 0 and at["tp"] == 0:
-                torch.save({"params": params, "result": result, "replicated": run.tp_replicated},
+                torch.save({"params": params, "result": result, "replicated": run.tp_replicated, "compiled": compiled},
                            os.path.join(out_dir, f"{label}.rank{rank}.pt"))
         except Exception as error:  # recorded, so that one broken layout names itself
             with open(os.path.join(out_dir, f"{label}.rank{rank}.error"), "w") as fh:
@@ -216,6 +218,10 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "uneven_shares": dict(dp=4, micro_batch=1, dp_micro_batches=[1, 1, 3, 3], groups=MIXED_DATA_SPLIT),
         "uneven_shares_zero1": dict(dp=4, zero=1, micro_batch=1, dp_micro_batches=[1, 1, 3, 3], groups=MIXED_DATA_SPLIT),
         "stage_split_1_3": dict(pp=2, dp=2, bounds=[0, 2, 6], groups=MIXED_PIPELINE_SPLIT),
+        # the compile stack: each block's forward torch.compile'd (inductor's C++), its checkpoint traced within
+        "zero3_op_ac_compile": dict(dp=2, zero=3, recompute="op", stack="compile"),
+        "tp_sp_full_ac_compile": dict(tp=2, sp=True, recompute="full", stack="compile"),
+        "pp_1f1b_compile": dict(pp=2, schedule="1f1b", stack="compile"),
     }
     return {f"{model}-{name}": make_plan(model, **table[name]) for name in names}
 
@@ -247,6 +253,17 @@ def test_hf_llama_two_ranks_matches_single_process():
     _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
                                            "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
                                            "zero3_op_ac")))
+
+
+def test_compile_stack_matches_single_process():
+    """The eager reference against compiled blocks: the first two steps run eagerly under the CPU's
+    memory tracker (executor.measure.memory), the third compiled."""
+    cases = _cases("reference-tiny", ("zero3_op_ac_compile", "tp_sp_full_ac_compile", "pp_1f1b_compile"))
+    out_dir, cache = launch(2, cases), {}
+    for label, plan in cases.items():
+        assert_equivalent(out_dir, label, plan, cache)
+        compiled = torch.load(os.path.join(out_dir, f"{label}.rank0.pt"))["compiled"]
+        assert compiled > 0, f"{label}: no frame was compiled"
 
 
 def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():

@@ -1,6 +1,7 @@
 """The memory model held to the dry run: layouts drawn from the planner's own space for a
-full-size llama-3-8b, each measured by the executor's appliers on fake tensors under torch's
-fake process group, beside the analytic prediction of the same plan.
+full-size llama-3.2-1b (sixteen Llama 3 blocks, tied head: the 8B's mechanisms at half its
+dry-run time), each measured by the executor's appliers on fake tensors under torch's fake
+process group, beside the analytic prediction of the same plan.
 
 The draws cover what the dry run follows on one pipeline stage: ZeRO-2 and ZeRO-3 (FSDP2),
 TP with and without SP, and each checkpointing policy in turn (selective and op over DTensor
@@ -26,7 +27,7 @@ from layout.axes import RECOMPUTE
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for
 
-MODEL, RANKS, GLOBAL_BATCH = "llama-3-8b", 8, 16
+MODEL, RANKS, GLOBAL_BATCH = "llama-3.2-1b", 8, 16
 DRAWS = {4096: 2, 8192: 2}  # draws per sequence length: four, so each recompute policy is drawn once
 
 

@@ -7,8 +7,9 @@ The appliers run in one fixed order (`APPLY_ORDER`), each `apply_x(module, mesh,
 3. expert    - the experts split over the ep ranks, tokens routed by all-to-all;
 4. context   - attention routed through the cp ranks' gathered keys and values;
 5. recompute - wraps whole layers, whose inner linears are already split;
-6. data      - FSDP2/DDP go outermost: they must see the final (DTensor)
-               parameters and the checkpointed forward.
+6. compile   - each block's (checkpointed) forward compiled, on the compile stack;
+7. data      - FSDP2/DDP go outermost: they must see the final (DTensor)
+               parameters and the checkpointed, compiled forward.
 
 The pipeline schedule is built last, around the fully wrapped chunks.
 """
@@ -24,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from layout.plan import Plan
 from executor.apply.recompute import apply_recompute
+from executor.apply.compile import apply_compile
 from executor.apply.context_parallel import apply_context_parallel
 from executor.apply.expert_parallel import ExpertGradients, apply_expert_parallel
 from executor.apply.data_parallel import apply_data_parallel, cast_master_weights
@@ -56,6 +58,7 @@ APPLIERS: tuple[tuple[str, Callable[[nn.Module, _Rank], nn.Module]], ...] = (
     ("expert_parallel", lambda c, r: apply_expert_parallel(c, r.mesh, r.plan)),
     ("context_parallel", lambda c, r: apply_context_parallel(c, r.mesh, r.plan)),
     ("recompute", lambda c, r: apply_recompute(c, r.mesh, r.plan, r.lmap)),
+    ("compile", lambda c, r: apply_compile(c, r.mesh, r.plan, r.lmap)),
     ("data_parallel", lambda c, r: apply_data_parallel(c, r.mesh, r.plan, r.lmap, r.seed)),
 )
 APPLY_ORDER = ("pipeline",) + tuple(name for name, _ in APPLIERS)

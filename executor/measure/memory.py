@@ -115,9 +115,17 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(device)
 
     def measure(self):
+        """On a CPU the tracked steps run eagerly, even on the compile stack: dynamo does not
+        compile under a dispatch mode (and a frame first met there is never compiled), and
+        inductor's kernels allocate out of the mode's sight. The allocator counts a GPU's."""
         import contextlib
 
-        return self.cpu if self.cpu is not None else contextlib.nullcontext()
+        if self.cpu is None:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        stack.enter_context(self.cpu)
+        return stack
 
     @property
     def peak_bytes(self) -> int:

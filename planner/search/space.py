@@ -20,7 +20,7 @@ from hardware.errors import PlanError
 from hardware.schema import Cluster
 from layout.axes import ACCUMULATION, AXIS, RECOMPUTE, axis_problem
 from layout.layout import Layout
-from layout.rules import allowed_recompute, layout_problem, moe_sp_problem, structural_problem
+from layout.rules import EXECUTED_STACKS, allowed_recompute, layout_problem, moe_sp_problem, structural_problem
 from planner.executable import facts_of_workload
 
 MAX_MICRO_BATCH = 16
@@ -174,8 +174,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                                                                 accumulation=held))
                                         # a pinned stack the executor does not run is still priced (a what-if),
                                         # and so are the precision pairs only Megatron's optimizer keeps
-                                        runnable = offered.model_copy(update=dict(stack="eager",
-                                                                                  optimizer_dtype=offered.master_dtype))
+                                        runnable = offered.model_copy(update=dict(
+                                            stack=offered.stack if offered.stack in EXECUTED_STACKS else "eager",
+                                            optimizer_dtype=offered.master_dtype))
                                         if layout_problem(runnable, facts, workload.seq_len, m) is None:
                                             yield offered
 
