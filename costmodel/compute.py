@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from hardware.schema import Cluster
 
 from .collectives import Group, all_gather, all_reduce, all_to_all
+from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
 from .memory import state_bytes_per_param
 from .workload import LayerProfile
 
@@ -59,9 +60,11 @@ class LayerTime:
         return self.forward + self.backward + self.recompute + self.tp_comm
 
 
-def gemm_efficiency(ctx: Context, min_dim: float) -> float:
+def gemm_efficiency(ctx: Context, min_dim: float, dtype: str | None = None) -> float:
+    """The share of `dtype`'s peak (default: the plan's) a GEMM whose smallest dimension is `min_dim` reaches."""
     eff = ctx.cluster.gpu.efficiency
-    top = eff.fp8_matmul_max if ctx.dtype == "fp8" and eff.fp8_matmul_max is not None else eff.matmul_max
+    fp8 = (dtype or ctx.dtype) == "fp8"
+    top = eff.fp8_matmul_max if fp8 and eff.fp8_matmul_max is not None else eff.matmul_max
     return top * min_dim / (min_dim + eff.matmul_half_dim)
 
 
@@ -89,7 +92,8 @@ def attention_efficiency(layer: LayerProfile, gpu) -> float:
 def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, float]:
     """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
     gpu = ctx.cluster.gpu
-    peak = gpu.peak_flops(ctx.dtype if ctx.dtype != "fp8" else "bf16")  # FP8 runs only the GEMMs in FP8
+    peak = gpu.peak_flops(ctx.dtype if ctx.dtype != "fp8" else "bf16")  # FP8 runs only the blocks' GEMMs in FP8
+    dtype = gemm_dtype(layer, ctx.dtype)
     t = _split(layer, ctx)
     b = ctx.micro_batch
     gemm = 0.0
@@ -98,10 +102,10 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
         min_dim = max(1.0, layer.matmul_min_dim / t)
         if ctx.seq_len is not None:  # TP splits the weights, never the tokens: short sequences set the size
             min_dim = min(min_dim, max(1.0, ctx.seq_len * b))
-        gemm = dense * b / t / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
+        gemm = dense * b / t / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
     if layer.expert_flops:  # every TP rank runs the experts whole, at the tokens each expert gets
         min_dim = max(1.0, min(layer.matmul_min_dim, layer.expert_tokens * b))
-        gemm += layer.expert_flops * b / (gpu.peak_flops(ctx.dtype) * gemm_efficiency(ctx, min_dim))
+        gemm += layer.expert_flops * b / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
     memory = elementwise_traffic(layer, ctx) * b * _elementwise_share(layer, ctx) / (
         gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
@@ -210,19 +214,36 @@ class LayerParts:
 def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     gemm, attention, memory = forward_parts(layer, ctx)
     fresh_forward, fresh_backward = fresh_tensor_times(layer, ctx)
+    cast_forward, cast_backward = fp8_cast_times(layer, ctx)
+    memory += cast_forward  # a recomputed forward casts again
     compute = gemm + attention + memory
-    comm = forward_collectives(layer, ctx)
+    comm = forward_collectives(layer, ctx) + amax_time(layer, ctx)
     gather = tp_gather_time(layer, ctx)
     plain = LayerTime(
         forward=compute + fresh_forward,
         weight_grad=gemm + dense_gradient_time(layer, ctx),
-        backward=(BACKWARD_FACTOR * compute + dense_gradient_time(layer, ctx) + fresh_backward
+        backward=(BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + dense_gradient_time(layer, ctx)
+                  + fresh_backward
                   + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
         recompute=0.0,
         tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
                  + expert_exchange_time(layer, ctx) + gather),
     )
     return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather)
+
+
+def fp8_cast_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]:
+    """(forward, backward) seconds of one micro-batch's FP8 casts (costmodel.fp8), memory-bound."""
+    forward, backward = cast_bytes(layer, ctx.dtype, ctx.stack, ctx.micro_batch, _split(layer, ctx))
+    gpu = ctx.cluster.gpu
+    bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+    return forward / bandwidth, backward / bandwidth
+
+
+def amax_time(layer: LayerProfile, ctx: Context) -> float:
+    """A micro-batch's amax all-reduces over the TP group (dynamic scaling of split tensors)."""
+    count = amax_all_reduces(layer, ctx.dtype, ctx.stack, _split(layer, ctx))
+    return count * all_reduce(4.0, ctx.tp_group, ctx.cluster) if count else 0.0
 
 
 def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerParts | None = None) -> LayerTime:

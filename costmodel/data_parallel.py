@@ -16,6 +16,7 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time
+from .fp8 import weight_cast_bytes_per_param
 from .memory import WEIGHT_BYTES, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_copy_time, host_optimizer_seconds_per_param
 from layout.plan import Plan
@@ -213,11 +214,13 @@ def reduction_copy_passes(plan: Plan) -> float:
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """The step's seconds per parameter a rank holds: the optimizer over its owned share,
-    plus the reduction's gradient copies (the solver's linear model uses the same number);
+    plus the reduction's gradient copies and a recipe's once-a-step FP8 weight cast (the solver's
+    linear model uses the same number);
     offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
     bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
     copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
+    copies += weight_cast_bytes_per_param(plan.dtype, plan.stack) / bandwidth  # FP8 weights recast once a step
     if plan.offload:
         return host_optimizer_seconds_per_param(plan, cluster) + copies
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound

@@ -100,6 +100,13 @@ def _block(d: TransformerDims) -> LayerProfile:
         tp_allreduces_fwd=2,
         tp_comm_bytes=float(s * h * b),
         boundary_bytes=float(s * h * b),
+        # q, k and v read the first norm's output, o the attention's, the MLP the second norm's (a mixture
+        # of experts: the router that, its experts the tokens routed to them), the down projection the
+        # activation's; the outputs are each projection's own
+        gemm_input_elements=float(s * (2 * h + h + (h * active if moe else 0) + f * active)),
+        gemm_output_elements=float(s * (2 * h + 2 * kv_dim + active * ((2 if d.gated_mlp else 1) * f + h)
+                                        + (d.n_experts if moe else 0))),
+        gemm_casts=(4 + (1 if moe else 0)) + (4 + (3 if d.gated_mlp else 2) + (1 if moe else 0)),
     )
 
 
@@ -138,6 +145,9 @@ def _head(d: TransformerDims) -> LayerProfile:
         act_tp_sharded=float(s * v * 4),
         act_input=float(s * h * b),
         boundary_bytes=0.0,
+        gemm_input_elements=float(s * h),
+        gemm_output_elements=float(s * v),
+        gemm_casts=2,
     )
 
 

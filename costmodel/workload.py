@@ -100,6 +100,13 @@ class LayerProfile(BaseModel):
                                          "experts per sequence: seq * top_k * hidden * bytes (and as many back)")
     expert_tokens: float = Field(0.0, ge=0, description="tokens each expert computes per sequence: seq * top_k / experts "
                                  "(the M of its GEMMs)")
+    gemm_input_elements: float = Field(0.0, ge=0, description="elements per sequence of the activations the layer's "
+                                       "weight GEMMs read, each tensor once (projections sharing an input read it "
+                                       "once): what FP8 training casts in the forward")
+    gemm_output_elements: float = Field(0.0, ge=0, description="elements per sequence of those GEMMs' outputs: the "
+                                        "gradients FP8 training casts in the backward")
+    gemm_casts: int = Field(0, ge=0, description="tensors those are: distinct GEMM inputs plus GEMM outputs (each "
+                            "cast is scaled by its own amax)")
     tied_params: int = Field(0, ge=0, description="parameters shared with an earlier layer (a tied LM head), "
                              "counted there; a pipeline stage holding this layer keeps its own copy of them")
     attention: AttentionCall | None = Field(None, description="its scaled_dot_product_attention calls, if any")

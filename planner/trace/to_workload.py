@@ -102,7 +102,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         grad_dense_bytes=float(sum(d["param_bytes"] for _, d in nodes if d["kind"] == "embedding")),
         largest_weight=max((_weight_elements(d) for _, d in nodes), default=0),
         tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
-        boundary_bytes=_boundary(og, members) / b)
+        boundary_bytes=_boundary(og, members) / b, **_gemm_operands(og, nodes))
 
 
 PRODUCTS = ("linear", "matmul", "attention")
@@ -128,6 +128,38 @@ def op_policy(nodes: list[tuple[int, dict]]) -> dict[str, float]:
                 continue
         out["act_op_split" if data.get("tp") == "S" else "act_op_whole"] += nbytes(data)
     return out
+
+
+def _gemm_operands(og: OpGraph, nodes: list[tuple[int, dict]]) -> dict[str, float | int]:
+    """The weight GEMMs' activation inputs (each tensor once) and outputs, per sequence: what FP8
+    training casts (costmodel.fp8)."""
+    g, b = og.graph, og.batch
+    inputs, outputs = {}, []
+    for node, data in nodes:
+        if data["kind"] != "linear" or _is_attention(og, node, data):
+            continue
+        outputs.append(_elements(data))
+        for p in g.predecessors(node):
+            if not g.edges[p, node].get("param"):
+                source = _through_views(og, p)
+                inputs[source] = _elements(g.nodes[source])
+    return {"gemm_input_elements": sum(inputs.values()) / b, "gemm_output_elements": sum(outputs) / b,
+            "gemm_casts": len(inputs) + len(outputs)}
+
+
+def _through_views(og: OpGraph, node: int) -> int:
+    """The tensor a chain of views reshapes (each projection reshapes its input on its own)."""
+    g = og.graph
+    while g.nodes[node]["kind"] == "view":
+        sources = [p for p in g.predecessors(node) if not g.edges[p, node].get("param")]
+        if len(sources) != 1:
+            break
+        node = sources[0]
+    return node
+
+
+def _elements(data: dict) -> float:
+    return nbytes(data) / _ELEM.get(data["dtype"], 4)
 
 
 def _weight_elements(data: dict) -> int:
