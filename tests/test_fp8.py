@@ -1,10 +1,12 @@
-"""FP8: GEMMs at the GPU's FP8 peak, the rest in bf16, refused where the GPU has no FP8 peak."""
+"""FP8: the blocks' GEMMs at the GPU's FP8 peak, the rest in bf16, the casts priced by stack, refused where
+the GPU has no FP8 peak."""
 import pytest
 
 import hardware
 import planner
 from costmodel import estimate
-from costmodel.compute import Context, forward_parts
+from costmodel.compute import Context, fp8_cast_times, forward_parts
+from costmodel.fp8 import CAST_RECIPES, amax_all_reduces, weight_cast_bytes_per_param
 from costmodel.memory import model_state_bytes
 from executor.runtime.launch import executed_dtype_notes
 from hardware.errors import PlanError
@@ -39,12 +41,18 @@ def test_fp8_keeps_bf16_weights_and_fp32_states_plus_its_cast():
     assert (fp8["gradients"], fp8["optimizer"]) == (bf16["gradients"], bf16["optimizer"])
 
 
-def test_fp8_plan_is_faster_than_bf16_on_h100():
+def test_fp8_plan_is_faster_than_bf16_on_h100_where_its_casts_are_fused():
+    """Compiled (torchao's casts fused by inductor) and fused (Transformer Engine) FP8 beat bf16;
+    eager's unfused casts (one kernel per op of each cast) eat the faster GEMMs."""
     kw = dict(global_batch=64, seq_len=4096, time_limit_s=2)
-    fp8 = planner.plan("llama-3-8b", "8xh100-sxm", dtype="fp8", **kw)
-    bf16 = planner.plan("llama-3-8b", "8xh100-sxm", dtype="bf16", **kw)
-    assert fp8.dtype == "fp8"
-    assert 1.1 < bf16.estimate.step_time_s / fp8.estimate.step_time_s < 2.0
+    speedup = {}
+    for stack in ("eager", "compile", "fused"):
+        fp8 = planner.plan("llama-3-8b", "8xh100-sxm", dtype="fp8", fixed={"stack": stack}, **kw)
+        bf16 = planner.plan("llama-3-8b", "8xh100-sxm", dtype="bf16", fixed={"stack": stack}, **kw)
+        assert fp8.dtype == "fp8"
+        speedup[stack] = bf16.estimate.step_time_s / fp8.estimate.step_time_s
+    assert 1.1 < speedup["compile"] < 2.0 and 1.1 < speedup["fused"] < 2.0
+    assert speedup["eager"] < 1.1
 
 
 def test_fp8_is_refused_on_a_gpu_without_an_fp8_peak(llama_8b):
@@ -60,3 +68,53 @@ def test_the_run_report_says_fp8_ran_in_bf16():
     plan = planner.plan("reference-tiny", "2xh100-sxm", dtype="fp8", global_batch=4, seq_len=32, time_limit_s=1)
     (note,) = executed_dtype_notes(plan, "cpu")
     assert "fp8 plan executed in bf16" in note
+
+
+def test_the_head_stays_bf16_under_fp8(llama_8b):
+    """Only the blocks' projections run in FP8 (Transformer Engine's and torchao's recipes): the LM
+    head's GEMM costs what it costs in bf16, and casts nothing."""
+    cluster = hardware.load("8xh100-sxm")
+    head = llama_8b.layers[-1]
+    kw = dict(cluster=cluster, tp=1, sp=False, micro_batch=1, tp_group=None)
+    assert forward_parts(head, Context(dtype="fp8", **kw)) == forward_parts(head, Context(dtype="bf16", **kw))
+    assert fp8_cast_times(head, Context(dtype="fp8", **kw)) == (0.0, 0.0)
+
+
+def test_the_casts_cost_what_each_stack_moves(llama_8b):
+    """Per micro-batch: torchao's unfused eager casts move the most, its compiled ones less, and
+    Transformer Engine's fused casts least (its weights cast once a step, priced with the optimizer)."""
+    cluster = hardware.load("8xh100-sxm")
+    block = next(layer for layer in llama_8b.layers if layer.kind == "block")
+    kw = dict(cluster=cluster, tp=1, sp=False, micro_batch=1, tp_group=None)
+    times = {stack: fp8_cast_times(block, Context(dtype="fp8", stack=stack, **kw)) for stack in CAST_RECIPES}
+    assert times["eager"][0] > times["compile"][0] > times["fused"][0] > 0
+    assert times["eager"][1] > times["compile"][1] > times["fused"][1] > 0
+    assert fp8_cast_times(block, Context(dtype="bf16", **kw)) == (0.0, 0.0)
+    # the fused stack's bytes: 2 per input element forward, 4 per output gradient element backward
+    bandwidth = cluster.gpu.hbm_gbps * 1e9 * cluster.gpu.efficiency.memory_bound
+    assert times["fused"][0] * bandwidth == pytest.approx(2 * block.gemm_input_elements)
+    assert times["fused"][1] * bandwidth == pytest.approx(4 * block.gemm_output_elements)
+    assert weight_cast_bytes_per_param("fp8", "fused") == 4 and weight_cast_bytes_per_param("fp8", "compile") == 0
+
+
+def test_dynamic_scaling_all_reduces_each_split_tensors_amax(llama_8b):
+    """torchao's dynamic scales of TP-split tensors need their amax over the TP group; Transformer
+    Engine's delayed scaling reads its history."""
+    block = next(layer for layer in llama_8b.layers if layer.kind == "block")
+    assert amax_all_reduces(block, "fp8", "compile", split=2) == block.gemm_casts == 11  # 4 inputs, 7 outputs
+    assert amax_all_reduces(block, "fp8", "fused", split=2) == 0
+    assert amax_all_reduces(block, "fp8", "compile", split=1) == 0
+
+
+def test_both_doors_count_the_same_gemm_operands(llama_8b):
+    """The tracer (llama-3-8b's HF config) and the analytic transformer give the FP8 casts the same
+    operands: q, k and v share their input, each projection its own output."""
+    from costmodel.transformer import TransformerDims, transformer_workload
+
+    dims = TransformerDims(n_layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336, gated_mlp=True,
+                           vocab=128256, seq_len=4096, biases=False, learned_positions=False)
+    analytic = next(layer for layer in transformer_workload(dims).layers if layer.kind == "block")
+    traced = next(layer for layer in llama_8b.layers if layer.kind == "block")
+    for name in ("gemm_input_elements", "gemm_output_elements", "gemm_casts"):
+        assert getattr(analytic, name) == getattr(traced, name), name
+    assert traced.gemm_input_elements == 4096 * (3 * 4096 + 14336)
