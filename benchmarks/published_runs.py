@@ -165,6 +165,8 @@ def row_pins(row: dict) -> dict:
     sp = _yes(row, "seq_parallel")
     if sp is not None:
         pins["sp"] = sp
+    if _yes(row, "tp_comm_overlap"):  # Megatron-LM's --tp-comm-overlap, torchtitan's async TP: where a run states it
+        pins["tp_overlap"] = True
     recompute = (row.get("recompute") or "").strip().lower()
     if recompute:
         pins["recompute"] = recompute

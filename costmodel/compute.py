@@ -43,6 +43,7 @@ class Context:
     ep: int = 1
     ep_group: Group | None = None
     stack: str = "eager"  # the kernel stack (Plan.stack): compile and fused run pointwise chains fused
+    tp_overlap: bool = False  # SP's collectives chunked and overlapped with the GEMMs they feed (Plan.tp_overlap)
     seq_len: int | None = None  # tokens per sequence: with micro_batch, the GEMMs' token dimension (None: not known)
 
 
@@ -145,8 +146,26 @@ def expert_exchange_time(layer: LayerProfile, ctx: Context) -> float:
 
 
 def forward_collectives(layer: LayerProfile, ctx: Context) -> float:
-    """One forward's collectives on the layer's critical path: TP's, CP's and EP's."""
-    return tp_collective_time(layer, ctx) + cp_gather_time(layer, ctx) + expert_exchange_time(layer, ctx)
+    """One forward's collectives on the layer's critical path: TP's (what overlap leaves exposed),
+    FP8's amax reductions, CP's and EP's."""
+    tp = exposed_tp_time(tp_collective_time(layer, ctx), layer, ctx, 1.0)
+    return tp + amax_time(layer, ctx) + cp_gather_time(layer, ctx) + expert_exchange_time(layer, ctx)
+
+
+def backward_tp_collectives(layer: LayerProfile, ctx: Context) -> float:
+    """One backward's TP collectives on the critical path (what overlap leaves exposed)."""
+    return exposed_tp_time(tp_backward_collective_time(layer, ctx), layer, ctx, BACKWARD_FACTOR)
+
+
+def exposed_tp_time(comm: float, layer: LayerProfile, ctx: Context, gemm_passes: float) -> float:
+    """What of `comm` stays on the critical path. Overlapped (Megatron-LM's --tp-comm-overlap,
+    torchtitan's async TP), each all-gather and reduce-scatter is cut into tp chunks exchanged
+    while the GEMM computes on the chunk already there: the first chunk waits, the rest hides
+    behind the `gemm_passes` forward GEMM times of the layer unless it outlasts them."""
+    if not ctx.tp_overlap or comm == 0.0 or ctx.tp == 1:
+        return comm
+    gemm = gemm_passes * forward_parts(layer, ctx)[0]
+    return max(comm - gemm, comm / ctx.tp)
 
 
 def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
@@ -217,7 +236,7 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     cast_forward, cast_backward = fp8_cast_times(layer, ctx)
     memory += cast_forward  # a recomputed forward casts again
     compute = gemm + attention + memory
-    comm = forward_collectives(layer, ctx) + amax_time(layer, ctx)
+    comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
     plain = LayerTime(
         forward=compute + fresh_forward,
@@ -226,7 +245,7 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
                   + fresh_backward
                   + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
         recompute=0.0,
-        tp_comm=(comm + tp_backward_collective_time(layer, ctx) + cp_gather_time(layer, ctx)
+        tp_comm=(comm + backward_tp_collectives(layer, ctx) + cp_gather_time(layer, ctx)
                  + expert_exchange_time(layer, ctx) + gather),
     )
     return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather)

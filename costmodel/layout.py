@@ -66,6 +66,7 @@ def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) ->
                   tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
                   cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
                   ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster), stack=plan.stack,
+                  tp_overlap=plan.tp_overlap,
                   seq_len=workload.seq_len if workload is not None else None)
     return Layout(
         ctx=ctx,

@@ -72,12 +72,13 @@ class Losses:
         return list(self.items)
 
 
-RECIPE_DEFAULTS = {"master_dtype": "fp32", "optimizer_dtype": "fp32", "reduce_dtype": None, "accumulation": "reduce_each"}
+RECIPE_DEFAULTS = {"master_dtype": "fp32", "optimizer_dtype": "fp32", "reduce_dtype": None, "accumulation": "reduce_each",
+                   "tp_overlap": False}
 
 
 def recipe_losses(plan: Plan, losses: Losses, says: dict[str, tuple] | None = None) -> None:
-    """The precision and accumulation pins a tool's file cannot state: each field off its
-    default unless `says` lists the value among those the tool writes."""
+    """The precision, accumulation and TP-overlap pins a tool's file cannot state: each field off
+    its default unless `says` lists the value among those the tool writes."""
     says = says or {}
     for field, default in RECIPE_DEFAULTS.items():
         value = getattr(plan, field)

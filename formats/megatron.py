@@ -28,7 +28,8 @@ SOURCE = ("NVIDIA/Megatron-LM megatron/training/arguments.py at d98e8a64ddf3 (20
           "the TransformerConfig/ModelParallelConfig fields it turns into --field-name flags (argument_utils.py)")
 SHARDING = {2: "optim_grads", 3: "optim_grads_params"}  # --data-parallel-sharding-strategy of Megatron FSDP
 FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-         "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+         "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--tp-comm-overlap",
+         "--use-distributed-optimizer",
          "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--micro-batch-size", "--global-batch-size",
          "--seq-length", "--max-position-embeddings", "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16",
          "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
@@ -43,7 +44,8 @@ def export(plan: Plan, lossy: bool) -> Exported:
     options: list[tuple[str, Any]] = [
         ("--tensor-model-parallel-size", plan.tp), ("--pipeline-model-parallel-size", plan.pp),
         ("--context-parallel-size", plan.cp), ("--expert-model-parallel-size", plan.ep),
-        ("--sequence-parallel", plan.sp), *_sharding(plan), *_pipeline(plan, losses),
+        ("--sequence-parallel", plan.sp), ("--tp-comm-overlap", plan.tp_overlap), *_sharding(plan),
+        *_pipeline(plan, losses),
         ("--micro-batch-size", plan.micro_batch), ("--global-batch-size", plan.global_batch),
         ("--seq-length", plan.seq_len), *_precision(plan), *_recompute(plan, losses), *_model(plan, losses)]
     nodes, per_node = n_nodes(plan)
@@ -53,7 +55,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
-    recipe_losses(plan, losses)
+    recipe_losses(plan, losses, {"tp_overlap": (True,)})
     if plan.stack != "fused":
         losses.add("stack", f"the {plan.stack} stack: Megatron runs its fused kernels (plan with --stack fused)")
     if plan.offload:
@@ -167,6 +169,7 @@ def read(text: str) -> Stated:
     # Megatron turns sequence parallelism off itself at tp 1 (validate_args)
     axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel") and axes.get("tp", 1) > 1,
                 stack="fused")
+    axes["tp_overlap"] = axes["sp"] and argv.truth(found, "--tp-comm-overlap")
     if argv.truth(found, "--grad-reduce-in-bf16"):
         axes["compression"] = "bf16"
     stated = Stated(format=NAME, axes=axes, global_batch=number("--global-batch-size"),

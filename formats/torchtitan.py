@@ -60,7 +60,8 @@ def export(plan: Plan, lossy: bool) -> Exported:
                                       (T + "mixed_precision_param", PARAM_DTYPE.get(plan.dtype, "bfloat16")),
                                       (T + "dtype", "bfloat16" if plan.master_dtype == "bf16" else "float32"),
                                       ("--compile.enable" if plan.stack == "compile" else "--compile.no-enable", True),
-                                      ("--compile.no-enable-async-tensor-parallel", True)]
+                                      ("--compile.enable-async-tensor-parallel" if plan.tp_overlap
+                                       else "--compile.no-enable-async-tensor-parallel", True)]
     if plan.tp > 1:
         options.append((P + ("enable-sequence-parallel" if plan.sp else "no-enable-sequence-parallel"), True))
     text = argv.write(options, f"torchtitan {CONFIGS.get(plan.model, plan.model)} for {plan.model} on "
@@ -72,7 +73,8 @@ def export(plan: Plan, lossy: bool) -> Exported:
 
 
 # bf16 weights (training.dtype, its AdamW then keeps bf16 moments) and FSDP2's fp32 reduction, the only one 0.3.0 takes
-SAYS = {"master_dtype": ("bf16",), "optimizer_dtype": ("bf16",), "reduce_dtype": ("fp32",)}
+SAYS = {"master_dtype": ("bf16",), "optimizer_dtype": ("bf16",), "reduce_dtype": ("fp32",),
+        "tp_overlap": (True,)}  # async TP (the rules allow it on the compile stack only)
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
@@ -178,6 +180,7 @@ def read(text: str, suffix: str = "") -> Stated:
     axes.update(_read_sharding(found, get, cp, pp))
     if found.get("--compile.enable") is True:
         axes["stack"] = "compile"
+        axes["tp_overlap"] = axes["sp"] and found.get("--compile.enable_async_tensor_parallel") is True
     if found.get(T + "dtype") == "bfloat16":  # the weights themselves bf16, so its AdamW's moments too
         axes.update(master_dtype="bf16", optimizer_dtype="bf16")
     param = found.get(T + "mixed_precision_param", "bfloat16")
@@ -231,8 +234,8 @@ def _read_unpriced(found: dict, mode: str) -> list[str]:
     notes = []
     if mode == "memory-budget":
         notes.append(f"activation_checkpoint:{mode}: the compiler's memory-budget checkpointing priced as none")
-    if found.get("--compile.enable_async_tensor_parallel") is True:
-        notes.append("compile.enable_async_tensor_parallel: priced as synchronous TP")
+    if found.get("--compile.enable_async_tensor_parallel") is True and found.get("--compile.enable") is not True:
+        notes.append("compile.enable_async_tensor_parallel without compile: priced as synchronous TP")
     return notes
 
 

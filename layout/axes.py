@@ -95,6 +95,10 @@ AXES: tuple[Axis, ...] = (
            searched=TP_DEGREES),
     Axis("sp", bool, False, "sequence parallel (needs tp > 1): norms and dropout on sequence shards, all-gathers "
          "and reduce-scatters instead of all-reduces", choices=(False, True)),
+    Axis("tp_overlap", bool, False, "SP's all-gathers and reduce-scatters split into chunks that overlap the GEMMs "
+         "they feed (Megatron-LM's --tp-comm-overlap on the fused stack, torchtitan's async TP on compile); needs "
+         "sp; priced, not run (CUDA symmetric memory), and never chosen by the planner", choices=(False, True),
+         searched=(False,)),
     _count("pp", "pipeline stages (torch.distributed.pipelining)"),
     Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (vpp chunks per rank), or "
          "zero-bubble (ZB1P: the backward split into input and weight gradients, the weights' filling the "

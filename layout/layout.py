@@ -29,6 +29,7 @@ class Layout(BaseModel):
     tp: int = axis_field("tp")
     pp: int = axis_field("pp")
     sp: bool = axis_field("sp")
+    tp_overlap: bool = axis_field("tp_overlap")
     zero: ZeroStage = axis_field("zero")
     schedule: Schedule = axis_field("schedule")
     vpp: int = axis_field("vpp")
@@ -110,7 +111,7 @@ class Layout(BaseModel):
 
     def _tag_parts(self) -> list[str]:
         parts = [f"dp{self.dp}", *([f"ep{self.ep}"] if self.ep > 1 else []), *([f"cp{self.cp}"] if self.cp > 1 else []),
-                 f"tp{self.tp}{'+sp' if self.sp else ''}", f"pp{self.pp}"]
+                 f"tp{self.tp}{'+sp' if self.sp else ''}{'+overlap' if self.tp_overlap else ''}", f"pp{self.pp}"]
         if self.pp > 1:
             parts.append(self.schedule + (f" v{self.vpp}" if self.vpp > 1 else ""))
         parts.append(f"z{self.zero}" + ("+offload" if self.offload else ""))

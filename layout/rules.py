@@ -86,7 +86,15 @@ def valid_tp(facts: ModelFacts) -> list[int]:
 # --- any model -------------------------------------------------------------------
 
 def _sp_structure(f: Layout) -> PlanError | None:
-    return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off") if f.sp and f.tp == 1 else None
+    if f.sp and f.tp == 1:
+        return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off")
+    if f.tp_overlap and not f.sp:
+        return PlanError("tp_overlap", "TP overlap chunks SP's all-gathers and reduce-scatters; the layout has no sp",
+                         "turn sp on (tp > 1), or tp_overlap off")
+    if f.tp_overlap and f.stack == "eager":
+        return PlanError("tp_overlap", "TP overlap runs on Megatron-LM's kernels (fused) or torchtitan's compiled "
+                         "async TP (compile), not on the eager stack", "use stack fused or compile, or tp_overlap off")
+    return None
 
 
 def _schedule_structure(f: Layout) -> PlanError | None:
@@ -160,10 +168,13 @@ def precision_problem(f: Layout, dtype: str) -> PlanError | None:
 # --- what the executor runs on this model ------------------------------------------
 
 def _stack_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """Other stacks are priced (a pinned what-if, a published run), not run."""
+    """Other stacks, and TP overlap, are priced (a pinned what-if, a published run), not run."""
     if f.stack not in EXECUTED_STACKS:
         return PlanError("stack", f"the executor runs the eager and compile stacks; {f.stack!r} is priced, not run",
                          "use stack 'eager' or 'compile' to run the plan")
+    if f.tp_overlap:
+        return PlanError("tp_overlap", "TP overlap needs CUDA symmetric memory (async TP) or Transformer Engine's "
+                         "userbuffers; it is priced, not run", "use tp_overlap off to run the plan")
     return None
 
 

@@ -122,7 +122,8 @@ def test_pinned_context_parallel_counts_cp_in_the_product():
 
 def test_a_stack_the_executor_does_not_run_is_priced_not_run():
     """--stack fused prices Megatron's state split (bf16 weights, fp32 masters in the optimizer),
-    which under ZeRO-1 holds less than autocast's fp32 weights; the executor refuses to run it."""
+    which under ZeRO-1 holds less than autocast's fp32 weights; the executor refuses to run it (and
+    runs the compile stack)."""
     from executor.apply.validate import validate
     from executor.runtime.models import build_model
     from hardware.errors import PlanError
@@ -133,10 +134,11 @@ def test_a_stack_the_executor_does_not_run_is_priced_not_run():
     assert (eager.stack, fused.stack) == ("eager", "fused")
     states = lambda p: sum(p.estimate.stages[0].memory_bytes[k] for k in ("weights", "gradients", "optimizer"))  # noqa: E731
     assert states(fused) < states(eager)
-    tiny = planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
-                        fixed={"tp": 1, "pp": 1, "stack": "compile"})
+    tiny = {stack: planner.plan("hf-llama-tiny", "4xh100-sxm", global_batch=8, seq_len=32,
+                                fixed={"tp": 1, "pp": 1, "stack": stack}) for stack in ("compile", "fused")}
+    validate(tiny["compile"], build_model("hf-llama-tiny"))  # torch.compile per block: run
     with pytest.raises(PlanError, match="stack"):
-        validate(tiny, build_model("hf-llama-tiny"))
+        validate(tiny["fused"], build_model("hf-llama-tiny"))
 
 
 def test_a_ddp_plan_is_refused_in_one_line(tmp_path, capsys):

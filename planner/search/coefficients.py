@@ -120,7 +120,7 @@ class LayerTimes:
 
     def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
         base = (id(layer), id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
-                ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack)
+                ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack, ctx.tp_overlap)
         key = (*base, policy)
         if key not in self._memo:
             if base not in self._parts:
@@ -133,7 +133,8 @@ def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
     """What a layer's coefficients depend on: every field `_layer` reads, and not the schedule,
     vpp or the pipeline's depth beyond whether there is one (held_zero, gradients_at_peak), so
     the layouts that differ only there share them."""
-    return (id(layer), id(cluster), plan.dtype, plan.tp, plan.sp, plan.micro_batch, plan.cp, plan.ep, plan.stack,
+    return (id(layer), id(cluster), plan.dtype, plan.tp, plan.sp, plan.tp_overlap, plan.micro_batch, plan.cp, plan.ep,
+            plan.stack,
             plan.zero, plan.dp_shard, plan.dp, plan.pp > 1, plan.num_micro_batches == 1, plan.offload,
             plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype,
             plan.num_micro_batches if plan.holds_unsharded_gradients else 0)

@@ -22,7 +22,7 @@ from hardware.schema import Cluster
 from layout.rules import layout_problem
 from planner.executable import facts_of_workload
 from layout.layout import Layout
-from planner.search.space import recompute_choices, to_plan
+from planner.search.space import RECIPE, recompute_choices, to_plan
 
 
 def is_fully_pinned(fixed: dict | None) -> bool:
@@ -45,7 +45,8 @@ def pinned_layout(fixed: dict, cluster: Cluster) -> Layout:
     return Layout(dp=dp, tp=tp, pp=pp, sp=fixed.get("sp", False), zero=fixed.get("zero", 0),
                   micro_batch=fixed.get("micro_batch", 1), schedule=schedule, vpp=vpp,
                   compression=compression if isinstance(compression, str) else "none",
-                  dp_shard=fixed.get("dp_shard"), cp=cp, ep=fixed.get("ep", 1), stack=fixed.get("stack", "eager"))
+                  dp_shard=fixed.get("dp_shard"), cp=cp, ep=fixed.get("ep", 1),
+                  **{name: fixed[name] for name in (*RECIPE, "offload", "accumulation") if name in fixed})
 
 
 def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, **kw) -> Plan:

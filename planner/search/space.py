@@ -85,10 +85,12 @@ def _check_recompute_pin(fixed: dict) -> None:
 
 
 def _check_recipe_pins(fixed: dict) -> None:
-    """The precision and accumulation pins against each other and the pinned stack, ZeRO stage
-    and pipeline (an unpinned stage is one of FSDP2's, where every pin can hold)."""
-    keys = (*RECIPE, "accumulation", "zero", "pp")
-    probe = Layout(**{"zero": 3, **{k: fixed[k] for k in keys if k in fixed}})
+    """The precision, accumulation and TP-overlap pins against each other and the pinned stack,
+    ZeRO stage, TP, SP and pipeline (an unpinned stage is one of FSDP2's, an unpinned TP split
+    with SP, where every pin can hold)."""
+    keys = (*RECIPE, "accumulation", "zero", "pp", "tp", "sp")
+    probe = Layout(**{"zero": 3, **({"tp": 2, "sp": True} if fixed.get("tp_overlap") else {}),
+                      **{k: fixed[k] for k in keys if k in fixed}})
     if (problem := structural_problem(probe)) is not None:
         raise problem
 
@@ -166,8 +168,10 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                     for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
                         for sp in (False, True) if tp > 1 else (False,):
                             for ep in ep_choices(workload, dp * cp, fixed):
+                                recipe = _recipe(fixed)
+                                recipe["tp_overlap"] = recipe["tp_overlap"] and sp  # pinned on: the SP layouts
                                 layout = Layout(dp=dp, tp=tp, pp=pp, sp=sp, zero=zero, micro_batch=mb, schedule=schedule,
-                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep, **_recipe(fixed))
+                                                vpp=vpp, dp_shard=shard, cp=cp, ep=ep, **recipe)
                                 if _honours(layout, fixed) and recompute_choices(fixed, layout):
                                     for method, offload, held in _method_offload(layout, cluster, fixed, m):
                                         offered = layout.model_copy(update=dict(compression=method, offload=offload,
@@ -176,7 +180,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                         # and so are the precision pairs only Megatron's optimizer keeps
                                         runnable = offered.model_copy(update=dict(
                                             stack=offered.stack if offered.stack in EXECUTED_STACKS else "eager",
-                                            optimizer_dtype=offered.master_dtype))
+                                            optimizer_dtype=offered.master_dtype, tp_overlap=False))
                                         if layout_problem(runnable, facts, workload.seq_len, m) is None:
                                             yield offered
 
@@ -252,7 +256,7 @@ def accumulation_choices(layout: Layout, m: int, fixed: dict) -> tuple[str, ...]
     return ("reduce_each",)
 
 
-RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype")  # pinned or the default, never searched
+RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype", "tp_overlap")  # pinned or the default, never searched
 
 
 def _recipe(fixed: dict) -> dict:

@@ -1,0 +1,66 @@
+"""TP overlap (Megatron-LM's --tp-comm-overlap, torchtitan's async TP): a pinned recipe axis,
+priced by chunking SP's collectives behind the GEMMs, never chosen by the planner nor run here."""
+import pytest
+
+import hardware
+import planner
+from costmodel.compute import Context, exposed_tp_time, forward_parts, tp_collective_time
+from formats import export, megatron
+from hardware.errors import PlanError
+from layout.layout import Layout
+from layout.rules import ModelFacts, layout_problem, structural_problem
+
+KW = dict(global_batch=64, seq_len=8192, time_limit_s=3)
+PINS = {"stack": "fused", "tp": 8, "sp": True, "pp": 1, "zero": 1}
+
+
+def test_overlap_needs_sp_and_a_stack_that_runs_it():
+    assert structural_problem(Layout(tp=2, tp_overlap=True)).field == "tp_overlap"  # no sp
+    assert structural_problem(Layout(tp=2, sp=True, tp_overlap=True)).field == "tp_overlap"  # eager
+    assert structural_problem(Layout(tp=2, sp=True, tp_overlap=True, stack="fused")) is None
+    compiled = Layout(tp=2, sp=True, tp_overlap=True, stack="compile")
+    assert structural_problem(compiled) is None
+    refused = layout_problem(compiled, ModelFacts(n_blocks=4, heads=8, kv_heads=8), seq_len=64)
+    assert refused.field == "tp_overlap" and "priced, not run" in refused.problem
+
+
+def test_the_planner_prices_it_only_when_pinned():
+    plain = planner.plan("llama-3-70b", "64xh100-sxm", fixed=PINS, **KW)
+    overlapped = planner.plan("llama-3-70b", "64xh100-sxm", fixed={**PINS, "tp_overlap": True}, **KW)
+    assert not plain.tp_overlap and overlapped.tp_overlap and "+overlap" in overlapped.layout_tag
+    assert overlapped.estimate.step_time_s < plain.estimate.step_time_s
+    assert overlapped.estimate.breakdown_s["tp_comm"] < plain.estimate.breakdown_s["tp_comm"]
+    with pytest.raises(PlanError) as refused:
+        planner.plan("llama-3-70b", "64xh100-sxm", fixed={"tp_overlap": True}, **KW)  # the eager stack
+    assert refused.value.field == "tp_overlap"
+
+
+def test_what_stays_exposed_is_the_first_chunk_or_what_outlasts_the_gemms():
+    from planner.resolve import resolve_workload
+
+    workload = resolve_workload("llama-3-70b", seq_len=8192, dtype="bf16")
+    block = next(layer for layer in workload.layers if layer.kind == "block")
+    cluster = hardware.load("8xh100-sxm").for_stack("fused")
+    from costmodel.collectives import group_of
+
+    ctx = Context(cluster=cluster, dtype="bf16", tp=8, sp=True, micro_batch=1, tp_group=group_of(8, 1, cluster),
+                  stack="fused", tp_overlap=True)
+    comm, gemm = tp_collective_time(block, ctx), forward_parts(block, ctx)[0]
+    assert comm < gemm  # at 8K tokens the chunks hide behind the GEMMs: the first one waits
+    assert exposed_tp_time(comm, block, ctx, 1.0) == pytest.approx(comm / 8)
+    assert exposed_tp_time(3 * gemm, block, ctx, 1.0) == pytest.approx(2 * gemm)
+    synchronous = Context(**{**ctx.__dict__, "tp_overlap": False})
+    assert exposed_tp_time(comm, block, synchronous, 1.0) == comm
+
+
+def test_megatron_and_torchtitan_state_it():
+    fused = planner.plan("llama-3-70b", "64xh100-sxm", fixed={**PINS, "tp_overlap": True}, **KW)
+    text = export(fused, "megatron").text
+    assert "--tp-comm-overlap" in text.splitlines()
+    assert megatron.read(text).axes["tp_overlap"] is True
+    compiled = planner.plan("llama-3-70b", "64xh100-sxm",
+                            fixed={**PINS, "stack": "compile", "zero": 3, "tp_overlap": True}, **KW)
+    text = export(compiled, "torchtitan", lossy=True).text  # (torchtitan's own names for the rest)
+    assert "--compile.enable-async-tensor-parallel" in text.splitlines()
+    lost = export(fused, "deepspeed", lossy=True).lost  # DeepSpeed has no such switch: a loss it must accept
+    assert any(item.startswith("tp_overlap:") for item in lost)
