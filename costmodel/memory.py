@@ -164,6 +164,8 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
             kept += layer.act_op_reduced / t
     else:
         kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
+        if stack == "compile" and layer.act_compiled_share is not None:
+            kept *= layer.act_compiled_share  # the pointwise ops the min-cut partition recomputes
         if sp and t > 1 and stack != "fused":
             kept += layer.act_sp_whole - layer.act_sp_dropped / t
         if recompute in ("none", "op"):  # op on a layer not traced for it: priced as none, as its time is

@@ -69,6 +69,9 @@ class LayerProfile(BaseModel):
     act_replicated: float = Field(0.0, ge=0, description="saved bytes TP leaves replicated (SP splits them)")
     act_tp_sharded: float = Field(0.0, ge=0, description="saved bytes TP splits")
     act_attention_scores: float = Field(0.0, ge=0, description="saved s^2 bytes (dropped by selective recompute)")
+    act_compiled_share: float | None = Field(None, ge=0, le=1, description="what the compile stack saves of the saved "
+                                             "activations: torch.compile's min-cut partition recomputes pointwise ops "
+                                             "in the backward (planner/trace/partition.py; None: not traced, kept whole)")
     act_input: float = Field(0.0, ge=0, description="bytes kept under full recompute (the layer input)")
     act_op_split: float | None = Field(None, ge=0, description="bytes per sequence the op policy keeps that TP "
                                        "splits: the saved outputs of column-split products and of attention "

@@ -24,6 +24,7 @@ from hardware.errors import ModelError
 from costmodel.workload import AttentionCall, LayerProfile, Segment, Workload
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
+from planner.trace.partition import compiled_saved_bytes
 from planner.trace.saved import sp_whole_bytes, transient
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
@@ -93,6 +94,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         elementwise_fused_bytes=min(elementwise, fused_elementwise_bytes(og, members, nbytes)) / b,
         elementwise_kernel_bytes=min(elementwise, fused_elementwise_bytes(og, members, half_nbytes)) / b,
         act_replicated=saved["R"] / b, act_tp_sharded=saved["S"] / b, act_attention_scores=saved["scores"] / b,
+        act_compiled_share=_compiled_share(og, layer, sum(saved.values())),
         act_input=max(inputs, default=0.0) / b,
         **{name: value / b for name, value in op_policy(nodes).items()}, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,
         act_transient=temporaries / b, act_transient_tp=temporaries_tp,
@@ -145,6 +147,12 @@ def _gemm_operands(og: OpGraph, nodes: list[tuple[int, dict]]) -> dict[str, floa
                 inputs[source] = _elements(g.nodes[source])
     return {"gemm_input_elements": sum(inputs.values()) / b, "gemm_output_elements": sum(outputs) / b,
             "gemm_casts": len(inputs) + len(outputs)}
+
+
+def _compiled_share(og: OpGraph, layer: str, eager: float) -> float | None:
+    """What torch.compile's partition saves of `eager`, the layer's saved bytes under eager."""
+    cut = compiled_saved_bytes(og, layer, nbytes)
+    return None if cut is None or eager <= 0 else min(1.0, cut / eager)
 
 
 def _through_views(og: OpGraph, node: int) -> int:
