@@ -130,7 +130,23 @@ def run(plan: Plan, config: RunConfig = RunConfig(), *, nproc: int | None = None
     ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
     report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
     step, peak, note = predict(ran, model, cluster, config.trust.module)
+    peak, measured_eagerly = _memory_as_measured(ran, report.device, peak, model, cluster, config)
+    if measured_eagerly:
+        report = report.model_copy(update={"notes": [*report.notes, measured_eagerly]})
     return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+
+
+def _memory_as_measured(plan: Plan, device: str, peak, model: str, cluster, config: RunConfig):
+    """(the peak to hold the measurement to, a note): a compiled plan's memory steps run eagerly on
+    a CPU (executor.measure.memory), so there it is held to the eager price of the same layout."""
+    if plan.stack != "compile" or device != "cpu" or peak is None:
+        return peak, ""
+    _, eager, _ = predict(plan.model_copy(update={"stack": "eager"}), model, cluster, config.trust.module)
+    if eager is None:
+        return peak, ""
+    return eager, (f"compile: the CPU's memory steps ran eagerly, so memory is held to the eager price "
+                   f"({eager / 2**20:,.1f} MiB); the compiled steps' price is {peak / 2**20:,.1f} MiB (torch.compile's "
+                   "partition recomputes pointwise ops), what a GPU's allocator measures")
 
 
 def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, config: RunConfig) -> RunError:
