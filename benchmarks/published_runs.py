@@ -26,8 +26,11 @@ it is neither (MPT: flash attention, no biases, no dropout, learned positions);
 n_experts, top_k and ep describe a mixture-of-experts run (blank: dense), cp a
 context-parallel one;
 a blank nic_gbps_per_gpu takes the catalog's network. `dtype` (bf16, fp16, fp8,
-fp32; blank bf16) is the precision the run trained in and is priced so (FP8 at
-the GPU's FP8 peak). `stack` names the software that ran it: eager (PyTorch
+fp32; blank bf16) is the precision the run trained in and is priced so (FP8: the
+blocks' GEMMs at the GPU's FP8 peak, their casts by stack, costmodel/fp8.py). An
+optional yes/no tp_comm_overlap says the run overlapped TP's collectives with its
+GEMMs (Megatron-LM's --tp-comm-overlap, torchtitan's async TP), as its launcher
+config states. `stack` names the software that ran it: eager (PyTorch
 ops, FSDP2/DTensor, what `parallax run` executes), compile (torch.compile) or
 fused (Megatron-LM / Transformer Engine kernels); blank is fused, which every
 Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; each
