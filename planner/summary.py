@@ -13,7 +13,7 @@ GIB = 2**30
 def _layout_line(plan: Plan) -> str:
     sched = plan.schedule + (f" v={plan.vpp}" if plan.vpp > 1 else "") if plan.pp > 1 else "-"
     return (
-        f"dp={plan.dp}{f' ({plan.hsdp_label})' if plan.hsdp_label else ''}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''} "
+        f"dp={plan.dp}{f' ({plan.hsdp_label})' if plan.hsdp_label else ''}{f' ep={plan.ep}' if plan.ep > 1 else ''}{f' cp={plan.cp}' if plan.cp > 1 else ''} tp={plan.tp}{' +sp' if plan.sp else ''}{' +overlap' if plan.tp_overlap else ''} "
         f"pp={plan.pp} zero={plan.zero}{' +offload' if plan.offload else ''} "
         f"micro_batch={plan.micro_batch} x {_micro_batches(plan)} schedule={sched}"
         + (f" compression={plan.compression}" if plan.compression != "none" else "")

@@ -17,6 +17,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from layout.plan import Plan
 from hardware.errors import ParallaxError, PlanError, RunError
 
@@ -103,7 +105,8 @@ def run(plan: Plan, config: RunConfig = RunConfig(), *, nproc: int | None = None
     `hardware.errors.Interrupted`."""
     model = config.model_for(plan.model)
     nproc = nproc or max(1, plan.n_gpus // nodes.max_nodes)
-    module = build_model(model, trust_module=config.trust.module)
+    with torch.device("meta"):  # its structure alone, to check the plan against: a 70B is refused without 280 GB
+        module = build_model(model, trust_module=config.trust.module)
     replanned = ""
     if config.checkpoint_dir and nproc * nodes.max_nodes != plan.n_gpus:
         from executor.runtime.elastic import replan
