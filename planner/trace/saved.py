@@ -19,7 +19,7 @@ from __future__ import annotations
 from planner.trace.graph import OpGraph
 
 
-def _base(g, node: int) -> int:
+def view_base(g, node: int) -> int:
     """The node whose storage `node` views."""
     while g.nodes[node]["kind"] == "view":
         preds = [p for p in g.predecessors(node) if not g.edges[p, node].get("param")]
@@ -44,7 +44,7 @@ def sp_whole_bytes(og: OpGraph, layer: str, members: list[int], nbytes) -> tuple
             continue
         ins = _inputs(g, node)
         whole += max((nbytes(g.nodes[p]) for p in ins), default=0.0)
-        replaced |= {_base(g, p) for p in ins}
+        replaced |= {view_base(g, p) for p in ins}
     for base in replaced:
         data = g.nodes[base]
         if data["saved_bytes"] and data.get("saved_layer") == layer and data.get("tp", "R") == "R" \
@@ -68,7 +68,7 @@ def transient(og: OpGraph, members: list[int], nbytes) -> tuple[float, str]:
     for node in order:
         for p in _inputs(g, node):
             if p in inside:
-                last_use[_base(g, p)] = node
+                last_use[view_base(g, p)] = node
     live: dict[int, float] = {}
     best, kind = 0.0, "R"
     for node in order:

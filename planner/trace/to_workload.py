@@ -25,7 +25,7 @@ from costmodel.workload import AttentionCall, LayerProfile, Segment, Workload
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
 from planner.trace.partition import compiled_saved_bytes
-from planner.trace.saved import sp_whole_bytes, transient
+from planner.trace.saved import sp_whole_bytes, transient, view_base
 
 _ELEM = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "int64": 8, "int32": 4, "bool": 1,
          "int8": 1, "uint8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1}
@@ -143,7 +143,7 @@ def _gemm_operands(og: OpGraph, nodes: list[tuple[int, dict]]) -> dict[str, floa
         outputs.append(_elements(data))
         for p in g.predecessors(node):
             if not g.edges[p, node].get("param"):
-                source = _through_views(og, p)
+                source = view_base(g, p)
                 inputs[source] = _elements(g.nodes[source])
     return {"gemm_input_elements": sum(inputs.values()) / b, "gemm_output_elements": sum(outputs) / b,
             "gemm_casts": len(inputs) + len(outputs)}
@@ -153,17 +153,6 @@ def _compiled_share(og: OpGraph, layer: str, eager: float) -> float | None:
     """What torch.compile's partition saves of `eager`, the layer's saved bytes under eager."""
     cut = compiled_saved_bytes(og, layer, nbytes)
     return None if cut is None or eager <= 0 else min(1.0, cut / eager)
-
-
-def _through_views(og: OpGraph, node: int) -> int:
-    """The tensor a chain of views reshapes (each projection reshapes its input on its own)."""
-    g = og.graph
-    while g.nodes[node]["kind"] == "view":
-        sources = [p for p in g.predecessors(node) if not g.edges[p, node].get("param")]
-        if len(sources) != 1:
-            break
-        node = sources[0]
-    return node
 
 
 def _elements(data: dict) -> float:
