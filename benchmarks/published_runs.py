@@ -10,10 +10,11 @@ published vs predicted with the signed error, a row it cannot predict with
 why, the MAPE per mechanism class (GPU, and ZeRO-3/FSDP, HSDP, Megatron
 TP x PP, or plain DP), then `MAPE: X% over N rows (K not predicted)`.
 
-Each row's model goes through the tracer, as users plan (`row_model`): gated rows as an HF
-llama config (mixtral with experts), the others as the reference GPT (learned positions,
-LayerNorm, GELU, biases, a tied head); the biases, dropout and learned_positions columns
-then matter only to `--door dims`, the analytic workload of `costmodel/transformer.py`.
+Each row's model is its dimensions (`row_dims`), handed to the tracer as users may hand
+them to `planner.plan` (`planner/trace/dims.py`): gated rows as an HF llama config (mixtral
+with experts), the others as the reference GPT (learned positions, LayerNorm, GELU, biases,
+a tied head); the biases, dropout and learned_positions columns then matter only to
+`--door dims`, the analytic workload of `costmodel/transformer.py`.
 
 Row conventions (not per-row fudge factors): a blank kv_heads means
 kv_heads = heads, a blank ffn_hidden means 4*hidden, a blank gated_mlp means
@@ -60,8 +61,6 @@ sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
-from costmodel.attention import on_path  # noqa: E402
-from planner.trace.models.reference_gpt import GPTConfig  # noqa: E402
 from planner.trace.workload_for import workload_for  # noqa: E402
 from planner.request import PlanRequest  # noqa: E402
 from planner.search.branch_and_bound import best_plan  # noqa: E402
@@ -88,28 +87,22 @@ def _flag(row: dict, key: str, default: bool) -> bool:
     return default if value is None else value
 
 
-def row_model(row: dict):
-    """The row's architecture as users hand it over: an HF config dict (Llama-era rows: a llama,
-    or a mixtral with experts) or the reference GPT's config (GPT-era rows: learned positions,
-    LayerNorm, GELU MLP, biases, the head tied to the embedding as Megatron-LM and MPT tie it)."""
+def row_dims(row: dict, name: str = "row") -> TransformerDims:
+    """The row's architecture by its dimensions, its columns' flags or the era's defaults."""
     hidden, heads = _int(row, "hidden"), _int(row, "heads")
-    seq_len, ffn = _int(row, "seq_len"), _int(row, "ffn_hidden", 4 * hidden)
-    if not _yes(row, "gated_mlp"):
-        return GPTConfig(vocab_size=_int(row, "vocab"), n_layers=_int(row, "n_layers"), hidden=hidden, heads=heads,
-                         ffn_hidden=ffn, max_seq_len=seq_len, tie_embeddings=True)
-    config = {"model_type": "llama", "hidden_size": hidden, "intermediate_size": ffn,
-              "num_hidden_layers": _int(row, "n_layers"), "num_attention_heads": heads,
-              "num_key_value_heads": _int(row, "kv_heads", heads), "vocab_size": _int(row, "vocab"),
-              "max_position_embeddings": seq_len, "tie_word_embeddings": bool(_yes(row, "tied_embeddings")),
-              "hidden_act": "silu"}
-    if _int(row, "n_experts", 0):
-        config.update(model_type="mixtral", num_local_experts=_int(row, "n_experts"),
-                      num_experts_per_tok=_int(row, "top_k", 2))
-    return config
+    gated = bool(_yes(row, "gated_mlp"))
+    return TransformerDims(
+        name=name, n_layers=_int(row, "n_layers"), hidden=hidden, heads=heads, kv_heads=_int(row, "kv_heads", heads),
+        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden), vocab=_int(row, "vocab"), seq_len=_int(row, "seq_len"),
+        gated_mlp=gated, dropout=_flag(row, "dropout", not gated), biases=_flag(row, "biases", not gated),
+        learned_positions=_flag(row, "learned_positions", not gated), flash_attention=_flag(row, "flash_attention", gated),
+        tied_embeddings=bool(_yes(row, "tied_embeddings")), n_experts=_int(row, "n_experts", 0),
+        top_k=_int(row, "top_k", 0))
 
 
 MODEL_COLUMNS = ("n_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "n_experts",
-                 "top_k", "tied_embeddings", "flash_attention", "dtype")  # what `row_workload` reads
+                 "top_k", "tied_embeddings", "flash_attention", "biases", "dropout", "learned_positions",
+                 "dtype")  # what `row_workload` reads
 
 
 def row_workload(row: dict):
@@ -121,27 +114,19 @@ def row_workload(row: dict):
 
 @lru_cache(maxsize=None)
 def _traced(model: tuple):
+    """The row's dimensions through the tracer (`planner.trace.dims`: the architecture they describe)."""
     row = dict(model)
     dtype = row["dtype"].lower() or "bf16"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        workload, _ = workload_for(row_model(row), seq_len=_int(row, "seq_len"), dtype=dtype)
-    if not _flag(row, "flash_attention", bool(_yes(row, "gated_mlp"))):
-        workload = on_path(workload, "math")
+        workload, _ = workload_for(row_dims(row), seq_len=_int(row, "seq_len"), dtype=dtype)
     return workload
 
 
 def row_dims_workload(row: dict):
     """The row through the analytic door (`costmodel.transformer`: Korthikanti et al.'s
     accounting of Megatron's kernels), kept beside the traced one for comparison (--door dims)."""
-    hidden, heads = _int(row, "hidden"), _int(row, "heads")
-    gated = bool(_yes(row, "gated_mlp"))
-    return transformer_workload(TransformerDims(
-        name=row["id"], n_layers=_int(row, "n_layers"), hidden=hidden, heads=heads, kv_heads=_int(row, "kv_heads", heads),
-        ffn_hidden=_int(row, "ffn_hidden", 4 * hidden), vocab=_int(row, "vocab"), seq_len=_int(row, "seq_len"),
-        gated_mlp=gated, dropout=_flag(row, "dropout", not gated), biases=_flag(row, "biases", not gated),
-        learned_positions=_flag(row, "learned_positions", not gated), flash_attention=_flag(row, "flash_attention", gated),
-        n_experts=_int(row, "n_experts", 0), top_k=_int(row, "top_k", 0)))
+    return transformer_workload(row_dims(row, row["id"]))
 
 
 def row_cluster(row: dict):

@@ -1,7 +1,8 @@
 """One entry point from "a model" to the cost model's `Workload`.
 
 `model` may be a built-in name (see `planner.trace.models.catalog`), a HuggingFace
-config object or dict, a reference GPT's `GPTConfig`, a path to an .onnx file, or an
+config object or dict, a reference GPT's `GPTConfig`, a `TransformerDims` (traced as the
+architecture it describes, `planner.trace.dims`), a path to an .onnx file, or an
 nn.Module (with example inputs; the ReferenceGPT's are made from its config). Built-in names are
 cached: the planner asks for the same (name, seq_len, dtype) many times.
 """
@@ -28,8 +29,14 @@ def workload_for(model: Any, *, seq_len: int, dtype: str = "bf16", example_input
         dtype = "bf16"
     if isinstance(model, str) and not model.endswith(".onnx"):
         return _named(model, seq_len, dtype)
+    from costmodel.transformer import TransformerDims
     from planner.trace.models.reference_gpt import GPTConfig
 
+    if isinstance(model, TransformerDims):  # by its dimensions: the architecture they describe, traced
+        from planner.trace.dims import model_of_dims, on_its_attention_path
+
+        workload, graph = workload_for(model_of_dims(model), seq_len=seq_len, dtype=dtype, batch=batch)
+        return on_its_attention_path(workload, model).model_copy(update={"name": model.name}), graph
     if isinstance(model, GPTConfig):  # the reference GPT by its dimensions (a GPT-era decoder)
         return _reference_gpt(model, seq_len, dtype, "reference-gpt")
     if isinstance(model, (str, Path)):
