@@ -115,7 +115,8 @@ def test_any_ds_config_is_read_or_refused_by_field(config):
 # Flag names as each tool's argument parser declares them, read from its source (see each module's SOURCE(S)).
 MEGATRON_PARSER = {
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--num-layers-per-virtual-pipeline-stage",
-    "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--use-distributed-optimizer",
+    "--context-parallel-size", "--expert-model-parallel-size", "--sequence-parallel", "--tp-comm-overlap",
+    "--use-distributed-optimizer",
     "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--micro-batch-size", "--global-batch-size",
     "--seq-length", "--max-position-embeddings", "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16",
     "--recompute-granularity", "--recompute-method", "--recompute-num-layers", "--decoder-first-pipeline-num-layers",
