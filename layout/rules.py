@@ -86,11 +86,11 @@ def valid_tp(facts: ModelFacts) -> list[int]:
 # --- any model -------------------------------------------------------------------
 
 def _sp_structure(f: Layout) -> PlanError | None:
+    if f.tp_overlap and not (f.sp and f.tp > 1):
+        return PlanError("tp_overlap", "TP overlap chunks SP's all-gathers and reduce-scatters; the layout has "
+                         + ("tp=1" if f.tp == 1 else "no sp"), "use tp > 1 with sp, or tp_overlap off")
     if f.sp and f.tp == 1:
         return PlanError("sp", "sequence parallelism needs tp > 1", "turn sp off")
-    if f.tp_overlap and not f.sp:
-        return PlanError("tp_overlap", "TP overlap chunks SP's all-gathers and reduce-scatters; the layout has no sp",
-                         "turn sp on (tp > 1), or tp_overlap off")
     if f.tp_overlap and f.stack == "eager":
         return PlanError("tp_overlap", "TP overlap runs on Megatron-LM's kernels (fused) or torchtitan's compiled "
                          "async TP (compile), not on the eager stack", "use stack fused or compile, or tp_overlap off")

@@ -16,6 +16,7 @@ PINS = {"stack": "fused", "tp": 8, "sp": True, "pp": 1, "zero": 1}
 
 def test_overlap_needs_sp_and_a_stack_that_runs_it():
     assert structural_problem(Layout(tp=2, tp_overlap=True)).field == "tp_overlap"  # no sp
+    assert structural_problem(Layout(tp=1, sp=True, tp_overlap=True, stack="fused")).field == "tp_overlap"  # no TP
     assert structural_problem(Layout(tp=2, sp=True, tp_overlap=True)).field == "tp_overlap"  # eager
     assert structural_problem(Layout(tp=2, sp=True, tp_overlap=True, stack="fused")) is None
     compiled = Layout(tp=2, sp=True, tp_overlap=True, stack="compile")
