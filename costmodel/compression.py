@@ -29,6 +29,7 @@ from __future__ import annotations
 from hardware.schema import Cluster
 
 from . import collectives as coll
+from .compute import memory_bandwidth
 from .memory import WEIGHT_BYTES, reduce_bytes
 from layout.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 
@@ -108,7 +109,7 @@ def compression_compute_time(method: str, params: float, dtype: str, dp: int, cl
                              topk_fraction: float = DEFAULT_TOPK_FRACTION) -> float:
     gpu = cluster.gpu
     traffic = params * compute_bytes_per_element(method, WEIGHT_BYTES[dtype], dp, topk_fraction)
-    return traffic / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+    return traffic / memory_bandwidth(gpu)
 
 
 def compressed_reduction_time(params: float, method: str, dtype: str, group: coll.Group, cluster: Cluster,

@@ -61,6 +61,11 @@ class LayerTime:
         return self.forward + self.backward + self.recompute + self.tp_comm
 
 
+def memory_bandwidth(gpu) -> float:
+    """Bytes per second a memory-bound kernel streams on `gpu`: its HBM at the achievable share."""
+    return gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+
+
 def gemm_efficiency(ctx: Context, min_dim: float, dtype: str | None = None) -> float:
     """The share of `dtype`'s peak (default: the plan's) a GEMM whose smallest dimension is `min_dim` reaches."""
     eff = ctx.cluster.gpu.efficiency
@@ -108,9 +113,7 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
         min_dim = max(1.0, min(layer.matmul_min_dim, layer.expert_tokens * b))
         gemm += layer.expert_flops * b / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
-    memory = elementwise_traffic(layer, ctx) * b * _elementwise_share(layer, ctx) / (
-        gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
-    )
+    memory = elementwise_traffic(layer, ctx) * b * _elementwise_share(layer, ctx) / memory_bandwidth(gpu)
     return gemm, attention, memory
 
 
@@ -254,8 +257,7 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
 def fp8_cast_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]:
     """(forward, backward) seconds of one micro-batch's FP8 casts (costmodel.fp8), memory-bound."""
     forward, backward = cast_bytes(layer, ctx.dtype, ctx.stack, ctx.micro_batch, _split(layer, ctx))
-    gpu = ctx.cluster.gpu
-    bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+    bandwidth = memory_bandwidth(ctx.cluster.gpu)
     return forward / bandwidth, backward / bandwidth
 
 
@@ -295,13 +297,13 @@ def dense_gradient_time(layer: LayerProfile, ctx: Context) -> float:
         return 0.0
     gpu = ctx.cluster.gpu
     nbytes = DENSE_GRADIENT_PASSES * layer.grad_dense_bytes / _split(layer, ctx)
-    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+    return nbytes / memory_bandwidth(gpu)
 
 
 def _scores_traffic_time(layer: LayerProfile, ctx: Context) -> float:
     gpu = ctx.cluster.gpu
     nbytes = layer.act_attention_scores * ctx.micro_batch / _split(layer, ctx)
-    return nbytes / (gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound)
+    return nbytes / memory_bandwidth(gpu)
 
 
 def recompute_flops(layer: LayerProfile, recompute: str) -> float:

@@ -15,7 +15,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compression import plan_reduction_time
-from .compute import LayerTime, fresh_page_time
+from .compute import LayerTime, fresh_page_time, memory_bandwidth
 from .fp8 import weight_cast_bytes_per_param
 from .memory import WEIGHT_BYTES, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_copy_time, host_optimizer_seconds_per_param
@@ -218,7 +218,7 @@ def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     linear model uses the same number);
     offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
-    bandwidth = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+    bandwidth = memory_bandwidth(gpu)
     copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
     copies += weight_cast_bytes_per_param(plan.dtype, plan.stack) / bandwidth  # FP8 weights recast once a step
     if plan.offload:

@@ -39,7 +39,7 @@ from hardware.errors import ModelError
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .compute import Context, forward_parts, tp_collective_time
+from .compute import Context, forward_parts, memory_bandwidth, tp_collective_time
 from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
@@ -168,7 +168,7 @@ class ServingModel:
         self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype)
-        self.hbm = gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+        self.hbm = memory_bandwidth(gpu)
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
