@@ -38,27 +38,31 @@ SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
 MIB = 2**20
 
 
-def plans(device: str, profile, wanted: tuple[str, ...], model: str, seq_len: int):
+def plans(device: str, profile, wanted: tuple[str, ...], model: str, seq_len: int, stack: str = "eager"):
     """(name, plan): one per recompute policy, and the no-recompute layout offloaded (those `wanted`)."""
     _, _, global_batch, micro_batch = SETTINGS[device]
     dtype = "bf16" if device == "cuda" else "fp32"
     workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
     for policy in (p for p in RECOMPUTE if p in wanted):
-        layout = Layout(dp=1, zero=3, micro_batch=micro_batch)
+        layout = Layout(dp=1, zero=3, micro_batch=micro_batch, stack=stack)
         yield policy, to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype, recompute=policy,
                               model=model)
     if "offloaded" not in wanted:
         return
-    layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=True)
+    layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=True, stack=stack)
     yield "none, offloaded", to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype,
                                      recompute="none", model=model)
 
 
-def row(name: str, plan, profile, steps: int, timeout: float) -> str:
+def row(name: str, plan, profile, steps: int, timeout: float, reports: Path | None = None) -> str:
     try:
         report = run(plan, RunConfig(steps=steps), nproc=1, cluster=profile, timeout_s=timeout)
     except ParallaxError as error:
         return f"{name:16} did not run: {' '.join(str(error).split())[:200]}"
+    if reports is not None:
+        stem = name.replace(",", "").replace(" ", "_")
+        (reports / f"{stem}.plan.json").write_text(plan.model_dump_json(indent=2))
+        (reports / f"{stem}.report.json").write_text(report.model_dump_json(indent=2))
     allocated, reserved = max(report.peak_memory_bytes), max(report.peak_reserved_bytes or report.peak_memory_bytes)
     predicted_peak = report.predicted_peak_memory_bytes or float("nan")
     predicted_step = report.predicted_step_time_s or float("nan")
@@ -75,6 +79,9 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", default=None, help="a profile or spec to predict with instead of calibrating")
     parser.add_argument("--model", default=None, help="a catalog model in place of the device's default")
     parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--save-profile", default=None, help="write the calibrated profile to this JSON file")
+    parser.add_argument("--stack", default="eager", help="the layouts' stack: eager or compile")
+    parser.add_argument("--reports", default=None, help="a folder to write each plan and its run report to")
     parser.add_argument("--plans", default=",".join((*RECOMPUTE, "offloaded")),
                         help="which plans to run: recompute policies and 'offloaded', comma-separated")
     args = parser.parse_args(argv)
@@ -83,6 +90,9 @@ def main(argv=None) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     started = time.perf_counter()
     profile = load(args.profile) if args.profile else calibrate(device, ranks=1)
+    if args.save_profile:
+        Path(args.save_profile).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.save_profile).write_text(profile.model_dump_json(indent=2))
     model, seq_len, global_batch, micro_batch = SETTINGS[device]
     model, seq_len = args.model or model, args.seq_len or seq_len
     how = f"profile {args.profile}" if args.profile else f"calibrated in {time.perf_counter() - started:.0f} s"
@@ -94,8 +104,11 @@ def main(argv=None) -> int:
     unknown = [p for p in wanted if p not in (*RECOMPUTE, "offloaded")]
     if unknown:
         parser.error(f"--plans: unknown {', '.join(unknown)} (use {', '.join((*RECOMPUTE, 'offloaded'))})")
-    for name, plan in plans(device, profile, wanted, model, seq_len):
-        print(row(name, plan, profile, args.steps, args.timeout), flush=True)
+    for name, plan in plans(device, profile, wanted, model, seq_len, args.stack):
+        reports = Path(args.reports) if args.reports else None
+        if reports is not None:
+            reports.mkdir(parents=True, exist_ok=True)
+        print(row(name, plan, profile, args.steps, args.timeout, reports), flush=True)
     print(f"total {time.perf_counter() - started:.0f} s")
     return 0
 

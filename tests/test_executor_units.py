@@ -205,6 +205,25 @@ def test_fresh_page_rate_is_measured_on_cpu_only():
     assert fresh_page_bytes_per_s("cuda") is None
 
 
+def test_a_calibrated_gpu_records_its_arch_and_runtime_memory(monkeypatch):
+    """On CUDA, calibrate names the architecture (so a calibrated profile prices the attention kernel
+    torch dispatches there, not the math path) and what the runtime holds outside torch's tensors."""
+    from costmodel.attention import AttentionCall, sdpa_backend
+    from executor.measure.calibrate import cuda_runtime
+    from hardware import load
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
+    monkeypatch.setattr(torch.version, "hip", None)
+    fields, sources = cuda_runtime("cuda", [{"runtime_memory": (500 * 2**20, 32 * 2**20)}], "measured")
+    catalog = load("h200").gpu
+    gpu = type(catalog).model_validate({**catalog.model_dump(), **fields, "sources": {**catalog.sources, **sources}})
+    assert gpu.arch == "sm90" and gpu.runtime_memory.bytes()["cuda_context"] == 500 * 2**20
+    call = AttentionCall(heads=32, kv_heads=8, head_dim=64, value_dim=64, q_len=2048, kv_len=2048, dtype="bfloat16",
+                         mask="causal", dropout=False, layout="bshd")
+    assert sdpa_backend(call, gpu) != "math"
+    assert cuda_runtime("cpu", [], "measured") == ({}, {})
+
+
 class _Attention(torch.nn.Module):
     """One attention core on 8 positions: `dropout` > 0 sends torch's CPU dispatcher to the math path."""
 
@@ -248,3 +267,26 @@ def test_selective_recomputes_the_attention_core_only_on_the_math_path(dropout, 
     assert all(torch.allclose(a, b) for a, b in zip(grads, reference))
     scores = 2 * 8 * 8 * 4  # one fp32 [heads, s, s] tensor
     assert (kept - selective >= scores) if math else selective == kept
+
+
+def test_op_policy_recompute_decides_as_its_forward_whether_or_not_torch_asks_again():
+    """torch before 2.12 asks the policy again during the recompute (torch 2.13 replays): each pass
+    counts its own multiplies, so the recompute keeps exactly the products the forward saved."""
+    from types import SimpleNamespace
+
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from executor.apply import recompute
+
+    captured = {}
+    real = recompute.create_selective_checkpoint_contexts
+    try:
+        recompute.create_selective_checkpoint_contexts = lambda policy: captured.setdefault("policy", policy)
+        recompute._save_products()
+    finally:
+        recompute.create_selective_checkpoint_contexts = real
+    policy, mm = captured["policy"], recompute.MULTIPLY
+    forward = [policy(SimpleNamespace(is_recompute=False), mm) for _ in range(7)]  # a Llama block's seven
+    again = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(7)]
+    assert forward == again
+    assert forward[:2] == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]

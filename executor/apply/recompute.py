@@ -85,14 +85,16 @@ def keep_products(sub: nn.Module) -> None:
 
 
 def _save_products():
-    """A region's policy: its own count of the multiplies it has seen (the recompute replays the
-    forward's decisions without asking again)."""
-    multiplies = [0]
+    """A region's policy: its own count of the multiplies it has seen, the forward's and the
+    recompute's apart. torch 2.13 replays the forward's decisions without asking again, but
+    torch before it asks the policy during the recompute too, and one shared count would
+    then look up a saved product under the wrong index."""
+    multiplies = {False: 0, True: 0}  # by ctx.is_recompute
 
     def policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
         if op is MULTIPLY:
-            multiplies[0] += 1
-            return CheckpointPolicy.MUST_SAVE if multiplies[0] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
+            multiplies[ctx.is_recompute] += 1
+            return CheckpointPolicy.MUST_SAVE if multiplies[ctx.is_recompute] % 2 else CheckpointPolicy.PREFER_RECOMPUTE
         return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
     return create_selective_checkpoint_contexts(policy)

@@ -29,12 +29,12 @@ import torch
 import torch.multiprocessing as mp
 
 from costmodel.memory import OPTIMIZER_TRAFFIC_BYTES  # the cost model's AdamW traffic per parameter
-from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, _LOCKSTEP,
+from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, TRAINING_DTYPE, _LOCKSTEP,
                                  attention_flops, collective_in_training, collective_passes, fit_half_dim,
                                  fresh_page_bytes_per_s, link_from_all_reduce, matmul_curve,
-                                 memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
+                                 cuda_runtime_memory, memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
                                  storage_write_bytes_per_s)
-from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol
+from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol, RuntimeMemory
 
 # ---------------------------------------------------------------- concurrent ranks
 
@@ -52,11 +52,13 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
 
     torch.set_num_threads(threads)
     dev = f"cuda:{rank % torch.cuda.device_count()}" if device == "cuda" else "cpu"
+    res: dict = {}
     if device == "cuda":
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
+        res["runtime_memory"] = cuda_runtime_memory(dev)  # before NCCL allocates its buffers
+    # gloo beside NCCL: the ranks agree on their timings in CPU tensors, which NCCL refuses
+    dist.init_process_group("cpu:gloo,cuda:nccl" if device == "cuda" else "gloo", init_method=f"file://{init_file}",
                             rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
-    res: dict = {}
     _LOCKSTEP["sync"] = dist.barrier
 
     def agree(seconds: float) -> float:
@@ -76,7 +78,7 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
     for name, dt in DTYPES.items():
         lockstep(("matmul", name), lambda dt=dt: matmul_curve(dev, dt))
     lockstep("memory", lambda: memory_bandwidth(dev))
-    lockstep("attention", lambda: attention_flops(dev, torch.float32))
+    lockstep("attention", lambda: attention_flops(dev, DTYPES[TRAINING_DTYPE[device]]))
     lockstep("optimizer", lambda: optimizer_seconds_per_param(dev))
     if world > 1:
         lockstep("all_reduce", lambda: collective_in_training(dev))
@@ -120,7 +122,8 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     fits = {name: fit_half_dim(_merge(results, ("matmul", name))) for name in DTYPES}
     peak = {name: fit[0] / 1e12 for name, fit in fits.items()}
     copy_bw, elementwise = _merge(results, "memory")
-    attention = min(_merge(results, "attention") / fits["fp32"][0], 1.0)
+    trained_in = TRAINING_DTYPE[device]
+    attention = min(_merge(results, "attention") / fits[trained_in][0], 1.0)
     # The optimizer's speed relative to the cost model's fused-AdamW memory-bound estimate.
     ideal = OPTIMIZER_TRAFFIC_BYTES / (copy_bw * elementwise)
     optimizer = min(ideal / _merge(results, "optimizer"), 1.0)
@@ -130,7 +133,7 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     else:
         link_bw, latency, overlap = copy_bw, 0.0, 1.0
     library = measured_library(device, results, latency, when) if ranks > 1 else None
-    eff = Efficiency(matmul_max=1.0, matmul_half_dim=fits["fp32"][1], attention=attention, memory_bound=elementwise,
+    eff = Efficiency(matmul_max=1.0, matmul_half_dim=fits[trained_in][1], attention=attention, memory_bound=elementwise,
                      intra_node_bw=1.0, inter_node_bw=1.0, optimizer=optimizer, comm_overlap=overlap,
                      sources={k: when for k in ("matmul_max", "matmul_half_dim", "attention", "memory_bound",
                                                 "intra_node_bw", "inter_node_bw")}
@@ -138,10 +141,11 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                         "comm_overlap": when + " (all-reduce beside matmuls)"})
     memory_gb = _device_memory_gb(device) / ranks
     fresh, fresh_sources = fresh_pages(device, results, when)
+    runtime, runtime_sources = cuda_runtime(device, results, when)
     gpu = GPU(name=f"calibrated-{device}", device_type=device, peak_tflops=peak, hbm_gb=memory_gb, hbm_gbps=copy_bw / 1e9, efficiency=eff,
               sources={"peak_tflops": when + " (fitted matmul asymptote" + slow_dtype_notes(peak, results) + ")",
                        "hbm_gb": when + " (device memory / ranks)",
-                       "hbm_gbps": when + " (tensor copy)"} | fresh_sources, **fresh)
+                       "hbm_gbps": when + " (tensor copy)"} | fresh_sources | runtime_sources, **fresh, **runtime)
     # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
     oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
@@ -183,6 +187,26 @@ def measured_library(device: str, results: list[dict], latency: float, when: str
     return Collectives(library="nccl" if device == "cuda" else "gloo", ring=[link], passes=passes,
                        sources={"passes": when + " (all-gather and reduce-scatter beside an all-reduce of "
                                 f"{COLLECTIVE_SIZES[-1] // 2**20} MiB between compute bursts)"})
+
+
+def cuda_runtime(device: str, results: list[dict], when: str) -> tuple[dict, dict]:
+    """The GPU's `arch` (which attention kernel torch dispatches) and `runtime_memory` as measured,
+    with sources; nothing on CPU."""
+    if device != "cuda":
+        return {}, {}
+    if torch.version.hip:  # ROCm names its target, e.g. gfx942:sramecc+:xnack-
+        arch, read = torch.cuda.get_device_properties(0).gcnArchName.split(":")[0], "gcnArchName"
+    else:
+        arch, read = "sm{}{}".format(*torch.cuda.get_device_capability(0)), "get_device_capability()"
+    context, workspace = _merge(results, "runtime_memory")
+    runtime = RuntimeMemory(
+        cuda_context_mib=context / 2**20, cublas_workspace_mib=workspace / 2**20, cublas_workspaces=2,
+        sources={"cuda_context_mib": when + " (device memory used beyond torch's reserve after a GEMM and an "
+                                            "attention call, before NCCL)",
+                 "cublas_workspace_mib": when + " (a first GEMM's allocation beyond its output)",
+                 "cublas_workspaces": "torch keeps one workspace per thread and stream that runs a GEMM; autograd "
+                                      "runs a CUDA device's backward on its own thread (torch/csrc/autograd/engine.cpp)"})
+    return {"arch": arch, "runtime_memory": runtime}, {"arch": f"torch.cuda {read}, read by parallax calibrate"}
 
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc mallopt(3): DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems

@@ -23,6 +23,8 @@ MATMUL_WIDE = 1024  # its other two dimensions on cpu (4x on cuda, which a 1024-
 MATMUL_CALL_BUDGET_S = 1.0
 SLOW_DTYPE_FACTOR = 10  # a dtype this many times slower than fp32 is flagged in the profile's sources
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# The dtype a device trains in, whose GEMM curve and attention kernels the profile's efficiencies describe
+TRAINING_DTYPE = {"cpu": "fp32", "cuda": "bf16"}
 COLLECTIVE_SIZES = (2 ** 16, 2 ** 20, 8 * 2 ** 20, 32 * 2 ** 20)
 OPTIMIZER_PARAMS = 4 * 2 ** 20  # per tensor, four tensors
 
@@ -113,8 +115,9 @@ def memory_bandwidth(device: str, mbytes: int = 128) -> tuple[float, float]:
 
 
 def attention_flops(device: str, dtype: torch.dtype) -> float:
-    """FLOP/s of causal scaled-dot-product attention (forward), 4*b*h*s^2*d FLOPs / 2 for causality."""
-    b, h, s, d = 2, 8, 512, 64
+    """FLOP/s of causal scaled-dot-product attention (forward), 4*b*h*s^2*d FLOPs / 2 for causality;
+    on a GPU at a training shape, since a small one measures kernel launches."""
+    b, h, s, d = (4, 16, 2048, 128) if device.startswith("cuda") else (2, 8, 512, 64)
     q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype) for _ in range(3))
     return 2 * b * h * s * s * d / _timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device)
 
@@ -269,3 +272,22 @@ def storage_write_bytes_per_s(folder: str = ".", mbytes: int = 256, budget_s: fl
         fh.flush()
         os.fsync(fh.fileno())
         return written / (time.perf_counter() - start)
+
+
+def cuda_runtime_memory(device: str) -> tuple[float, float]:
+    """(bytes the process holds on the GPU outside torch's allocator, bytes one cuBLAS workspace
+    takes inside it), before any collective library starts: the CUDA context, with the GEMM and
+    attention kernels' modules loaded as a training step loads them, is what the device's free
+    memory lost beyond what torch reserved; the workspace is what a first GEMM on this thread
+    allocated beyond its output."""
+    a, b = (torch.randn(1024, 1024, device=device, dtype=torch.bfloat16) for _ in range(2))
+    before = torch.cuda.memory_allocated(device)
+    c = a @ b
+    torch.cuda.synchronize(device)
+    workspace = torch.cuda.memory_allocated(device) - before - c.numel() * c.element_size()
+    q = torch.randn(1, 8, 256, 128, device=device, dtype=torch.bfloat16)
+    F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    return float(total - free - torch.cuda.memory_reserved(device)), float(max(workspace, 0))
+

@@ -17,6 +17,7 @@ from costmodel.offload import host_bandwidths, host_priced
 from layout.plan import Plan, uniform_stages
 from costmodel.workload import Workload
 from hardware.errors import PlanError
+from hardware.loader import loads_back
 from hardware.schema import Cluster
 from layout.axes import ACCUMULATION, AXIS, RECOMPUTE, axis_problem
 from layout.layout import Layout
@@ -35,8 +36,9 @@ def to_plan(layout: Layout, workload: Workload, cluster: Cluster, *, global_batc
     kinds = [layer.kind for layer in workload.layers]
     n_stages = layout.n_virtual_stages
     stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
-    return Plan(model=model, hardware=cluster.spec(), global_batch=global_batch, seq_len=workload.seq_len,
-                dtype=dtype, stages=stages, **layout.axes())
+    profile = None if loads_back(cluster) else cluster  # a calibrated or edited profile travels in the plan
+    return Plan(model=model, hardware=cluster.spec(), hardware_profile=profile, global_batch=global_batch,
+                seq_len=workload.seq_len, dtype=dtype, stages=stages, **layout.axes())
 
 
 @lru_cache(maxsize=256)

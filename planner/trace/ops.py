@@ -23,11 +23,18 @@ def _sdpa_cpu_flops(query, key, value, *args, out_val=None, **kwargs) -> int:
 
     Convention (as torch's): 4·b·h·s_q·s_k·d, the full s² square, causal or not.
     """
-    return flop_counter.sdpa_flop_count(query.shape, key.shape, value.shape)
+    return flop_counter.sdpa_flop_count(query.shape, *_per_query_head(query, key, value))
 
 
 def _sdpa_cpu_backward_flops(grad_out, query, key, value, *args, out_val=None, **kwargs) -> int:
-    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, key.shape, value.shape)
+    return flop_counter.sdpa_backward_flop_count(grad_out.shape, query.shape, *_per_query_head(query, key, value))
+
+
+def _per_query_head(query, key, value) -> tuple:
+    """Key and value shapes with the query's head count: grouped-query attention computes one score
+    matrix per query head, and torch before 2.12 asserts equal heads in its formula."""
+    heads = query.shape[1]
+    return (*key.shape[:1], heads, *key.shape[2:]), (*value.shape[:1], heads, *value.shape[2:])
 
 
 CUSTOM_FLOPS: dict[Any, Callable[..., int]] = {
