@@ -14,6 +14,7 @@ from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, 
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
+from costmodel.autocast import autocast_copy_bytes, cast_params_on_rank
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
@@ -144,6 +145,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
     states, step_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
+    states += autocast_copy_bytes(cast_params_on_rank(layer, plan.tp, plan.ep), plan)  # until the backward ends
     time, backward, activation = {}, {}, {}
     collectives = sharded_collectives(params, plan, lay)  # the same under every policy
     for policy in POLICIES:
