@@ -9,7 +9,7 @@ fp32 states from the first forward to the end of the backward, recomputed layers
 (the cache outlives the checkpoint). FSDP2's mixed-precision gather (ZeRO-2/3 over several
 ranks, or offloaded) casts at the gather instead, and bf16 master weights need no cast.
 
-Seen on one H200 (benchmarks/data/h200_gpu_check.md): llama-3.2-1b at 2 x 2048 tokens on one
+Seen on one H200 (benchmarks/data/h200_gpu_runs.csv): llama-3.2-1b at 2 x 2048 tokens on one
 rank held 1.8 GiB of bf16 block weights and the tied table's 0.49 GiB copy at its peak,
 measured and dry-run alike.
 """
