@@ -4,13 +4,16 @@
     python benchmarks/gpu_check.py --device cpu   # the same loop on a small Llama (llama-160m, 128 tokens)
 
 It calibrates the device (`parallax calibrate` at one rank), plans a single-rank
-layout of a 1B-class Llama (FSDP2 over one rank, ZeRO-3) under each recompute
-policy and once offloaded, runs each with torchrun as `parallax run` does, and
-prints measured `max_memory_allocated`, `max_memory_reserved` and step time
+layout of a 1B-class Llama under each recompute policy and once offloaded, runs
+each with torchrun as `parallax run` does, and prints measured `max_memory_allocated`, `max_memory_reserved` and step time
 beside the prediction. Reserved memory is what a GPU runs out of; the cost model
 predicts tensors (allocated), so the reserved column says how much the caching
 allocator adds on this device. A run that does not fit says so and the loop
 goes on. Every run is bounded by --timeout.
+
+ZeRO-3 over one rank shards nothing, and the executor wraps nothing there: bf16
+runs under autocast on the fp32 weights (costmodel/autocast.py prices the copies
+it casts). The offloaded plan runs under FSDP2 with its CPU offload policy.
 """
 from __future__ import annotations
 
@@ -97,7 +100,8 @@ def main(argv=None) -> int:
     model, seq_len = args.model or model, args.seq_len or seq_len
     how = f"profile {args.profile}" if args.profile else f"calibrated in {time.perf_counter() - started:.0f} s"
     print(f"{device}: {profile.gpu.name}, {how}; {model}, "
-          f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, FSDP2 over one rank (ZeRO-3)")
+          f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, one rank (ZeRO-3 over one rank: "
+          f"unwrapped, FSDP2 when offloaded)")
     print(f"{'recompute':16} {'alloc MiB':>10} {'resv MiB':>10} {'pred MiB':>10} {'mem err':>8} "
           f"{'step ms':>9} {'pred ms':>9} {'time err':>8}")
     wanted = tuple(p.strip() for p in args.plans.split(","))

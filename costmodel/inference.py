@@ -104,15 +104,24 @@ def kv_heads_per_rank(workload: Workload, tp: int) -> float:
     return kv / tp if tp <= kv else 1.0
 
 
-def kv_bytes_per_token(workload: Workload) -> float:
+KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # a KV cache element (vLLM's, SGLang's and TensorRT-LLM's fp8 KV)
+
+
+def kv_element_bytes(workload: Workload, kv_dtype: str | None) -> float:
+    """Bytes of one cached key or value element: the KV dtype's, else the workload's activations'
+    (16-bit under FP8 weights: an engine keeps a 16-bit cache unless told otherwise)."""
+    return float(KV_DTYPE_BYTES[kv_dtype]) if kv_dtype else float(workload.dtype_bytes)
+
+
+def kv_bytes_per_token(workload: Workload, kv_dtype: str | None = None) -> float:
     """K and V of every block for one token, whole model."""
     _, kv, head_dim = _dims(workload)
-    return 2.0 * workload.n_blocks * kv * head_dim * workload.dtype_bytes
+    return 2.0 * workload.n_blocks * kv * head_dim * kv_element_bytes(workload, kv_dtype)
 
 
-def _kv_per_token_per_block_rank(workload: Workload, tp: int) -> float:
+def _kv_per_token_per_block_rank(workload: Workload, tp: int, kv_dtype: str | None = None) -> float:
     _, _, head_dim = _dims(workload)
-    return 2.0 * kv_heads_per_rank(workload, tp) * head_dim * workload.dtype_bytes
+    return 2.0 * kv_heads_per_rank(workload, tp) * head_dim * kv_element_bytes(workload, kv_dtype)
 
 
 def _stages(workload: Workload, pp: int) -> list[list[tuple[LayerProfile, int]]]:
@@ -135,10 +144,10 @@ def _params_on_rank(layer: LayerProfile, tp: int) -> float:
     return layer.params / (tp if layer.tp_shardable else 1)
 
 
-def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int) -> float:
+def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int, kv_dtype: str | None = None) -> float:
     """KV bytes one token adds on the GPU of the stage with the most blocks."""
     blocks = max(sum(n for layer, n in runs if layer.kind == "block") for runs in _stages(workload, pp))
-    return blocks * _kv_per_token_per_block_rank(workload, tp)
+    return blocks * _kv_per_token_per_block_rank(workload, tp, kv_dtype)
 
 
 def served_weight_bytes(workload: Workload, dtype: str) -> float:
@@ -159,8 +168,9 @@ class ServingModel:
     """Prices (tp, pp, batch) layouts of one workload on one cluster."""
 
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
-                 dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> None:
-        self.w, self.cluster, self.dtype = workload, cluster, dtype
+                 dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+                 kv_dtype: str | None = None) -> None:
+        self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
@@ -205,7 +215,7 @@ class ServingModel:
 
     def max_sequences(self, tp: int, pp: int) -> int:
         free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp, self.dtype) - self.workspace(tp, pp)
-        per_seq = kv_bytes_per_token_per_gpu(self.w, tp, pp) * (self.prompt_len + self.output_len)
+        per_seq = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype) * (self.prompt_len + self.output_len)
         return max(0, int(free // per_seq)) if per_seq > 0 else 0
 
     # prefill
@@ -245,7 +255,7 @@ class ServingModel:
     def decode_stage(self, runs, tp: int, b: float, context: float) -> dict[str, float]:
         """One decode step of `b` sequences through one stage, by part (roofline per layer)."""
         ctx = self.ctx(tp, b)
-        kv_layer = _kv_per_token_per_block_rank(self.w, tp)
+        kv_layer = _kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
         out = {"weights": 0.0, "kv_cache": 0.0, "compute_excess": 0.0, "tp_comm": 0.0}
         for layer, n in runs:
             t = tp if layer.tp_shardable else 1
@@ -292,11 +302,11 @@ class ServingModel:
         price = self.cluster.price_per_gpu_hour
         usd = price * gpus / 3600 / per_replica * 1e6 if price is not None else None
         note = "" if price is not None else f"no price is known for {self.cluster.gpu.name}; pass a price to get $"
-        kv_gpu = kv_bytes_per_token_per_gpu(self.w, tp, pp)
+        kv_gpu = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype)
         return ServingEstimate(
             tp=tp, pp=pp, batch=batch, context_len=self.prompt_len + self.output_len / 2,
             weights_bytes_per_gpu=weight_bytes_per_gpu(self.w, tp, pp, self.dtype),
-            kv_bytes_per_token=kv_bytes_per_token(self.w), kv_bytes_per_token_per_gpu=kv_gpu,
+            kv_bytes_per_token=kv_bytes_per_token(self.w, self.kv_dtype), kv_bytes_per_token_per_gpu=kv_gpu,
             kv_cache_bytes_per_gpu=kv_gpu * batch * (self.prompt_len + self.output_len),
             workspace_bytes_per_gpu=self.workspace(tp, pp), memory_capacity_bytes=self.capacity,
             max_concurrent_sequences=self.max_sequences(tp, pp),

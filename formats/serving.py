@@ -28,6 +28,10 @@ SOURCES = {  # each engine's parser, at the commit read (flags built from config
               "dtype and quantization come from --extra_llm_api_options YAML or the checkpoint, not flags",
 }
 TORCH_DTYPE = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# the plan's KV dtype as each engine's --kv-cache-dtype spells it (SGLang names the FP8 format); read back, every
+# FP8 spelling is fp8
+KV_FLAG_VALUE = {"sglang": {"fp8": "fp8_e4m3"}}
+FP8_KV = ("fp8", "fp8_e4m3", "fp8_e5m2", "fp8_inc", "fp8_ds_mla")
 
 
 class EngineSettings(BaseModel):
@@ -41,7 +45,7 @@ class EngineSettings(BaseModel):
     max_sequences: int = Field(ge=1, description="concurrent sequences per replica: the batch the plan priced")
     max_batched_tokens: int = Field(ge=1, description="tokens per scheduler step: one prompt, as the plan prices prefill")
     memory_fraction: float = Field(gt=0, le=1, description="share of each GPU's memory the engine may hold")
-    kv_dtype: str = Field("auto", description="auto: the weights' 16-bit type")
+    kv_dtype: str = Field("auto", description="auto: the activations' 16-bit type; bf16, fp16 or fp8")
     quantization: str | None = Field(None, description="fp8 weights, or None")
     dtype: str = "bf16"
     max_model_len: int = Field(ge=1)
@@ -52,7 +56,7 @@ def settings_of(plan) -> EngineSettings:
     max_sequences = max(1, min(plan.estimate.max_concurrent_sequences, math.ceil(plan.batch_per_replica)))
     return EngineSettings(model=plan.model, tp=plan.tp, pp=plan.pp, replicas=plan.replicas,
                           max_sequences=max_sequences, max_batched_tokens=max(plan.prompt_len, max_sequences),
-                          memory_fraction=round(1 - plan.memory_reserve, 4),
+                          memory_fraction=round(1 - plan.memory_reserve, 4), kv_dtype=plan.kv_dtype,
                           quantization="fp8" if plan.dtype == "fp8" else None,
                           dtype="bf16" if plan.dtype == "fp8" else plan.dtype,
                           max_model_len=plan.prompt_len + plan.output_len)
@@ -85,6 +89,8 @@ def export(plan, engine: str, lossy: bool) -> Exported:
         value = getattr(settings, key)
         if key == "dtype":
             value = TORCH_DTYPE[value]
+        elif key == "kv_dtype":
+            value = KV_FLAG_VALUE.get(engine, {}).get(value, value)
         options.append((flag, value))
     missing = [k for k in ("replicas", "kv_dtype", "quantization", "dtype") if k not in flags]
     for key in missing:
@@ -123,12 +129,27 @@ def read(text: str, engine: str, model: str | None = None) -> EngineSettings:
             value = _fraction(value, flag)
         elif key == "dtype":
             value = dtypes.get(value, value)
+        elif key == "kv_dtype":
+            value = kv_dtype_of(value)
         values[key] = value
     absent = [flags.get(k, k) for k in ("model", "tp", "pp", "max_sequences", "max_batched_tokens", "memory_fraction",
                                          "max_model_len") if values.get(k) is None]
     if absent:
         raise FormatError(absent[0], f"not in the {engine} command line", "Parallax's export states it")
     return EngineSettings(**values)
+
+
+def kv_dtype_of(value: str) -> str:
+    """An engine's --kv-cache-dtype value in the plan's terms: fp8 for any FP8 format, else as given."""
+    return "fp8" if value in FP8_KV else {"bfloat16": "bf16", "float16": "fp16"}.get(value, value)
+
+
+def engine_kv_dtype(text: str, engine: str) -> str:
+    """The KV cache dtype an engine's command line asks for, in the plan's terms (auto if unset)."""
+    _, flags = FLAGS[engine]
+    if "kv_dtype" not in flags or not any(w.startswith("--") for w in argv.split(text, engine)):
+        return "auto"
+    return kv_dtype_of(argv.read(text, engine).get(flags["kv_dtype"], "auto"))
 
 
 def degrees(text: str, engine: str) -> dict[str, int]:

@@ -44,10 +44,11 @@ def _slo_line(plan: InferencePlan) -> str:
     return ", ".join(parts) + f": {verdict}"
 
 
-def _engine_pins(path: Path, fmt: str | None) -> dict[str, int]:
-    """tp, pp and replicas of an engine's command line, the engine told from --from-format or the flags."""
+def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str]:
+    """tp, pp and replicas of an engine's command line, and its KV cache dtype, the engine told
+    from --from-format or the flags."""
     from formats import SERVING, check_format
-    from formats.serving import degrees
+    from formats.serving import degrees, engine_kv_dtype
     from hardware.errors import FormatError
     from hardware.untrusted import read_text
 
@@ -59,7 +60,8 @@ def _engine_pins(path: Path, fmt: str | None) -> dict[str, int]:
         if fmt is None:
             raise FormatError("--from", f"cannot tell which engine {path.name} is for", "name it with --from-format "
                               f"({', '.join(SERVING)})")
-    return degrees(text, check_format(fmt, "--from-format", SERVING))
+    engine = check_format(fmt, "--from-format", SERVING)
+    return degrees(text, engine), engine_kv_dtype(text, engine)
 
 
 @app.command("serve-plan")
@@ -74,6 +76,8 @@ def serve_plan_command(
     ttft_ms: Optional[float] = typer.Option(None, "--ttft-ms", help="SLO: time to first token, ms"),
     objective: str = typer.Option("throughput", "--objective", help="throughput or cost"),
     dtype: str = typer.Option("bf16", "--dtype"),
+    kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="the KV cache's dtype: auto (16-bit), bf16, fp16 "
+                                           "or fp8 (GPUs with FP8)"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     top: int = typer.Option(3, "--top"),
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
@@ -89,17 +93,19 @@ def serve_plan_command(
     check_name(model, "model")
     check_name(hw, "--hw")
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("replicas", replicas)) if v is not None}
+    engine_kv = "auto"
     if from_file is not None:
-        fixed = {**_engine_pins(from_file, from_format), **fixed}
+        pins, engine_kv = _engine_pins(from_file, from_format)
+        fixed = {**pins, **fixed}
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
-                          price_per_gpu_hour=price, fixed=fixed)
+                          price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv)
     if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))
     console.print(_slo_line(plan))
     e = plan.estimate
-    console.print(f"KV cache: {e.kv_bytes_per_token:,.0f} bytes/token for the model, "
+    console.print(f"KV cache ({plan.kv_dtype}): {e.kv_bytes_per_token:,.0f} bytes/token for the model, "
                   f"{e.kv_bytes_per_token_per_gpu:,.0f} per GPU; decode step parts (ms): "
                   + ", ".join(f"{k}={v * 1e3:.2f}" for k, v in e.decode_breakdown_s.items() if v > 0))
     for note in plan.notes:

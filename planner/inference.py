@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.terms import DEFAULT_MEMORY_RESERVE
-from costmodel.inference import ServingEstimate, ServingModel, weight_bytes_per_gpu
+from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel, weight_bytes_per_gpu
 from costmodel.validate import check_dtype
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
@@ -38,7 +38,7 @@ from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
 
 GIB = 2**30
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: kv_dtype
 
 
 class InferencePlan(BaseModel):
@@ -46,10 +46,12 @@ class InferencePlan(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: Literal[1, 2] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     dtype: str = "bf16"
+    kv_dtype: Literal["auto", "bf16", "fp16", "fp8"] = Field(
+        "auto", description="the KV cache's element type; auto: the activations' 16-bit type")
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
     tp: int = Field(ge=1)
@@ -198,6 +200,15 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
 PINNED = ("tp", "pp", "replicas")
 
 
+def _check_kv_dtype(kv_dtype: str, cluster: Cluster) -> None:
+    """A KV dtype the engines take; an FP8 cache only where the GPU has FP8 (its profile's fp8 peak)."""
+    if kv_dtype not in ("auto", *KV_DTYPE_BYTES):
+        raise PlanError("kv_dtype", f"unknown KV cache dtype {kv_dtype!r}", f"use auto, {', '.join(KV_DTYPE_BYTES)}")
+    if kv_dtype == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
+        raise PlanError("kv_dtype", f"an fp8 KV cache needs FP8 support, and {cluster.gpu.name} has no fp8 peak in "
+                        "its profile", "use auto (16-bit), or a GPU with FP8 such as h100-sxm, h200, b200 or mi300x")
+
+
 def _check_pins(fixed: dict) -> dict[str, int]:
     for key, value in fixed.items():
         if key not in PINNED:
@@ -245,6 +256,7 @@ def plan_inference(
     price_per_gpu_hour: float | None = None,
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
     fixed: dict[str, int] | None = None,
+    kv_dtype: str = "auto",
 ) -> InferencePlan:
     """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
     tp, pp and replicas (an operator's deployment, priced as it stands)."""
@@ -252,9 +264,10 @@ def plan_inference(
     fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     check_dtype(dtype, cluster)
+    _check_kv_dtype(kv_dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
-                      memory_reserve=memory_reserve)
+                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
@@ -283,7 +296,7 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
-    plans = [p.model_copy(update={"memory_reserve": memory_reserve}) for p in plans]
+    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype}) for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
 
 

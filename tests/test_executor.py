@@ -254,7 +254,8 @@ def test_reference_gpt_two_ranks_matches_single_process():
 
 
 def test_four_rank_layouts_match_single_process():
-    _check_all(4, {**_cases("reference-tiny", ("dp_tp", "dp_tp_zero3", "pp_dp", "pp_dp_zero3", "pp_dp_interleaved_zero1",
+    # plain dp x tp and pp x dp run inside their ZeRO variants' compositions
+    _check_all(4, {**_cases("reference-tiny", ("dp_tp_zero3", "pp_dp_zero3", "pp_dp_interleaved_zero1",
                                                "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac", "hsdp",
                                                "cp_dp_zero3_ac", "cp_tp", "pp_dp_zero_bubble_zero1", "pp_tp_zero_bubble")),
                    # the HF model's own paths (rotary, its attention registry) in compositions; its plain dp x tp and
@@ -263,10 +264,19 @@ def test_four_rank_layouts_match_single_process():
                                               "pp_dp_zero_bubble_zero1"))})
 
 
-def test_hf_llama_two_ranks_matches_single_process():
-    _check_all(2, _cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
-                                           "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
-                                           "zero3_op_ac")))
+def test_hf_and_users_models_two_ranks_match_single_process():
+    """One launch (the suite's time) for the models written by others: HF's Llama, GPT-2 (its Conv1D
+    projections) and Mixtral (data and expert parallel), and a plain-PyTorch module that `parallax plan
+    --module examples.llama_module:build_tiny` plans (its blocks take cos and sin beside the hidden
+    states; the executor builds it through the factory and cuts it into stages with stand-ins for
+    what another stage owns)."""
+    _check_all(2, {**_cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
+                                              "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
+                                              "zero3_op_ac")),
+                   **_cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac",
+                                             "pp_bf16_states")),
+                   **_cases("hf-mixtral-tiny", ("dp", "ep")),
+                   **_cases("examples.llama_module:build_tiny", ("dp", "pp_gpipe", "zero3"))})
 
 
 def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():
@@ -284,7 +294,7 @@ def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():
 
 
 def test_hf_mixtral_expert_parallel_matches_single_process():
-    _check_all(2, _cases("hf-mixtral-tiny", ("dp", "ep")))
+    """Its 2-rank layouts run in test_hf_and_users_models_two_ranks_match_single_process."""
     _check_all(4, _cases("hf-mixtral-tiny", ("ep_zero1", "ep_zero3", "ep_pp", "ep_pp_zero1", "ep_tp", "ep_cp")))
 
 
@@ -296,17 +306,6 @@ def test_offloaded_layouts_match_single_process():
 def test_mixed_cluster_shapes_match_single_process():
     """Uneven data-parallel shares (token-weighted gradient average) and an uneven stage split."""
     _check_all(4, _cases("reference-tiny", ("uneven_shares", "uneven_shares_zero1", "stage_split_1_3")))
-
-
-def test_a_users_module_runs_through_its_factory():
-    """`parallax plan --module examples.llama_module:build_tiny` plans a plain-PyTorch module
-    (its blocks take cos and sin beside the hidden states); the executor builds it through the
-    factory and cuts it into stages with stand-ins for what another stage owns."""
-    _check_all(2, _cases("examples.llama_module:build_tiny", ("dp", "pp_gpipe", "zero3")))
-
-
-def test_hf_gpt2_two_ranks_matches_single_process():
-    _check_all(2, _cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac", "pp_bf16_states")))
 
 
 def test_gpt2_tp_is_neither_offered_nor_run():

@@ -129,11 +129,12 @@ def test_a_serving_plan_comes_back_with_its_degrees_and_settings(engine):
     from planner.inference import plan_inference
 
     plan = plan_inference("llama-3-70b", "16xh100-sxm", prompt_len=2048, output_len=256, top_k=1)
-    for candidate in (plan, plan.model_copy(update={"dtype": "fp8", "replicas": 1})):
+    for candidate in (plan, plan.model_copy(update={"dtype": "fp8", "replicas": 1}),
+                      plan.model_copy(update={"kv_dtype": "fp8", "replicas": 1})):
         try:
             exported = formats.export(candidate, engine)
         except FormatError as refusal:
-            assert engine == "trtllm" and refusal.field in ("replicas", "quantization"), refusal
+            assert engine == "trtllm" and refusal.field in ("replicas", "quantization", "kv_dtype"), refusal
             exported = formats.export(candidate, engine, lossy=True)
             assert exported.lost
             continue

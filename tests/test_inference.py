@@ -129,3 +129,32 @@ def test_generation_equivalence_on_two_gloo_ranks():
     print(f"decode step: measured {result.decode_step_s * 1e3:.2f} ms, predicted {predicted * 1e3:.2f} ms "
           f"(cpu profile), all-reduce measured {result.all_reduce_s * 1e6:.0f} us")
     assert predicted > 0
+
+
+def test_an_fp8_kv_cache_halves_its_bytes_and_is_refused_where_the_gpu_has_no_fp8(llama2_70b):
+    assert kv_bytes_per_token(llama2_70b, "fp8") == kv_bytes_per_token(llama2_70b) / 2
+    cluster = hardware.load("4xh100-sxm")
+    sixteen, eight = (ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256, kv_dtype=kv)
+                      for kv in (None, "fp8"))
+    assert eight.max_sequences(4, 1) >= 2 * sixteen.max_sequences(4, 1) - 1
+    assert eight.estimate(4, 1, 64).decode_breakdown_s["kv_cache"] == pytest.approx(
+        sixteen.estimate(4, 1, 64).decode_breakdown_s["kv_cache"] / 2)
+    plan = plan_inference("llama-2-70b", "4xh100-sxm", prompt_len=2048, output_len=256, batch=64, kv_dtype="fp8")
+    assert plan.kv_dtype == "fp8" and InferencePlan.from_json(plan.to_json()).kv_dtype == "fp8"
+    for hw, kv, field in (("4xa100-80g", "fp8", "kv_dtype"), ("4xh100-sxm", "int4", "kv_dtype")):
+        with pytest.raises(PlanError) as refused:
+            plan_inference("llama-2-70b", hw, prompt_len=2048, output_len=256, kv_dtype=kv)
+        assert refused.value.field == field
+
+
+def test_an_engines_fp8_kv_flag_is_read_as_the_plans(tmp_path, capsys):
+    from parallax_cli import main
+
+    for engine, line in (("vllm", "vllm serve m --tensor-parallel-size 4 --kv-cache-dtype fp8_e5m2"),
+                         ("sglang", "python -m sglang.launch_server --tp-size 4 --kv-cache-dtype fp8_e4m3")):
+        path = tmp_path / f"{engine}.sh"
+        path.write_text(line)
+        assert main(["serve-plan", "llama-2-70b", "--hw", "4xh100-sxm", "--prompt-len", "2048", "--output-len", "256",
+                     "--from", str(path), "--json"]) == 0
+        assert InferencePlan.from_json(capsys.readouterr().out).kv_dtype == "fp8", engine
+
