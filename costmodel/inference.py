@@ -26,8 +26,15 @@ Everything comes from the same `Workload` the training cost model prices
   TPOT = iteration + (B / output_len) * prefill occupancy;
   TTFT = prefill latency + half an iteration (the wait to join).
 
+* Engines fuse their pointwise chains: the activations' traffic is the fused
+  stack's (`compute.elementwise_traffic`).
+* The KV cache's dtype is a dimension (`kv_dtype`: 16-bit, or fp8 at 1 byte).
+* A closed loop of more requests than the KV cache holds queues the rest
+  (planner.inference._queued): the batch is what fits, the wait is in TTFT.
+
 Not modelled: speculative decoding, paged-attention block waste, queueing
-beyond Little's law, kernel launch overheads, quantised weights or KV.
+beyond Little's law, per-step engine overheads, the engines' own all-reduce
+kernels (priced as the collective library's), int8 and 4-bit weights.
 """
 from __future__ import annotations
 
@@ -39,7 +46,7 @@ from hardware.errors import ModelError
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .compute import Context, forward_parts, memory_bandwidth, tp_collective_time
+from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
 from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
@@ -64,6 +71,8 @@ class ServingEstimate(BaseModel):
     workspace_bytes_per_gpu: float
     memory_capacity_bytes: float
     max_concurrent_sequences: int = Field(description="per replica, at prompt_len + output_len tokens each")
+    queued_sequences: float = Field(0.0, ge=0, description="requests of a closed loop waiting beyond those the KV "
+                                    "cache holds (their wait is in ttft_s)")
     prefill_s: float = Field(description="latency of one prompt's prefill")
     decode_step_s: float = Field(description="one decode iteration (every sequence gains a token), no prefill")
     tpot_s: float = Field(description="time per output token incl. amortised prefills (mean = p50 with chunked prefill)")
@@ -189,8 +198,10 @@ class ServingModel:
         return self._stage_cache[pp]
 
     def ctx(self, tp: int, batch: float = 1) -> Context:
+        """Engines run their pointwise chains as fused kernels (vLLM's and SGLang's custom ops,
+        TensorRT-LLM's plugins), as the fused training stack does."""
         return Context(cluster=self.cluster, dtype=self.dtype, tp=tp, sp=False, micro_batch=batch,
-                       tp_group=coll.group_of(tp, 1, self.cluster))
+                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused")
 
     def pp_inter_node(self, tp: int) -> bool:
         return tp >= self.cluster.gpus_per_node
@@ -264,7 +275,7 @@ class ServingModel:
             else:
                 weight_bytes = _params_on_rank(layer, tp) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
-            act_bytes = b * layer.elementwise_bytes / self.s / t
+            act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
             flops_t = b * (layer.matmul_flops / self.s) / t / (self.peak * self.cluster.gpu.efficiency.matmul_max)
             flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm

@@ -161,6 +161,20 @@ def _little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float 
     return hi
 
 
+def _queued(sm: ServingModel, tp: int, pp: int, concurrency: int, cap: int) -> ServingEstimate:
+    """A replica serving `concurrency` requests in a closed loop: an engine admits as many as
+    their KV cache fits (`cap`) and queues the rest, so the batch is the smaller of the two and
+    a queued request waits, by Little's law, (concurrency / cap - 1) request lifetimes (its
+    TTFT plus output_len TPOTs) before its own prefill."""
+    running = min(concurrency, cap)
+    est = sm.estimate(tp, pp, running)
+    if concurrency <= cap:
+        return est
+    lifetime = est.ttft_s + sm.output_len * est.tpot_s
+    wait = (concurrency / cap - 1) * lifetime
+    return est.model_copy(update={"ttft_s": est.ttft_s + wait, "queued_sequences": float(concurrency - cap)})
+
+
 def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate, tpot_ms, ttft_ms,
             fixed: dict) -> tuple[list[_Point], list[_Point]]:
     """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
@@ -182,10 +196,7 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
             if batch is not None:
                 if r > batch:
                     break
-                b = -(-batch // r)
-                if b > cap:
-                    continue
-                est = sm.estimate(tp, pp, b)
+                est = _queued(sm, tp, pp, -(-batch // r), cap)
                 why = _meets(est, tpot_ms, ttft_ms)
             else:
                 b = _little(sm, tp, pp, rate / r, cap)

@@ -158,3 +158,38 @@ def test_an_engines_fp8_kv_flag_is_read_as_the_plans(tmp_path, capsys):
                      "--from", str(path), "--json"]) == 0
         assert InferencePlan.from_json(capsys.readouterr().out).kv_dtype == "fp8", engine
 
+
+
+def test_a_closed_loop_beyond_the_kv_cache_queues_instead_of_being_refused():
+    """An engine admits what its KV cache holds and queues the rest: the batch is what fits,
+    and a queued request's wait (Little's law) is in its TTFT."""
+    kw = dict(prompt_len=128, output_len=2048, fixed={"tp": 1, "pp": 1, "replicas": 1})
+    fits = plan_inference("llama-3-8b", "1xa100-80g", batch=16, **kw)
+    cap = fits.estimate.max_concurrent_sequences
+    over = plan_inference("llama-3-8b", "1xa100-80g", batch=cap + 20, **kw)
+    full = plan_inference("llama-3-8b", "1xa100-80g", batch=cap, **kw)
+    assert fits.estimate.queued_sequences == 0 and over.estimate.queued_sequences == 20
+    assert over.estimate.batch == full.estimate.batch == cap
+    assert over.tokens_per_s == pytest.approx(full.tokens_per_s)
+    lifetime = full.estimate.ttft_s + 2048 * full.estimate.tpot_s
+    assert over.estimate.ttft_s == pytest.approx(full.estimate.ttft_s + 20 / cap * lifetime)
+
+
+def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import published_serving
+
+    header = ("n_layers,hidden,heads,kv_heads,ffn_hidden,gated_mlp,vocab,n_experts,top_k,gpu,n_gpus,tp,pp,weights_dtype,"
+              "kv_dtype,isl,osl,mode,load,engine,metric,value,source")
+    llama7b = "32,4096,32,32,11008,true,32000,,,a100-80g,1,1,1"
+    csv = tmp_path / "runs.csv"
+    csv.write_text("\n".join([header, f"{llama7b},fp16,,128,128,concurrency,1,e,tpot_ms,30,s",
+                              f"{llama7b},int4,,128,128,max,,e,out_tok_s_total,100,s",
+                              f"{llama7b},fp16,,,128,max,,e,out_tok_s_total,100,s"]))
+    assert published_serving.main(["--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "int4 weights are not priced" in out and "request lengths are not stated" in out
+    assert "MAPE:" in out and "over 1 rows (2 not predicted)" in out.splitlines()[-1]

@@ -1,0 +1,116 @@
+"""Published serving measurements against `parallax serve-plan`'s prediction.
+
+    python benchmarks/published_serving.py --csv benchmarks/data/serving_runs.csv
+
+One measurement per row (issue 32's columns): the model by its dimensions (n_layers, hidden,
+heads, kv_heads, ffn_hidden, gated_mlp, vocab, n_experts, top_k), the deployment (gpu, n_gpus,
+tp, pp, weights_dtype, kv_dtype), the workload (isl, osl, mode, load, engine) and the
+measurement (metric, value, source). Each row is priced as the deployment stood: its tp, pp
+and n_gpus / (tp x pp) replicas pinned, at its load:
+- batch: `load` sequences per replica, a static batch;
+- concurrency: `load` requests in flight over the deployment (closed loop), priced as that many
+  concurrent sequences;
+- max: the engine's maximum load, the most sequences that fit;
+- rate: `load` requests per second (the model's steady-state queue).
+Rows whose precision the serving model does not price (int8, int4 weights) or whose
+deployment it refuses are listed as not predicted, with the reason. Prints each row's signed
+error and, per metric and in all, `MAPE: X% over N rows (K not predicted)`.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from published_runs import row_dims  # noqa: E402
+
+from hardware.errors import ParallaxError  # noqa: E402
+from planner.inference import plan_inference  # noqa: E402
+
+METRICS = ("out_tok_s_per_gpu", "out_tok_s_total", "ttft_ms", "tpot_ms", "e2e_latency_ms")
+PRICED_WEIGHTS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+
+
+def rows(path: Path) -> list[dict]:
+    with path.open() as f:
+        return [row for row in csv.DictReader(line for line in f if not line.startswith("#")) if row.get("metric")]
+
+
+def plan_of(row: dict):
+    """The row's deployment priced at its load, or the reason it is not predicted."""
+    weights = (row.get("weights_dtype") or "bf16").strip()
+    if weights not in PRICED_WEIGHTS:
+        return None, f"{weights} weights are not priced"
+    n_gpus, tp, pp = int(row["n_gpus"]), int(row["tp"]), int(row.get("pp") or 1)
+    if n_gpus % (tp * pp):
+        return None, f"{n_gpus} GPUs are not replicas of tp{tp} x pp{pp}"
+    replicas = n_gpus // (tp * pp)
+    mode, load = row["mode"].strip(), (row.get("load") or "").strip()
+    batch = rate = None
+    if mode == "batch":
+        batch = int(float(load)) * replicas
+    elif mode == "concurrency":
+        batch = int(float(load))
+    elif mode == "rate":
+        rate = float(load)
+    elif mode != "max":
+        return None, f"unknown mode {mode!r}"
+    if not (row.get("isl") or "").strip() or not (row.get("osl") or "").strip():
+        return None, "the request lengths are not stated (a dataset's varying lengths)"
+    isl = int(row["isl"])
+    dims = {**row, "seq_len": str(isl)}
+    try:
+        plan = plan_inference(row_dims(dims, f"{row['n_layers']}L-{row['hidden']}"), f"{n_gpus}x{row['gpu'].strip()}",
+                              prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
+                              dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
+                              fixed={"tp": tp, "pp": pp, "replicas": replicas})
+    except ParallaxError as error:
+        return None, " ".join(str(error).split())[:140]
+    return plan, ""
+
+
+def predicted(plan, metric: str, osl: int) -> float:
+    e = plan.estimate
+    return {"out_tok_s_per_gpu": plan.tokens_per_s / plan.gpus_used, "out_tok_s_total": plan.tokens_per_s,
+            "ttft_ms": e.ttft_s * 1e3, "tpot_ms": e.tpot_s * 1e3,
+            "e2e_latency_ms": (e.ttft_s + e.tpot_s * (osl - 1)) * 1e3}[metric]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--csv", required=True, help="one published serving measurement per row")
+    args = parser.parse_args(argv)
+    errors: dict[str, list[float]] = defaultdict(list)
+    missed: dict[str, int] = defaultdict(int)
+    for i, row in enumerate(rows(Path(args.csv)), 1):
+        metric = row["metric"].strip()
+        where = (f"{i:3} {row['n_layers']}L/{row['hidden']} {row['n_gpus']}x{row['gpu']} tp{row['tp']} "
+                 f"{row['weights_dtype'] or 'bf16'} {row['isl']}/{row['osl']} {row['mode']} {row.get('load') or '-'}")
+        plan, why = plan_of(row) if metric in METRICS else (None, f"unknown metric {metric!r}")
+        if plan is None:
+            missed[metric] += 1
+            print(f"{where:62} {metric:18} {float(row['value']):>10,.1f}  not predicted: {why}")
+            continue
+        value, guess = float(row["value"]), predicted(plan, metric, int(row["osl"]))
+        errors[metric].append(guess / value - 1)
+        print(f"{where:62} {metric:18} {value:>10,.1f} {guess:>10,.1f} {errors[metric][-1]:+7.1%}  {row['engine']}")
+    for metric in METRICS:
+        if errors[metric] or missed[metric]:
+            print(f"  {metric}: " + _mape(errors[metric], missed[metric]))
+    print("MAPE: " + _mape([e for v in errors.values() for e in v], sum(missed.values())))
+    return 0
+
+
+def _mape(values: list[float], missed: int) -> str:
+    mape = statistics.mean(abs(v) for v in values) if values else float("nan")
+    return f"{mape:.1%} over {len(values)} rows ({missed} not predicted)"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
