@@ -67,6 +67,10 @@ def test_param_counts(llama):
     assert abs(llama[0].params - 8.03e9) / 8.03e9 < 0.01
     gpt2, _ = workload_for("gpt2", seq_len=128)
     assert abs(gpt2.params - 124.4e6) / 124.4e6 < 0.01
+    # a mixture of experts counts every expert (Mixtral 8x7B: 46.7B, Jiang et al. 2024), as its trace does
+    assert abs(param_count(model_config("mixtral-8x7b")) - 46.7e9) / 46.7e9 < 0.01
+    tiny, _ = workload_for("hf-mixtral-tiny", seq_len=16)
+    assert tiny.params == param_count(model_config("hf-mixtral-tiny"))
 
 
 def test_tp_classification(llama):

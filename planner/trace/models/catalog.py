@@ -172,8 +172,10 @@ def param_count(cfg: dict[str, Any]) -> int:
     if kind == "reference-gpt":  # planner/trace/models/reference_gpt.py: biased q/k/v/o and MLP, two LayerNorms
         block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h
         return (V + cfg.get("max_position_embeddings", 2048)) * h + L * block + 2 * h + (0 if tied else V * h)
-    hd = h // heads  # Llama / Mistral and other gated-MLP decoders
-    block = h * heads * hd + 2 * h * kv * hd + heads * hd * h + 3 * h * f + 2 * h
+    hd = h // heads  # Llama / Mistral and other gated-MLP decoders; Mixtral: every expert's MLP and a router
+    experts = cfg.get("num_local_experts") or 1
+    router = h * experts if experts > 1 else 0
+    block = h * heads * hd + 2 * h * kv * hd + heads * hd * h + experts * 3 * h * f + router + 2 * h
     return V * h + L * block + h + (0 if tied else V * h)
 
 
