@@ -41,20 +41,25 @@ SETTINGS = {  # device -> (model, sequence length, global batch, micro-batch)
 MIB = 2**20
 
 
+DTYPE = {"cuda": "bf16", "cpu": "fp32"}
+
+
+def single_rank_plan(device: str, workload, profile, model: str, recompute: str, stack: str = "eager",
+                     offload: bool = False):
+    """The single-rank layout the check runs on `device` (its SETTINGS' batch and micro-batch)."""
+    _, _, global_batch, micro_batch = SETTINGS[device]
+    layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=offload, stack=stack)
+    return to_plan(layout, workload, profile, global_batch=global_batch, dtype=DTYPE[device], recompute=recompute,
+                   model=model)
+
+
 def plans(device: str, profile, wanted: tuple[str, ...], model: str, seq_len: int, stack: str = "eager"):
     """(name, plan): one per recompute policy, and the no-recompute layout offloaded (those `wanted`)."""
-    _, _, global_batch, micro_batch = SETTINGS[device]
-    dtype = "bf16" if device == "cuda" else "fp32"
-    workload, _ = workload_for(model, seq_len=seq_len, dtype=dtype)
+    workload, _ = workload_for(model, seq_len=seq_len, dtype=DTYPE[device])
     for policy in (p for p in RECOMPUTE if p in wanted):
-        layout = Layout(dp=1, zero=3, micro_batch=micro_batch, stack=stack)
-        yield policy, to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype, recompute=policy,
-                              model=model)
-    if "offloaded" not in wanted:
-        return
-    layout = Layout(dp=1, zero=3, micro_batch=micro_batch, offload=True, stack=stack)
-    yield "none, offloaded", to_plan(layout, workload, profile, global_batch=global_batch, dtype=dtype,
-                                     recompute="none", model=model)
+        yield policy, single_rank_plan(device, workload, profile, model, policy, stack)
+    if "offloaded" in wanted:
+        yield "none, offloaded", single_rank_plan(device, workload, profile, model, "none", stack, offload=True)
 
 
 def row(name: str, plan, profile, steps: int, timeout: float, reports: Path | None = None) -> str:

@@ -4,8 +4,8 @@
     python benchmarks/gpu_runs.py --dry-run   # also the dry run's allocated and replayed reserved memory
 
 Each row is a run of benchmarks/gpu_check.py on one H200, with the calibration of that machine
-(benchmarks/data/h200_calibrated_run*.json). The plan is rebuilt from the row as gpu_check built it
-and priced on that profile; the memory columns compare the predicted tensors with
+(benchmarks/data/h200_calibrated_run*.json). The plan is rebuilt from the row by gpu_check's own
+`single_rank_plan` and priced on that profile; the memory columns compare the predicted tensors with
 `max_memory_allocated` and, with --dry-run, the dry run on fake tensors with `max_memory_allocated`
 and its caching-allocator replay with `max_memory_reserved`.
 """
@@ -19,15 +19,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import MIB, SETTINGS, single_rank_plan  # noqa: E402
+
 from costmodel.estimate import estimate  # noqa: E402
 from hardware import load  # noqa: E402
-from layout.layout import Layout  # noqa: E402
-from planner.search.space import to_plan  # noqa: E402
 from planner.trace.workload_for import workload_for  # noqa: E402
 
 DATA = Path(__file__).resolve().parent / "data"
-MODEL, SEQ_LEN, GLOBAL_BATCH, MICRO_BATCH = "llama-3.2-1b", 2048, 4, 2  # gpu_check's cuda settings
-MIB = 2**20
+MODEL, SEQ_LEN, _, _ = SETTINGS["cuda"]  # the runs are gpu_check's on the GPU
 
 
 def rows(path: Path) -> list[dict]:
@@ -37,9 +38,7 @@ def rows(path: Path) -> list[dict]:
 
 def plan_of(row: dict, workload):
     profile = load(DATA / row["profile"])
-    layout = Layout(dp=1, zero=3, micro_batch=MICRO_BATCH, stack=row["stack"])
-    return to_plan(layout, workload, profile, global_batch=GLOBAL_BATCH, dtype="bf16", recompute=row["recompute"],
-                   model=MODEL), profile
+    return single_rank_plan("cuda", workload, profile, MODEL, row["recompute"], row["stack"]), profile
 
 
 def main(argv=None) -> int:

@@ -10,11 +10,19 @@ from layout.plan import Plan
 from .workload import Workload
 
 
+FP8_GPUS = "h100-sxm, h200, b200 or mi300x"
+
+
+def check_fp8(cluster: Cluster, field: str, needs: str, otherwise: str) -> None:
+    """FP8 (GEMMs, a KV cache) needs a GPU whose profile has an FP8 peak (Hopper and later, MI300X)."""
+    if "fp8" not in cluster.gpu.peak_tflops:
+        raise PlanError(field, f"{needs}, and {cluster.gpu.name} has no fp8 peak in its profile",
+                        f"use {otherwise}, or a GPU with an FP8 peak such as {FP8_GPUS}")
+
+
 def check_dtype(dtype: str, cluster: Cluster) -> None:
-    """FP8 needs a GPU whose catalog entry has an FP8 peak (Hopper and later, MI300X)."""
-    if dtype == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
-        raise PlanError("dtype", f"fp8 needs FP8 GEMMs, and {cluster.gpu.name} has no fp8 peak in its profile",
-                        "use bf16, or a GPU with an FP8 peak such as h100-sxm, h200, b200 or mi300x")
+    if dtype == "fp8":
+        check_fp8(cluster, "dtype", "fp8 needs FP8 GEMMs", "bf16")
 
 
 def default_dtype(cluster: Cluster) -> tuple[str, str]:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel, weight_bytes_per_gpu
-from costmodel.validate import check_dtype
+from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
 from hardware.errors import InfeasibleError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
@@ -215,9 +215,8 @@ def _check_kv_dtype(kv_dtype: str, cluster: Cluster) -> None:
     """A KV dtype the engines take; an FP8 cache only where the GPU has FP8 (its profile's fp8 peak)."""
     if kv_dtype not in ("auto", *KV_DTYPE_BYTES):
         raise PlanError("kv_dtype", f"unknown KV cache dtype {kv_dtype!r}", f"use auto, {', '.join(KV_DTYPE_BYTES)}")
-    if kv_dtype == "fp8" and "fp8" not in cluster.gpu.peak_tflops:
-        raise PlanError("kv_dtype", f"an fp8 KV cache needs FP8 support, and {cluster.gpu.name} has no fp8 peak in "
-                        "its profile", "use auto (16-bit), or a GPU with FP8 such as h100-sxm, h200, b200 or mi300x")
+    if kv_dtype == "fp8":
+        check_fp8(cluster, "kv_dtype", "an fp8 KV cache needs FP8 support", "auto (16-bit)")
 
 
 def _check_pins(fixed: dict) -> dict[str, int]:

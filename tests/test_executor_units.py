@@ -269,7 +269,7 @@ def test_selective_recomputes_the_attention_core_only_on_the_math_path(dropout, 
     assert (kept - selective >= scores) if math else selective == kept
 
 
-def test_op_policy_recompute_decides_as_its_forward_whether_or_not_torch_asks_again():
+def test_op_policy_recompute_decides_as_its_forward_whether_or_not_torch_asks_again(monkeypatch):
     """torch before 2.12 asks the policy again during the recompute (torch 2.13 replays): each pass
     counts its own multiplies, so the recompute keeps exactly the products the forward saved."""
     from types import SimpleNamespace
@@ -278,14 +278,8 @@ def test_op_policy_recompute_decides_as_its_forward_whether_or_not_torch_asks_ag
 
     from executor.apply import recompute
 
-    captured = {}
-    real = recompute.create_selective_checkpoint_contexts
-    try:
-        recompute.create_selective_checkpoint_contexts = lambda policy: captured.setdefault("policy", policy)
-        recompute._save_products()
-    finally:
-        recompute.create_selective_checkpoint_contexts = real
-    policy, mm = captured["policy"], recompute.MULTIPLY
+    monkeypatch.setattr(recompute, "create_selective_checkpoint_contexts", lambda policy: policy)
+    policy, mm = recompute._save_products(), recompute.MULTIPLY
     forward = [policy(SimpleNamespace(is_recompute=False), mm) for _ in range(7)]  # a Llama block's seven
     again = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(7)]
     assert forward == again

@@ -290,4 +290,3 @@ def cuda_runtime_memory(device: str) -> tuple[float, float]:
     torch.cuda.synchronize(device)
     free, total = torch.cuda.mem_get_info(device)
     return float(total - free - torch.cuda.memory_reserved(device)), float(max(workspace, 0))
-

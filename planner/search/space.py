@@ -36,9 +36,20 @@ def to_plan(layout: Layout, workload: Workload, cluster: Cluster, *, global_batc
     kinds = [layer.kind for layer in workload.layers]
     n_stages = layout.n_virtual_stages
     stages = list(_uniform(tuple(kinds), n_stages, recompute)) if shared_stages else uniform_stages(kinds, n_stages, recompute)
-    profile = None if loads_back(cluster) else cluster  # a calibrated or edited profile travels in the plan
-    return Plan(model=model, hardware=cluster.spec(), hardware_profile=profile, global_batch=global_batch,
+    return Plan(model=model, hardware=cluster.spec(), hardware_profile=_embedded(cluster), global_batch=global_batch,
                 seq_len=workload.seq_len, dtype=dtype, stages=stages, **layout.axes())
+
+
+_LAST_EMBEDDED: list = [None, None]  # (cluster, what its plans embed): the search makes thousands of plans of one
+
+
+def _embedded(cluster: Cluster) -> Cluster | None:
+    """The profile a plan of `cluster` carries: none for a catalog cluster its spec rebuilds, the
+    cluster itself for a calibrated or edited one. Clusters are frozen, so the last answer holds
+    for the same object."""
+    if _LAST_EMBEDDED[0] is not cluster:
+        _LAST_EMBEDDED[:] = [cluster, None if loads_back(cluster) else cluster]
+    return _LAST_EMBEDDED[1]
 
 
 @lru_cache(maxsize=256)
