@@ -38,7 +38,8 @@ def rows(path: Path) -> list[dict]:
 
 def plan_of(row: dict, workload):
     profile = load(DATA / row["profile"])
-    return single_rank_plan("cuda", workload, profile, MODEL, row["recompute"], row["stack"]), profile
+    return single_rank_plan("cuda", workload, profile, MODEL, row["recompute"], row["stack"],
+                            offload=row.get("offload") == "true"), profile
 
 
 def main(argv=None) -> int:

@@ -48,9 +48,19 @@ def host_copy_time(nbytes: float, plan: Plan, cluster: Cluster) -> float:
 HOST_ADAMW_TRAFFIC_BYTES = 80
 
 
+# That loop also allocates two fp32 temporaries per parameter (the second moment's square root and its
+# quotient by the bias correction) and frees them: a tensor above glibc's mmap threshold (32 MiB at most,
+# most of a model's weights) goes back to the OS on free, so each step maps and zeroes them again.
+HOST_ADAMW_FRESH_BYTES = 8
+
+
 def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
-    """AdamW on the host, per parameter a rank holds (it steps its 1/shard_degree share)."""
-    return HOST_ADAMW_TRAFFIC_BYTES / plan.shard_degree / host_bandwidths(cluster)[1]
+    """AdamW on the host, per parameter a rank holds (it steps its 1/shard_degree share): its
+    traffic at the host's bandwidth, and its temporaries' fresh pages where the profile measured
+    how fast the host maps them (every parameter counted as in a tensor above the threshold)."""
+    fresh = cluster.node.host_fresh_page_gbps
+    fresh_s = HOST_ADAMW_FRESH_BYTES / (fresh * 1e9) if fresh else 0.0
+    return (HOST_ADAMW_TRAFFIC_BYTES / host_bandwidths(cluster)[1] + fresh_s) / plan.shard_degree
 
 
 def device_state_bytes(params: float, plan: Plan) -> dict[str, float]:

@@ -193,6 +193,10 @@ class Node(_Sourced):
     host_memory_gb: float | None = Field(None, gt=0, description="host memory per node, GB: offloaded states' room")
     host_memory_gbps: float | None = Field(None, gt=0, description="host memory bandwidth per node, GB/s: what the "
                                            "host optimizer step of offloaded states runs at")
+    host_fresh_page_gbps: float | None = Field(
+        None, gt=0, description="GB/s at which a rank first writes a new host tensor above the host allocator's mmap "
+        "threshold (page faults and zeroing): the host AdamW's temporaries of offloaded states are mapped afresh "
+        "every step. None: not measured, and not priced")
     oversubscription: float | None = Field(
         default=None, ge=1,
         description="threads the node's ranks run / the cores they share, when above 1 (CPU ranks time-sliced on "

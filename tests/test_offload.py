@@ -8,7 +8,7 @@ import pytest
 import hardware
 import planner
 from costmodel.estimate import estimate
-from costmodel.offload import HOST_ADAMW_TRAFFIC_BYTES
+from costmodel.offload import HOST_ADAMW_FRESH_BYTES, HOST_ADAMW_TRAFFIC_BYTES
 from hardware.errors import InfeasibleError, PlanError
 from planner.resolve import resolve_workload
 
@@ -42,6 +42,19 @@ def test_a_model_that_fits_only_offloaded_is_planned_offloaded(llama_70b):
                                                          rel=0.02)
     state_free = max(s.memory_bytes["weights"] + s.memory_bytes["optimizer"] for s in est.stages)
     assert state_free == 0.0  # no states on the GPUs
+
+
+def test_a_measured_hosts_fresh_pages_slow_the_offloaded_adamw(llama_70b):
+    """The host AdamW's two temporaries per parameter are mapped afresh each step: priced at the
+    host's measured fresh-page rate where the profile has one, nothing where it does not."""
+    plan = planner.plan(llama_70b, _with_host_memory("8xa100-40g", 2048), global_batch=64, seq_len=4096, top_k=1,
+                        fixed=dict(dp=8, zero=3, offload=True))
+    cluster = _with_host_memory("8xa100-40g", 2048)
+    faster = cluster.model_copy(update={"node": cluster.node.model_copy(update={"host_fresh_page_gbps": 10.0})})
+    plain, paged = estimate(llama_70b, plan, cluster), estimate(llama_70b, plan, faster)
+    owned = llama_70b.params / plan.shard_degree
+    extra = paged.breakdown_s["optimizer"] - plain.breakdown_s["optimizer"]
+    assert extra == pytest.approx(HOST_ADAMW_FRESH_BYTES * owned / 10e9, rel=0.02)
 
 
 def test_the_hosts_memory_bounds_offload(llama_70b):

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from costmodel.memory import OPTIMIZER_TRAFFIC_BYTES  # the cost model's AdamW traffic per parameter
 from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, TRAINING_DTYPE, _LOCKSTEP,
                                  attention_flops, collective_in_training, collective_passes, fit_half_dim,
-                                 fresh_page_bytes_per_s, link_from_all_reduce, matmul_curve,
+                                 fresh_page_bytes_per_s, host_link_bandwidth, host_memory_bytes, link_from_all_reduce, matmul_curve,
                                  cuda_runtime_memory, memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
                                  storage_write_bytes_per_s)
 from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol, RuntimeMemory
@@ -80,6 +80,10 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
     lockstep("memory", lambda: memory_bandwidth(dev))
     lockstep("attention", lambda: attention_flops(dev, DTYPES[TRAINING_DTYPE[device]]))
     lockstep("optimizer", lambda: optimizer_seconds_per_param(dev))
+    if device == "cuda":  # offload's figures: the host link, and the host's memory at this rank's threads
+        lockstep("host_link", lambda: host_link_bandwidth(dev))
+        lockstep("host_memory", lambda: memory_bandwidth("cpu")[0])
+        lockstep("host_fresh_pages", lambda: fresh_page_bytes_per_s("cpu"))
     if world > 1:
         lockstep("all_reduce", lambda: collective_in_training(dev))
         lockstep("passes", lambda: collective_passes(dev, res["all_reduce"]))
@@ -149,7 +153,7 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
     # CPU ranks whose threads outnumber the cores are time-sliced: the rates above are those with every rank
     # busy, and a rank computes faster while some of its peers wait (costmodel.estimate's pipeline).
     oversub = ranks * threads / cores if device == "cpu" and ranks * threads > cores else None
-    host, host_sources = host_figures(device, copy_bw, memory_gb * ranks, ranks, when)
+    host, host_sources = host_figures(device, results, copy_bw, memory_gb * ranks, when)
     node = Node(gpus_per_node=ranks, fabric="pcie", link_gbps=link_bw / 1e9, link_latency_us=latency * 1e6,
                 oversubscription=oversub, **host,
                 sources={"gpus_per_node": f"ranks used by parallax calibrate ({setting})",
@@ -165,15 +169,26 @@ def calibrate(device: str = "cpu", ranks: int = 2, threads: int | None = None) -
                             "storage_gbps_per_node": when + " (fsync'd 8 MiB writes in the working directory)"})
 
 
-def host_figures(device: str, copy_bw: float, memory_gb: float, ranks: int, when: str) -> tuple[dict, dict]:
-    """The node's host figures (offload's) and their sources: on CPU ranks the device is the host,
-    so a copy to it runs at the measured copy bandwidth. A GPU's host link is not measured here."""
-    if device != "cpu":
-        return {}, {}
-    how = {"host_link_gbps": (copy_bw / 1e9, "tensor copy"), "host_memory_gb": (memory_gb, "the machine's memory"),
-           "host_memory_gbps": (copy_bw * ranks / 1e9, "tensor copy x ranks")}
-    return ({k: v for k, (v, _) in how.items()},
-            {k: when + " (CPU ranks: the host is the device; " + text + ")" for k, (_, text) in how.items()})
+def host_figures(device: str, results: list[dict], copy_bw: float, memory_gb: float, when: str) -> tuple[dict, dict]:
+    """The node's host figures (offload's) and their sources. On CPU ranks the device is the host,
+    so a copy to it runs at the measured copy bandwidth (its fresh pages are the device's, and an
+    optimizer's temporaries there are not priced, offloaded or not); a GPU's ranks measure a pinned
+    copy each way, the host memory's copy bandwidth at their own threads (the node's ranks add
+    them) and the host's fresh pages, which an offloaded AdamW's temporaries pay every step."""
+    ranks = len(results)
+    if device == "cpu":
+        how = {"host_link_gbps": (copy_bw / 1e9, "CPU ranks: the host is the device; tensor copy"),
+               "host_memory_gb": (memory_gb, "CPU ranks: the host is the device; the machine's memory"),
+               "host_memory_gbps": (copy_bw * ranks / 1e9, "CPU ranks: the host is the device; tensor copy x ranks")}
+    else:
+        how = {"host_link_gbps": (_merge(results, "host_link") / 1e9, "pinned copies to and from the device, "
+                                  "the slower way"),
+               "host_memory_gb": (host_memory_bytes() / 1e9, "physical pages, as the OS counts them"),
+               "host_memory_gbps": (sum(r["host_memory"] for r in results) / 1e9,
+                                    "host tensor copy at each rank's threads, summed over ranks"),
+               "host_fresh_page_gbps": (_merge(results, "host_fresh_pages") / 1e9,
+                                        "first write of a new 64 MiB host tensor beyond a reused one's")}
+    return ({k: v for k, (v, _) in how.items()}, {k: f"{when} ({text})" for k, (_, text) in how.items()})
 
 
 def measured_library(device: str, results: list[dict], latency: float, when: str) -> Collectives:

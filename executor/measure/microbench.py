@@ -114,6 +114,22 @@ def memory_bandwidth(device: str, mbytes: int = 128) -> tuple[float, float]:
     return copy_bw, min(add_bw / copy_bw, 1.0)
 
 
+def host_link_bandwidth(device: str, mbytes: int = 256) -> float:
+    """Bytes/s of one copy between pinned host memory and the device, the slower direction:
+    an offloaded shard crosses both ways (FSDP2's CPU offload pins its host states)."""
+    n = mbytes * 2 ** 20
+    host = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+    on_device = torch.empty(n, dtype=torch.uint8, device=device)
+    to_device = n / _timeit(lambda: on_device.copy_(host, non_blocking=True), device)
+    to_host = n / _timeit(lambda: host.copy_(on_device, non_blocking=True), device)
+    return min(to_device, to_host)
+
+
+def host_memory_bytes() -> float:
+    """The machine's physical memory, as the OS counts its pages."""
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
 def attention_flops(device: str, dtype: torch.dtype) -> float:
     """FLOP/s of causal scaled-dot-product attention (forward), 4*b*h*s^2*d FLOPs / 2 for causality;
     on a GPU at a training shape, since a small one measures kernel launches."""
@@ -194,9 +210,10 @@ def collective_passes(device: str, all_reduce: dict[int, float]) -> dict[str, fl
 
 
 def fresh_page_bytes_per_s(device: str, mbytes: int = 64) -> float | None:
-    """Bytes/s at which a freshly allocated tensor above the host allocator's mmap threshold is
-    first written, beyond a write of a reused one: the page faults and zeroing every step pays
-    for such tensors on CPU. None on CUDA (its caching allocator reuses blocks)."""
+    """Bytes/s at which a freshly allocated host tensor above the host allocator's mmap threshold
+    is first written, beyond a write of a reused one: the page faults and zeroing every step pays
+    for such tensors on CPU (the host's, for a GPU's offloaded optimizer). None for a CUDA
+    device's own memory: its caching allocator reuses blocks."""
     if device != "cpu":
         return None
     n = mbytes * 2 ** 20 // 4
