@@ -167,7 +167,7 @@ def test_tensor_parallel_pipeline_ranks_are_each_measured_with_sp():
 
 def test_sp_is_not_skipped_on_a_pipeline_chunk():
     from executor.apply.tensor_parallel import split_styles
-    from executor.apply.tp_styles import TPAnalysis
+    from planner.trace.tp_styles import TPAnalysis
     from torch import nn
 
     chunk = nn.Module()

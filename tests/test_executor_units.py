@@ -8,7 +8,7 @@ from layout.plan import Plan
 from executor.apply.layers import layer_map
 from executor.runtime.models import build_model
 from executor.apply.pipeline import cut
-from executor.apply.tp_styles import analyse_tp
+from planner.trace.tp_styles import analyse_tp
 from executor.apply.validate import validate
 from hardware.errors import PlanError
 

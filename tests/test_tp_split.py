@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from executor.apply.tp_styles import analyse_tp
+from planner.trace.tp_styles import analyse_tp
 from hardware.errors import ModelError
 from planner.trace.blocks import split_tp
 from planner.trace.models.build import build_module

@@ -35,7 +35,7 @@ from executor.runtime.mesh import build_mesh, local_device
 from executor.apply.pipeline import apply_pipeline, build_schedule
 from executor.apply.tensor_parallel import apply_tensor_parallel
 from executor.apply.tied import TiedGradients, aliases, tied_groups
-from executor.apply.tp_styles import TPAnalysis, analyse_tp
+from planner.trace.tp_styles import TPAnalysis, analyse_tp
 from executor.apply.validate import validate
 
 

@@ -25,7 +25,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 from layout.plan import Plan
 from executor.apply.layers import get_or_none
 from executor.apply.tied import tied_groups
-from executor.apply.tp_styles import TPAnalysis
+from planner.trace.tp_styles import TPAnalysis
 from planner.executable import tp_split_classes
 
 log = logging.getLogger(__name__)

@@ -112,7 +112,7 @@ def _worker(rank: int, world: int, init_file: str, model_name: str, prompt: torc
     from executor.runtime.mesh import build_mesh, init_distributed
     from executor.runtime.models import build_model
     from executor.apply.tensor_parallel import apply_tensor_parallel
-    from executor.apply.tp_styles import analyse_tp
+    from planner.trace.tp_styles import analyse_tp
 
     init_distributed(timeout_s=120, init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:

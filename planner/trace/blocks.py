@@ -165,7 +165,7 @@ def split_tp(og: OpGraph) -> None:
                 data["tp"], data["gather"], data["whole"] = "R", True, True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":
-            # as the executor splits every nn.Embedding (executor/apply/tp_styles.py): rowwise, its
+            # as the executor splits every nn.Embedding (planner/trace/tp_styles.py): rowwise, its
             # output all-reduced, the tokens' table and a learned position table alike
             data["tp"], data["allreduce"] = "R", True
             _set_style(og, data["module"], "rowwise")
