@@ -1,7 +1,9 @@
-"""The model described once: the TP split the tracer prices (`planner.trace.blocks.split_tp`,
-from the traced graph) is the split the executor applies (`executor.apply.tp_styles.analyse_tp`,
-from a forward on the live module), for every catalog model the executor builds and for a
-user's own module (`examples/llama_module.py`)."""
+"""The model described once: one function derives the TP split (`planner.trace.tp_styles.analyse_tp`).
+The tracer runs it on its fake forward and prices the graph by it (`planner.trace.blocks.split_tp`);
+the executor runs it on the live module and applies it. Here the styles the priced graph ends with
+equal those the executor applies, for every catalog model the executor builds and for a user's own
+module (`examples/llama_module.py`): a pricing pass that dropped, renamed or overrode a module's
+style would fail it."""
 from __future__ import annotations
 
 import re
@@ -33,14 +35,7 @@ def _on_meta(build) -> torch.nn.Module:
         return build().to(torch.bfloat16)  # grouped expert GEMMs take bf16 only
 
 
-# BERT's prediction head normalises a colwise dense layer's output: the executor sees the norm
-# mix the split features and replicates the dense (tp_styles' conflict rule), the tracer's
-# graph pass does not and prices it colwise. Known, left for the one derivation (issue 29, item 3).
-KNOWN = {"bert-large": "the tracer misses the executor's norm-conflict rule on BERT's prediction head"}
-
-
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=KNOWN[n])) if n in KNOWN
-                                  else n for n in list_models()])
+@pytest.mark.parametrize("name", list_models())
 def test_the_priced_split_is_the_executed_split(name):
     try:
         model = _on_meta(lambda: build_module(name, depth=2))

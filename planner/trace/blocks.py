@@ -128,7 +128,13 @@ def _wildcard(og: OpGraph, module: str) -> str:
 
 
 def _split_linears(og: OpGraph) -> tuple[set[int], set[int]]:
-    """(forward linear nodes the executor splits, those among them that reach no later split linear)."""
+    """(forward linear nodes the executor splits, those among them whose output is gathered whole):
+    as `tp_styles.analyse_tp` derived them where the tracer ran it, else from the graph alone (the
+    split linears that reach no later split linear)."""
+    if og.tp_module_styles is not None:
+        styles = og.tp_module_styles
+        split = {n for n, d in og.nodes() if d["kind"] == "linear" and styles.get(d.get("module")) in ("colwise", "rowwise")}
+        return split, {n for n in split if og.graph.nodes[n].get("module") in og.tp_gathered}
     g = og.graph
     split = {n for n, d in og.nodes() if d["kind"] == "linear" and d.get("module") in og.tp_split_modules}
     reaches: dict[int, bool] = {}
@@ -157,11 +163,11 @@ def split_tp(og: OpGraph) -> None:
         if data["kind"] == "linear" and node not in split:
             _set_style(og, data["module"], "replicate")
         elif data["kind"] == "linear":
-            style = "rowwise" if sharded else "colwise"
-            data["tp"], data["allreduce"] = ("R", True) if sharded else ("S", False)
+            style = (og.tp_module_styles or {}).get(data["module"]) or ("rowwise" if sharded else "colwise")
+            data["tp"], data["allreduce"] = ("R", True) if style == "rowwise" else ("S", False)
             data["tp_style"] = style
             data["whole"] = False
-            if node in gathered and not sharded:
+            if node in gathered and style == "colwise":
                 data["tp"], data["gather"], data["whole"] = "R", True, True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":

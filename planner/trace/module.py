@@ -251,11 +251,12 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     og = _trace_once(*args, fake_mode, "fused")
     if og.attention_calls:
-        og.math_path = _trace_once(*args, fake_mode, "math")
+        og.math_path = _trace_once(*args, fake_mode, "math", split=(og.tp_module_styles, og.tp_gathered))
     return og
 
 
-def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs, fake_mode, path) -> OpGraph:
+def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs, fake_mode, path,
+                split=None) -> OpGraph:
     from planner.trace.attention import sdpa_as
     from planner.trace.blocks import analyse
 
@@ -284,8 +285,28 @@ def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwar
     finally:
         for handle in handles:
             handle.remove()
+    if split is None:
+        _derive_split(og, module, state, inputs, keys, fake_mode, call_kwargs or {})
+    else:  # the math path's linears are the fused path's
+        og.tp_module_styles, og.tp_gathered = split
     analyse(og)
     return og
+
+
+def _derive_split(og: OpGraph, module, state, inputs, keys, fake_mode, extra) -> None:
+    """The TP split as the executor derives it (`tp_styles.analyse_tp`), on a forward of the
+    same fake weights and inputs; a model whose forward it cannot follow keeps the graph's own."""
+    from planner.trace.tp_styles import analyse_tp
+
+    args, kwargs = (inputs, {}) if keys is None else ((), dict(zip(keys, inputs)))
+
+    def forward():
+        return torch.func.functional_call(module, state, tuple(args), {**kwargs, **extra}, tie_weights=True,
+                                          strict=False)
+
+    with fake_mode:
+        analysis = analyse_tp(module, forward=forward)
+    og.tp_module_styles, og.tp_gathered = dict(analysis.styles), set(analysis.gather_output)
 
 
 def _fake_input(fake_mode: FakeTensorMode, value):

@@ -1,12 +1,14 @@
-"""Derive tensor-parallel styles from the data flow of one small forward.
+"""The model's tensor-parallel split, derived once from the data flow of one forward.
 
 The rule (Megatron's): a linear fed by the replicated residual stream is split
 column-wise; a linear fed by a column-split output is split row-wise and
 returns the stream to replicated. A column-split tensor that reaches a norm,
 a residual add or anything else that mixes all features before a row-wise
-linear makes its whole group replicated. The planner's tracer will expose the
-same mapping as `OpGraph.tp_styles`; `derive_tp_styles` keeps that signature so
-either source can be used.
+linear makes its whole group replicated.
+
+One derivation, two callers: the tracer runs it on its fake forward and prices
+that split (`planner.trace.module`, `blocks.split_tp`); the executor runs it on
+the live module and applies it (`executor.apply.materialize`).
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from planner.trace.ops import run_on_fake
 
 from planner.executable import tp_split_classes
 
@@ -52,7 +56,7 @@ class _Flow(TorchDispatchMode):
         self.keep.append(tensor)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = run_on_fake(func, args, kwargs or {})
         tag = self.tag((args, kwargs))
         if tag:
             name = func.overloadpacket.__name__
@@ -73,8 +77,9 @@ def _is_norm(module: nn.Module) -> bool:
     return "norm" in type(module).__name__.lower()
 
 
-def analyse_tp(model: nn.Module, example: torch.Tensor) -> TPAnalysis:
-    """Run `example` through `model` once and classify every parameter-holding module."""
+def analyse_tp(model: nn.Module, example: torch.Tensor | None = None, forward=None) -> TPAnalysis:
+    """Run `example` through `model` once (or call `forward()`, a call of `model` the caller
+    arranges, such as the tracer's on fake weights) and classify every parameter-holding module."""
     flow, styles, parent = _Flow(), {}, {}
     embeddings: list[str] = []
 
@@ -110,7 +115,7 @@ def analyse_tp(model: nn.Module, example: torch.Tensor) -> TPAnalysis:
             styles[name] = "replicate"
     try:
         with torch.no_grad(), flow:
-            output = model(example)
+            output = forward() if forward is not None else model(example)
     finally:
         for handle in handles:
             handle.remove()
