@@ -231,6 +231,18 @@ class LayerParts:
     fresh_forward: float
     comm: float
     gather: float
+    host_recompute: float = 0.0  # the host's issue of a checkpoint's replay: the forward's ops and a detach per save
+
+
+def host_issue_time(ops: int, ctx: Context) -> float:
+    """Seconds the host takes to issue `ops` aten ops one by one, as eager PyTorch does: a layer's
+    kernels run no faster than they are issued (a small model's step on a fast GPU, or a policy that
+    replays every op). Zero where the profile has not measured the per-op cost, and on the compile
+    and fused stacks, whose fused kernels are far fewer than the traced ops."""
+    us = ctx.cluster.gpu.host_op_us
+    if us is None or ctx.stack != "eager":
+        return 0.0
+    return ops * us * 1e-6
 
 
 def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
@@ -241,17 +253,18 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     compute = gemm + attention + memory
     comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
+    backward = (BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + dense_gradient_time(layer, ctx)
+                + fresh_backward + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0))
     plain = LayerTime(
-        forward=compute + fresh_forward,
+        forward=max(compute + fresh_forward, host_issue_time(layer.host_ops_forward, ctx)),
         weight_grad=gemm + dense_gradient_time(layer, ctx),
-        backward=(BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + dense_gradient_time(layer, ctx)
-                  + fresh_backward
-                  + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0)),
+        backward=max(backward, host_issue_time(layer.host_ops_backward, ctx)),
         recompute=0.0,
         tp_comm=(comm + backward_tp_collectives(layer, ctx) + cp_gather_time(layer, ctx)
                  + expert_exchange_time(layer, ctx) + gather),
     )
-    return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather)
+    return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather,
+                      host_issue_time(layer.host_ops_forward + layer.host_ops_saved, ctx))
 
 
 def fp8_cast_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]:
@@ -271,7 +284,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
     """The layer's time under `recompute` (`parts`: its `layer_parts`, where already known)."""
     p = parts or layer_parts(layer, ctx)
     if recompute == "full":
-        extra, extra_comm = p.plain.forward, p.comm + p.gather
+        extra, extra_comm = max(p.plain.forward, p.host_recompute), p.comm + p.gather
     elif recompute == "selective" and layer.act_attention_scores > 0:
         # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
         # the kernel's backward already recomputes them, so nothing is added.
@@ -280,7 +293,8 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
         # every op but the saved products and attention kernels re-runs: the memory-bound ones, every
         # second matrix multiply, and the TP collectives but the reduce-scatters SP saves
         recomputed_gemm = p.gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
-        extra = p.memory + p.fresh_forward + recomputed_gemm
+        # the policy's dispatch mode replays every op of the forward, the saved ones answered from its cache
+        extra = max(p.memory + p.fresh_forward + recomputed_gemm, p.host_recompute)
         extra_comm = p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0) + p.gather
     else:
         return p.plain

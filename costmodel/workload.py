@@ -94,6 +94,14 @@ class LayerProfile(BaseModel):
     grad_dense_bytes: float = Field(0.0, ge=0, description="bytes of dense weight gradient a backward materialises "
                                     "whatever the batch (an embedding's [vocab, hidden] table: zero-filled, "
                                     "scattered into, accumulated), per micro-batch")
+    host_ops_forward: int = Field(0, ge=0, description="aten ops one micro-batch's forward of the layer dispatches "
+                                  "(traced): eager PyTorch issues each from the host, and a layer runs no faster than "
+                                  "the host issues its ops (0: not traced, no such floor)")
+    host_ops_backward: int = Field(0, ge=0, description="the same for its backward: autograd's ops, each found by the "
+                                   "module whose forward recorded it")
+    host_ops_saved: int = Field(0, ge=0, description="tensors its forward saves for backward (every save, parameters "
+                                "and views too): a checkpoint's recompute dispatches the forward's ops again and a "
+                                "detach of each")
     largest_weight: int = Field(0, ge=0, description="elements of the layer's largest weight (a tied one included): "
                                 "its gradient is one tensor that size per backward, which a host allocator maps fresh")
     expert_params: int = Field(0, ge=0, description="mixture-of-experts weights (part of params): the executor "

@@ -158,6 +158,9 @@ class GPU(_Sourced):
         "OS when freed, so every step maps them again. None: a caching allocator (CUDA's) reuses its blocks")
     fresh_page_min_bytes: float | None = Field(default=None, gt=0, description="the smallest tensor mapped fresh "
                                                "on every allocation (glibc: its mmap threshold's ceiling)")
+    host_op_us: float | None = Field(None, gt=0, description="host microseconds eager PyTorch spends issuing one aten "
+                                     "op on this machine (dispatch, autograd, launch), forward or backward: a layer "
+                                     "runs no faster than its traced ops times this. None: not measured, not priced")
     runtime_memory: RuntimeMemory | None = Field(None, description="what the CUDA runtime holds per process (None: "
                                                  "nothing beyond the tensors, as on CPU ranks)")
 

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from costmodel.memory import OPTIMIZER_TRAFFIC_BYTES  # the cost model's AdamW traffic per parameter
 from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, TRAINING_DTYPE, _LOCKSTEP,
                                  attention_flops, collective_in_training, collective_passes, fit_half_dim,
-                                 fresh_page_bytes_per_s, host_link_bandwidth, host_memory_bytes, link_from_all_reduce, matmul_curve,
+                                 fresh_page_bytes_per_s, host_link_bandwidth, host_op_seconds, host_memory_bytes, link_from_all_reduce, matmul_curve,
                                  cuda_runtime_memory, memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
                                  storage_write_bytes_per_s)
 from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol, RuntimeMemory
@@ -84,6 +84,7 @@ def _rank_worker(rank: int, world: int, device: str, threads: int, init_file: st
         lockstep("host_link", lambda: host_link_bandwidth(dev))
         lockstep("host_memory", lambda: memory_bandwidth("cpu")[0])
         lockstep("host_fresh_pages", lambda: fresh_page_bytes_per_s("cpu"))
+        lockstep("host_op", lambda: host_op_seconds(dev, DTYPES[TRAINING_DTYPE[device]]))
     if world > 1:
         lockstep("all_reduce", lambda: collective_in_training(dev))
         lockstep("passes", lambda: collective_passes(dev, res["all_reduce"]))
@@ -221,7 +222,11 @@ def cuda_runtime(device: str, results: list[dict], when: str) -> tuple[dict, dic
                  "cublas_workspace_mib": when + " (a first GEMM's allocation beyond its output)",
                  "cublas_workspaces": "torch keeps one workspace per thread and stream that runs a GEMM; autograd "
                                       "runs a CUDA device's backward on its own thread (torch/csrc/autograd/engine.cpp)"})
-    return {"arch": arch, "runtime_memory": runtime}, {"arch": f"torch.cuda {read}, read by parallax calibrate"}
+    host_op_us = _merge(results, "host_op") * 1e6
+    return ({"arch": arch, "runtime_memory": runtime, "host_op_us": host_op_us},
+            {"arch": f"torch.cuda {read}, read by parallax calibrate",
+             "host_op_us": when + " (forward and backward of two llama-160m blocks at 8 tokens under autocast: "
+                                  "host time over the aten ops a dispatch mode counted)"})
 
 
 GLIBC_MMAP_THRESHOLD_MAX = 32 * 2 ** 20  # glibc mallopt(3): DEFAULT_MMAP_THRESHOLD_MAX on 64-bit systems

@@ -14,6 +14,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 MATMUL_SIZES = (64, 128, 256, 512, 1024, 2048)  # the GEMM's smallest dimension
 MATMUL_WIDE = 1024  # its other two dimensions on cpu (4x on cuda, which a 1024-wide GEMM does not fill)
@@ -123,6 +124,51 @@ def host_link_bandwidth(device: str, mbytes: int = 256) -> float:
     to_device = n / _timeit(lambda: on_device.copy_(host, non_blocking=True), device)
     to_host = n / _timeit(lambda: host.copy_(on_device, non_blocking=True), device)
     return min(to_device, to_host)
+
+
+HOST_OP_MODEL = "llama-160m"  # a catalog Llama: its blocks' ops are the mix most runs issue
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_op_seconds(device: str, dtype: torch.dtype, budget_s: float = 1.0) -> float:
+    """Host seconds eager PyTorch spends issuing one aten op, forward and backward of a catalog
+    Llama's two blocks under autocast, at 8 tokens: kernels that short finish before the host has
+    issued the next, so the host's time is the issue's. The ops are counted by a dispatch mode in
+    one step and timed without it over steps that fill `budget_s`."""
+    from planner.trace.models.build import build_module
+
+    model = build_module(HOST_OP_MODEL, depth=2).to(device)
+    tokens = torch.randint(0, 100, (1, 8), device=device)
+
+    def step():
+        with torch.autocast(torch.device(device).type, dtype=dtype):
+            out = model(tokens)
+            logits = out.logits if hasattr(out, "logits") else out
+            loss = logits.float().mean()
+        loss.backward()
+
+    step()
+    _sync(device)
+    counter = _CountOps()
+    with counter:
+        step()
+    _sync(device)
+    started, steps = time.perf_counter(), 0
+    while time.perf_counter() - started < budget_s or steps < 2:
+        step()
+        steps += 1
+    issued = time.perf_counter() - started
+    _sync(device)
+    return issued / steps / counter.ops
 
 
 def host_memory_bytes() -> float:

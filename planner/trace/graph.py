@@ -54,6 +54,7 @@ class OpGraph:
     tp_styles: dict[str, str] = field(default_factory=dict)
     block_counts: dict[str, int] = field(default_factory=dict)
     module_types: dict[str, str] = field(default_factory=dict)
+    saves_by_module: dict[str, int] = field(default_factory=dict)  # tensors saved for backward, per module (every save)
     tp_split_modules: set[str] = field(default_factory=set)  # what the executor's TP splits
     # the split the executor applies, derived once (`planner.trace.tp_styles.analyse_tp`): module name ->
     # colwise/rowwise/replicate, and the colwise outputs gathered whole (the logits); None: a graph without

@@ -81,6 +81,8 @@ class Tracer:
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         """saved_tensors_hooks pack: count each saved storage once, on its producer."""
+        module = self.stack[-1] if self.stack else ""
+        self.og.saves_by_module[module] = self.og.saves_by_module.get(module, 0) + 1  # every call: a recompute detaches each
         key = storage_key(tensor)
         node = self.storage_origin.get(key)
         if node is None or key in self.saved or tensor in self.param_of:
@@ -89,7 +91,7 @@ class Tracer:
         data = self.g.nodes[node]
         data["saved_bytes"] += tensor.untyped_storage().nbytes()
         data["saved_at"] = self.last_forward if self.last_forward is not None else node
-        data["saved_module"] = self.stack[-1] if self.stack else ""
+        data["saved_module"] = module
         return tensor
 
     # -- op recording --------------------------------------------------------
