@@ -224,10 +224,14 @@ class ServingModel:
                 biggest = max(biggest, live * self.prompt_len / self.s)
         return biggest
 
-    def max_sequences(self, tp: int, pp: int) -> int:
+    def kv_token_capacity(self, tp: int, pp: int) -> float:
+        """Tokens the KV cache holds on each GPU of the replica, beside the weights and a prefill's workspace."""
         free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp, self.dtype) - self.workspace(tp, pp)
-        per_seq = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype) * (self.prompt_len + self.output_len)
-        return max(0, int(free // per_seq)) if per_seq > 0 else 0
+        per_token = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype)
+        return max(0.0, free / per_token) if per_token > 0 else 0.0
+
+    def max_sequences(self, tp: int, pp: int) -> int:
+        return int(self.kv_token_capacity(tp, pp) // (self.prompt_len + self.output_len))
 
     # prefill
     def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:

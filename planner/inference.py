@@ -211,7 +211,7 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
 PINNED = ("tp", "pp", "replicas")
 
 
-def _check_kv_dtype(kv_dtype: str, cluster: Cluster) -> None:
+def check_kv_dtype(kv_dtype: str, cluster: Cluster) -> None:
     """A KV dtype the engines take; an FP8 cache only where the GPU has FP8 (its profile's fp8 peak)."""
     if kv_dtype not in ("auto", *KV_DTYPE_BYTES):
         raise PlanError("kv_dtype", f"unknown KV cache dtype {kv_dtype!r}", f"use auto, {', '.join(KV_DTYPE_BYTES)}")
@@ -274,7 +274,7 @@ def plan_inference(
     fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     check_dtype(dtype, cluster)
-    _check_kv_dtype(kv_dtype, cluster)
+    check_kv_dtype(kv_dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype)

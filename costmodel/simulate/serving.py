@@ -1,0 +1,226 @@
+"""An event simulation of one serving replica under a request rate: what TTFT and TPOT a user
+sees at p50, p90 and p99, where the closed formulas of `costmodel.inference` give only means.
+
+Requests arrive as a Poisson process, with fixed lengths or lengths drawn from a given set. The
+engine loop is the one vLLM, SGLang and TensorRT-LLM share:
+- Continuous batching. Each iteration decodes one token for every running sequence whose prompt
+  is done. It spends the rest of a token budget (`max_batched_tokens`) on prompt chunks:
+  unfinished prefills first, then new requests in arrival order (chunked prefill).
+- Paged KV admission. A request is admitted while its prompt's pages fit the KV cache, in pages
+  of `block_size` tokens, and at most `max_sequences` run.
+- Preemption by recomputation, as vLLM does. When the decoding sequences' next tokens need a
+  page the cache has no room for, the most recently admitted sequence is evicted. It returns to
+  the head of the queue and prefills its prompt and what it had generated again.
+
+An iteration takes the replica's decode iteration at its batch (`ServingModel.decode_iteration`)
+plus its prompt tokens at the prefill rate (`ServingModel.prefill_occupancy` per prompt token).
+A request's TTFT runs from its arrival to the end of the iteration that finishes its prompt; its
+TPOT is the mean gap between its later tokens.
+"""
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodel.inference import ServingModel
+
+PERCENTILES = (50, 90, 99)
+WARMUP_SHARE = 0.1  # the first requests meet an empty engine: left out of the statistics
+
+
+class Percentiles(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    p50: float
+    p90: float
+    p99: float
+    mean: float
+
+
+class ServingSimulation(BaseModel):
+    """A replica's figures at one request rate (times in ms)."""
+
+    model_config = ConfigDict(extra="forbid")
+    rate: float = Field(description="requests/s offered to this replica")
+    requests: int = Field(description="requests simulated; the first tenth left out of the statistics")
+    ttft_ms: Percentiles
+    tpot_ms: Percentiles
+    e2e_ms: Percentiles
+    output_tokens_per_s: float = Field(description="output tokens/s the replica delivered over the measured requests")
+    goodput_rps: float | None = Field(None, description="requests/s that met both SLOs (None: no SLO given)")
+    slo_met_share: float | None = None
+    preemptions: int = 0
+    mean_batch: float = Field(description="mean decoding sequences while the engine is busy")
+
+
+@dataclass(frozen=True)
+class Engine:
+    """The scheduler's settings and the replica's costs (from a `ServingModel` at one layout)."""
+
+    decode_s: tuple[float, ...]  # decode iteration seconds by batch (index = running sequences)
+    prefill_s_per_token: float
+    kv_blocks: int
+    block_size: int = 16
+    max_sequences: int = 256
+    max_batched_tokens: int = 8192
+
+    @classmethod
+    def of(cls, sm: ServingModel, tp: int, pp: int, max_batched_tokens: int | None = None,
+           block_size: int = 16) -> "Engine":
+        tokens = sm.kv_token_capacity(tp, pp)
+        cap = max(1, sm.max_sequences(tp, pp))
+        budget = max_batched_tokens or max(sm.prompt_len, 2048)
+        decode = (0.0, *(sm.decode_iteration(tp, pp, b)[0] for b in range(1, cap + 1)))
+        return cls(decode_s=decode, prefill_s_per_token=sm.prefill_occupancy(tp, pp) / sm.prompt_len,
+                   kv_blocks=int(tokens // block_size), block_size=block_size, max_sequences=cap,
+                   max_batched_tokens=budget)
+
+    def iteration_s(self, decoding: int, prompt_tokens: int) -> float:
+        return self.decode_s[min(decoding, len(self.decode_s) - 1)] + prompt_tokens * self.prefill_s_per_token
+
+
+@dataclass
+class _Request:
+    index: int
+    arrival: float
+    prompt: int
+    output: int
+    prefilled: int = 0  # tokens of the (prompt + regenerated) context already prefilled
+    generated: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    blocks: int = 0
+    to_prefill: int = field(default=0)
+
+    def context(self) -> int:
+        return self.prompt + self.generated
+
+
+def poisson_requests(rate: float, n: int, lengths: list[tuple[int, int]], seed: int = 0) -> list[_Request]:
+    """`n` requests at Poisson arrivals of `rate`/s, each (prompt, output) drawn from `lengths`."""
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
+    picks = rng.integers(0, len(lengths), size=n)
+    out = []
+    for i, (t, k) in enumerate(zip(arrivals, picks)):
+        prompt, output = lengths[int(k)]
+        out.append(_Request(i, float(t), int(prompt), int(output), to_prefill=int(prompt)))
+    return out
+
+
+def run_engine(engine: Engine, requests: list[_Request]) -> tuple[list[_Request], int, float]:
+    """Play the requests through the engine; returns them finished, the preemptions and the mean
+    batch (decoding sequences, averaged over the time the engine is busy)."""
+    pending = deque(requests)  # not yet arrived
+    waiting: deque[_Request] = deque()
+    running: list[_Request] = []  # admission order
+    free_blocks, clock, preemptions, batch_time, busy = engine.kv_blocks, 0.0, 0, 0.0, 0.0
+    while pending or waiting or running:
+        while pending and pending[0].arrival <= clock:
+            waiting.append(pending.popleft())
+        if not waiting and not running:
+            clock = pending[0].arrival
+            continue
+        decoding = [r for r in running if r.to_prefill == 0]
+        need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * engine.block_size)
+        while need > free_blocks and running:  # evict the newest until the next tokens have pages
+            victim = running.pop()
+            free_blocks += victim.blocks
+            preemptions += 1
+            if victim in decoding:
+                decoding.remove(victim)
+            need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * engine.block_size)
+            victim.blocks, victim.prefilled, victim.to_prefill = 0, 0, victim.context()
+            waiting.appendleft(victim)
+        budget = engine.max_batched_tokens - len(decoding)
+        chunks: list[tuple[_Request, int]] = []
+        for r in running:
+            if r.to_prefill and budget > 0:
+                take = min(r.to_prefill, budget)
+                chunks.append((r, take))
+                budget -= take
+        while waiting and budget > 0 and len(running) < engine.max_sequences:
+            r = waiting[0]
+            blocks = math.ceil((r.to_prefill + 1) / engine.block_size)
+            if blocks > free_blocks:
+                break
+            waiting.popleft()
+            r.blocks, free_blocks = blocks, free_blocks - blocks
+            running.append(r)
+            take = min(r.to_prefill, budget)
+            chunks.append((r, take))
+            budget -= take
+        step = engine.iteration_s(len(decoding), sum(t for _, t in chunks))
+        clock += step
+        busy += step
+        batch_time += len(decoding) * step
+        for r in decoding:
+            grown = math.ceil((r.context() + 1) / engine.block_size)
+            free_blocks -= grown - r.blocks
+            r.blocks = grown
+            r.generated += 1
+        for r, take in chunks:
+            r.to_prefill -= take
+            r.prefilled += take
+            if r.to_prefill == 0 and r.first_token is None:
+                r.first_token = clock  # the prompt's last chunk yields the first token
+                r.generated = max(r.generated, 1)
+        for r in [r for r in running if r.generated >= r.output and r.to_prefill == 0]:
+            r.finished = clock
+            free_blocks += r.blocks
+            running.remove(r)
+    return requests, preemptions, batch_time / busy if busy else 0.0
+
+
+def _percentiles(values: np.ndarray) -> Percentiles:
+    p = np.percentile(values, PERCENTILES)
+    return Percentiles(p50=float(p[0]), p90=float(p[1]), p99=float(p[2]), mean=float(values.mean()))
+
+
+def simulate_rate(engine: Engine, rate: float, lengths: list[tuple[int, int]], requests: int = 600, seed: int = 0,
+                  slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> ServingSimulation:
+    """A replica's TTFT, TPOT and end-to-end percentiles at `rate` requests/s."""
+    done, preemptions, mean_batch = run_engine(engine, poisson_requests(rate, requests, lengths, seed))
+    measured = done[int(len(done) * WARMUP_SHARE):]
+    ttft = np.array([(r.first_token - r.arrival) * 1e3 for r in measured])
+    tpot = np.array([(r.finished - r.first_token) * 1e3 / max(r.output - 1, 1) for r in measured])
+    e2e = np.array([(r.finished - r.arrival) * 1e3 for r in measured])
+    span = max(r.finished for r in measured) - min(r.arrival for r in measured)
+    tokens = sum(r.output for r in measured)
+    goodput = share = None
+    if slo_ttft_ms is not None or slo_tpot_ms is not None:
+        ok = np.ones(len(measured), dtype=bool)
+        if slo_ttft_ms is not None:
+            ok &= ttft <= slo_ttft_ms
+        if slo_tpot_ms is not None:
+            ok &= tpot <= slo_tpot_ms
+        share = float(ok.mean())
+        goodput = float(ok.sum()) / span
+    return ServingSimulation(rate=rate, requests=requests, ttft_ms=_percentiles(ttft), tpot_ms=_percentiles(tpot),
+                             e2e_ms=_percentiles(e2e), output_tokens_per_s=tokens / span, goodput_rps=goodput,
+                             slo_met_share=share, preemptions=preemptions, mean_batch=mean_batch)
+
+
+def highest_rate(engine: Engine, lengths: list[tuple[int, int]], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+                 requests: int = 600, seed: int = 0, tolerance: float = 0.02) -> tuple[float, ServingSimulation | None]:
+    """The highest rate (requests/s, to `tolerance`) whose p99 TTFT and p99 TPOT meet the SLOs;
+    (0, None) when even a trickle misses them. Bisection: p99s grow with the rate."""
+    def meets(sim: ServingSimulation) -> bool:
+        return ((slo_ttft_ms is None or sim.ttft_ms.p99 <= slo_ttft_ms)
+                and (slo_tpot_ms is None or sim.tpot_ms.p99 <= slo_tpot_ms))
+
+    mean_output = sum(o for _, o in lengths) / len(lengths)
+    ceiling = engine.max_sequences / (engine.decode_s[-1] * mean_output)  # a full batch every iteration
+    lo, hi, best = 0.0, ceiling, None
+    first = simulate_rate(engine, ceiling * 0.01, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+    if not meets(first):
+        return 0.0, None
+    lo, best = ceiling * 0.01, first
+    while hi - lo > tolerance * hi:
+        mid = (lo + hi) / 2
+        sim = simulate_rate(engine, mid, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+        lo, hi, best = (mid, hi, sim) if meets(sim) else (lo, mid, best)
+    return lo, best

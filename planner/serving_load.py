@@ -1,0 +1,152 @@
+"""Load on a serving deployment, simulated (`costmodel.simulate.serving`): TTFT and TPOT
+percentiles against the request rate, and the highest rate each layout sustains under p99 SLOs.
+
+`serve-plan` sizes a deployment by closed formulas at a mean operating point. This module answers
+what an operator asks next: what p99 TTFT and TPOT does a given rate bring, and how many requests/s
+can this hardware take while p99 TTFT <= X and p99 TPOT <= Y. Poisson arrivals split evenly over
+the replicas (a split Poisson process is Poisson), each replica simulated on its own.
+"""
+from __future__ import annotations
+
+import csv
+import io
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from costmodel.inference import ServingModel
+from costmodel.simulate.serving import Engine, ServingSimulation, highest_rate, simulate_rate
+from hardware.errors import PlanError
+from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
+from hardware.untrusted import read_text
+from costmodel.validate import check_dtype
+from planner.inference import check_kv_dtype, layouts
+from planner.resolve import model_name, resolve_hardware, resolve_workload
+
+MAX_LENGTH_ROWS = 100_000
+
+
+class EngineLoad(BaseModel):
+    """The scheduler settings the simulation ran, as an engine is told them."""
+
+    model_config = ConfigDict(extra="forbid")
+    max_sequences: int
+    max_batched_tokens: int
+    block_size: int
+    kv_cache_tokens: int
+
+
+class LayoutLoad(BaseModel):
+    """One deployment layout under load: the replicas' simulated figures at each total rate."""
+
+    model_config = ConfigDict(extra="forbid")
+    tp: int
+    pp: int
+    replicas: int
+    engine: EngineLoad
+    points: list[ServingSimulation] = Field(description="per replica, at each total rate / replicas")
+    highest_rate: float | None = Field(None, description="total requests/s meeting the p99 SLOs (SLO search only)")
+    at_highest: ServingSimulation | None = Field(None, description="a replica's figures at that rate")
+
+
+class LoadReport(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    hardware: str
+    prompt_len: float = Field(description="mean prompt tokens of the request mix")
+    output_len: float = Field(description="mean output tokens")
+    lengths: str = Field(description="fixed, or the file the lengths were drawn from")
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+    layouts: list[LayoutLoad] = Field(description="best first")
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+def read_lengths(path: Path) -> list[tuple[int, int]]:
+    """(prompt, output) token pairs from a CSV with columns `prompt_len,output_len` (or `isl,osl`)."""
+    text = read_text(path, "--lengths", "request-lengths CSV")
+    rows = list(csv.DictReader(io.StringIO(text)))
+    if not rows or len(rows) > MAX_LENGTH_ROWS:
+        raise PlanError("--lengths", f"{path} holds {len(rows)} requests", f"give 1 to {MAX_LENGTH_ROWS:,} rows under "
+                        "a header prompt_len,output_len")
+    names = next((pair for pair in (("prompt_len", "output_len"), ("isl", "osl")) if set(pair) <= set(rows[0])), None)
+    if names is None:
+        raise PlanError("--lengths", f"{path} has columns {', '.join(rows[0])}", "name them prompt_len,output_len "
+                        "(or isl,osl)")
+    out = []
+    for i, row in enumerate(rows, start=2):
+        pair = []
+        for name in names:
+            try:
+                value = int(row[name])
+            except (TypeError, ValueError):
+                raise PlanError("--lengths", f"{path} line {i}: {name} {row[name]!r} is not a whole number",
+                                "token counts, e.g. 512") from None
+            check_count(name, value, MAX_SEQ_LEN, hint="token counts, e.g. 512")
+            pair.append(value)
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict):
+    cluster = resolve_hardware(hw)
+    check_dtype(dtype, cluster)
+    check_kv_dtype(kv_dtype, cluster)
+    prompt = round(sum(p for p, _ in lengths) / len(lengths))
+    output = round(sum(o for _, o in lengths) / len(lengths))
+    workload = resolve_workload(model, seq_len=prompt, dtype=dtype, cluster=cluster)
+    sm = ServingModel(workload, cluster, prompt_len=prompt, output_len=output, dtype=dtype,
+                      kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+    chosen = [(tp, pp) for tp, pp in layouts(workload, cluster)
+              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
+    if not chosen:
+        raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {workload.name} fits {cluster.spec()}"
+                        + (f" with {fixed}" if fixed else ""), "add GPUs, or pin a layout `serve-plan` lists")
+    return cluster, workload, sm, chosen
+
+
+def _engine_load(engine: Engine) -> EngineLoad:
+    return EngineLoad(max_sequences=engine.max_sequences, max_batched_tokens=engine.max_batched_tokens,
+                      block_size=engine.block_size, kv_cache_tokens=engine.kv_blocks * engine.block_size)
+
+
+def _check(lengths, rates, slo_ttft_ms, slo_tpot_ms) -> None:
+    for rate in rates:
+        check_positive("rate", rate, "requests per second, e.g. 5")
+    for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+        if value is not None:
+            check_positive(name, value, "milliseconds, e.g. 500")
+    if not rates and slo_ttft_ms is None and slo_tpot_ms is None:
+        raise PlanError("rates", "nothing to simulate", "give --rates, or an SLO (--slo-ttft-ms, --slo-tpot-ms) to "
+                        "find the highest rate meeting it")
+
+
+def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[float], lengths_source: str = "fixed",
+                slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
+                kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
+                top_k: int = 3) -> LoadReport:
+    """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
+    SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
+    else the lowest p99 TTFT at the highest rate given."""
+    _check(lengths, rates, slo_ttft_ms, slo_tpot_ms)
+    fixed = dict(fixed or {})
+    cluster, workload, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed)
+    out = []
+    for tp, pp in chosen:
+        replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
+        engine = Engine.of(sm, tp, pp)
+        points = [simulate_rate(engine, rate / replicas, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+                  for rate in rates]
+        best, at = None, None
+        if slo_ttft_ms is not None or slo_tpot_ms is not None:
+            best, at = highest_rate(engine, lengths, slo_ttft_ms, slo_tpot_ms, requests, seed)
+            best *= replicas
+        out.append(LayoutLoad(tp=tp, pp=pp, replicas=replicas, engine=_engine_load(engine), points=points,
+                              highest_rate=best, at_highest=at))
+    out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
+    return LoadReport(model=model_name(model, workload), hardware=cluster.spec(), prompt_len=sm.prompt_len,
+                      output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms,
+                      slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])

@@ -1,0 +1,91 @@
+"""The serving load simulation (costmodel/simulate/serving.py, planner/serving_load.py): its
+figures against what queueing and the engine's mechanisms require, and bad input refused."""
+from __future__ import annotations
+
+import pytest
+
+from costmodel.simulate.serving import Engine, highest_rate, poisson_requests, run_engine, simulate_rate
+from hardware.errors import ParallaxError
+from parallax_cli import main
+from planner.serving_load import load_report, read_lengths
+
+LENGTHS = [(512, 64)]
+
+
+def _engine(kv_blocks: int = 100_000, max_sequences: int = 256) -> Engine:
+    """10 ms a decode iteration plus 0.1 ms per sequence; 20 us a prompt token."""
+    decode = (0.0, *(0.010 + 1e-4 * b for b in range(1, max_sequences + 1)))
+    return Engine(decode_s=decode, prefill_s_per_token=20e-6, kv_blocks=kv_blocks, max_sequences=max_sequences,
+                  max_batched_tokens=2048)
+
+
+def test_a_trickle_sees_the_bare_prefill_and_decode():
+    sim = simulate_rate(_engine(), 0.5, LENGTHS, requests=200)
+    prefill = 512 * 20e-6 * 1e3
+    assert prefill <= sim.ttft_ms.p50 <= prefill + 2 * 10.1
+    assert sim.tpot_ms.p50 == pytest.approx(10.1, rel=0.05)
+    assert sim.preemptions == 0
+
+
+def test_percentiles_grow_with_the_rate_and_an_overload_queues():
+    engine = _engine()
+    rates = (5.0, 50.0, 200.0, 2000.0)
+    sims = [simulate_rate(engine, r, LENGTHS, requests=400) for r in rates]
+    p99 = [s.ttft_ms.p99 for s in sims]
+    assert p99 == sorted(p99)
+    assert all(s.ttft_ms.p50 <= s.ttft_ms.p90 <= s.ttft_ms.p99 for s in sims)
+    assert sims[-1].ttft_ms.p99 > 50 * sims[0].ttft_ms.p99  # beyond capacity the queue, not the engine, sets TTFT
+    assert sims[-1].output_tokens_per_s < 2000.0 * 64  # what it delivers is capped below what is offered
+
+
+def test_the_mean_batch_obeys_littles_law():
+    """Decoding sequences = rate x the time each spends decoding (its TPOT x its later tokens), at
+    a rate that keeps the engine busy (so the busy-time mean is the mean)."""
+    sim = simulate_rate(_engine(), 40.0, LENGTHS, requests=1500)
+    decoding_time = sim.tpot_ms.mean / 1e3 * (64 - 1)
+    assert sim.mean_batch == pytest.approx(40.0 * decoding_time, rel=0.15)
+
+
+def test_a_full_kv_cache_preempts_and_every_request_still_finishes():
+    engine = _engine(kv_blocks=200)  # 3,200 tokens: five 576-token requests
+    done, preemptions, _ = run_engine(engine, poisson_requests(200.0, 100, LENGTHS, seed=1))
+    assert preemptions > 0
+    assert all(r.finished is not None and r.generated >= r.output and r.first_token >= r.arrival for r in done)
+
+
+def test_the_highest_rate_meets_the_slo_and_a_tenth_more_does_not():
+    engine = _engine()
+    rate, sim = highest_rate(engine, LENGTHS, slo_ttft_ms=100.0, slo_tpot_ms=30.0, requests=400)
+    assert rate > 0 and sim.ttft_ms.p99 <= 100.0 and sim.tpot_ms.p99 <= 30.0
+    above = simulate_rate(engine, rate * 1.1, LENGTHS, requests=400)
+    assert above.ttft_ms.p99 > 100.0 or above.tpot_ms.p99 > 30.0
+
+
+def test_a_deployment_under_load_is_priced_from_the_serving_model():
+    report = load_report("llama-3-8b", "1xh100-sxm", lengths=[(1024, 128)], rates=[1.0, 4.0], requests=200,
+                         slo_ttft_ms=500.0, slo_tpot_ms=50.0)
+    best = report.layouts[0]
+    assert (best.tp, best.pp, best.replicas) == (1, 1, 1)
+    assert best.points[0].ttft_ms.p50 < best.points[1].ttft_ms.p99
+    assert best.highest_rate > 0 and best.at_highest.ttft_ms.p99 <= 500.0
+
+
+def test_request_lengths_are_read_from_a_csv(tmp_path):
+    good = tmp_path / "lengths.csv"
+    good.write_text("isl,osl\n100,20\n300,40\n")
+    assert read_lengths(good) == [(100, 20), (300, 40)]
+    for name, text, field in (("words.csv", "prompt_len,output_len\nten,2\n", "whole number"),
+                              ("cols.csv", "a,b\n1,2\n", "prompt_len,output_len"),
+                              ("zero.csv", "prompt_len,output_len\n0,5\n", "prompt_len"),
+                              ("empty.csv", "", "0 requests")):
+        path = tmp_path / name
+        path.write_text(text)
+        with pytest.raises(ParallaxError, match=field):
+            read_lengths(path)
+
+
+@pytest.mark.parametrize("args", [["--rates", "1,x"], [], ["--rates", "-1"], ["--rates", "1", "--requests", "5"]])
+def test_the_cli_refuses_bad_load_input_in_one_line(args, capsys):
+    code = main(["serve-load", "llama-3-8b", "--hw", "1xh100-sxm", "--prompt-len", "512", "--output-len", "64", *args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error:")
