@@ -32,8 +32,8 @@ Everything comes from the same `Workload` the training cost model prices
 * A closed loop of more requests than the KV cache holds queues the rest
   (planner.inference._queued): the batch is what fits, the wait is in TTFT.
 
-Not modelled: speculative decoding, paged-attention block waste, queueing
-beyond Little's law, per-step engine overheads, the engines' own all-reduce
+Not modelled here: speculative decoding, paged-attention block waste, queueing
+beyond Little's law (simulate/serving.py plays requests one by one for percentiles), per-step engine overheads, the engines' own all-reduce
 kernels (priced as the collective library's), int8 and 4-bit weights.
 """
 from __future__ import annotations

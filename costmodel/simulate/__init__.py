@@ -1,4 +1,5 @@
-"""The event simulator of one training step: what each rank does and when.
+"""The event simulators: one training step (what each rank does and when), and one
+serving replica under a request rate (serving.py).
 
 step.py runs a plan through the engine (engine.py) with the ops priced by the
 analytic model's own terms (ops.py), in the schedule's per-rank order
