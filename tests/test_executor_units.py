@@ -207,17 +207,20 @@ def test_fresh_page_rate_is_measured_on_cpu_only():
 
 def test_a_calibrated_gpu_records_its_arch_and_runtime_memory(monkeypatch):
     """On CUDA, calibrate names the architecture (so a calibrated profile prices the attention kernel
-    torch dispatches there, not the math path) and what the runtime holds outside torch's tensors."""
+    torch dispatches there, not the math path), what the runtime holds outside torch's tensors and
+    what the host spends issuing an op."""
     from costmodel.attention import AttentionCall, sdpa_backend
     from executor.measure.calibrate import cuda_runtime
     from hardware import load
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=0: (9, 0))
     monkeypatch.setattr(torch.version, "hip", None)
-    fields, sources = cuda_runtime("cuda", [{"runtime_memory": (500 * 2**20, 32 * 2**20)}], "measured")
+    fields, sources = cuda_runtime("cuda", [{"runtime_memory": (500 * 2**20, 32 * 2**20), "host_op": 20e-6}],
+                                   "measured")
     catalog = load("h200").gpu
     gpu = type(catalog).model_validate({**catalog.model_dump(), **fields, "sources": {**catalog.sources, **sources}})
     assert gpu.arch == "sm90" and gpu.runtime_memory.bytes()["cuda_context"] == 500 * 2**20
+    assert gpu.host_op_us == pytest.approx(20.0) and "host_op_us" in gpu.sources
     call = AttentionCall(heads=32, kv_heads=8, head_dim=64, value_dim=64, q_len=2048, kv_len=2048, dtype="bfloat16",
                          mask="causal", dropout=False, layout="bshd")
     assert sdpa_backend(call, gpu) != "math"
@@ -284,3 +287,18 @@ def test_op_policy_recompute_decides_as_its_forward_whether_or_not_torch_asks_ag
     again = [policy(SimpleNamespace(is_recompute=True), mm) for _ in range(7)]
     assert forward == again
     assert forward[:2] == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_RECOMPUTE]
+
+
+def test_a_gpu_hosts_figures_are_measured_for_offload():
+    """A GPU's ranks measure the host for offload: the pinned link (the slower way), the host
+    memory's copy bandwidth summed over ranks, and its fresh pages (the host AdamW's temporaries)."""
+    from executor.measure.calibrate import host_figures
+
+    ranks = [{"host_link": 50e9, "host_memory": 100e9, "host_fresh_pages": 10e9},
+             {"host_link": 54e9, "host_memory": 80e9, "host_fresh_pages": 12e9}]
+    fields, sources = host_figures("cuda", ranks, copy_bw=3e12, memory_gb=141.0, when="measured")
+    assert fields["host_link_gbps"] == pytest.approx(52.0) and fields["host_memory_gbps"] == pytest.approx(180.0)
+    assert fields["host_fresh_page_gbps"] == pytest.approx(11.0) and fields["host_memory_gb"] > 0
+    assert set(sources) == set(fields)
+    cpu, _ = host_figures("cpu", [{}], copy_bw=10e9, memory_gb=16.0, when="measured")
+    assert "host_fresh_page_gbps" not in cpu and cpu["host_link_gbps"] == pytest.approx(10.0)
