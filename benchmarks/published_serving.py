@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_runs import row_dims  # noqa: E402
 
 from hardware.errors import ParallaxError  # noqa: E402
+from hardware.engines import engine_names  # noqa: E402
 from planner.inference import plan_inference  # noqa: E402
+from planner.resolve import resolve_workload  # noqa: E402
 
 METRICS = ("out_tok_s_per_gpu", "out_tok_s_total", "ttft_ms", "tpot_ms", "e2e_latency_ms")
 PRICED_WEIGHTS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
@@ -42,8 +44,23 @@ def rows(path: Path) -> list[dict]:
         return [row for row in csv.DictReader(line for line in f if not line.startswith("#")) if row.get("metric")]
 
 
-def plan_of(row: dict):
-    """The row's deployment priced at its load, or the reason it is not predicted."""
+def engine_family(row: dict) -> str:
+    """The row's engine family (`trtllm-0.16.0` -> trtllm), as hardware/engines.py names them."""
+    name = (row.get("engine") or "").strip().lower()
+    return next((family for family in engine_names() if name.startswith(family)), "generic")
+
+
+def row_workload(row: dict):
+    """The row's model at its prompt length, traced once (the fit prices each row many times)."""
+    dims = {**row, "seq_len": row["isl"]}
+    weights = PRICED_WEIGHTS.get((row.get("weights_dtype") or "bf16").strip(), "bf16")
+    return resolve_workload(row_dims(dims, f"{row['n_layers']}L-{row['hidden']}"), seq_len=int(row["isl"]),
+                            dtype="bf16" if weights == "fp8" else weights)
+
+
+def plan_of(row: dict, engine="generic", workload=None):
+    """The row's deployment priced at its load, or the reason it is not predicted; `engine`: a
+    family name or an `EngineFit` (hardware/engines.py), `workload`: the row's, already traced."""
     weights = (row.get("weights_dtype") or "bf16").strip()
     if weights not in PRICED_WEIGHTS:
         return None, f"{weights} weights are not priced"
@@ -66,10 +83,11 @@ def plan_of(row: dict):
     isl = int(row["isl"])
     dims = {**row, "seq_len": str(isl)}
     try:
-        plan = plan_inference(row_dims(dims, f"{row['n_layers']}L-{row['hidden']}"), f"{n_gpus}x{row['gpu'].strip()}",
+        model = workload if workload is not None else row_dims(dims, f"{row['n_layers']}L-{row['hidden']}")
+        plan = plan_inference(model, f"{n_gpus}x{row['gpu'].strip()}",
                               prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
                               dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
-                              fixed={"tp": tp, "pp": pp, "replicas": replicas})
+                              fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine)
     except ParallaxError as error:
         return None, " ".join(str(error).split())[:140]
     return plan, ""
@@ -85,6 +103,8 @@ def predicted(plan, metric: str, osl: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--csv", required=True, help="one published serving measurement per row")
+    parser.add_argument("--generic", action="store_true", help="price every row by the generic roofline, not its "
+                        "engine family's fit")
     args = parser.parse_args(argv)
     errors: dict[str, list[float]] = defaultdict(list)
     missed: dict[str, int] = defaultdict(int)
@@ -92,7 +112,8 @@ def main(argv=None) -> int:
         metric = row["metric"].strip()
         where = (f"{i:3} {row['n_layers']}L/{row['hidden']} {row['n_gpus']}x{row['gpu']} tp{row['tp']} "
                  f"{row['weights_dtype'] or 'bf16'} {row['isl']}/{row['osl']} {row['mode']} {row.get('load') or '-'}")
-        plan, why = plan_of(row) if metric in METRICS else (None, f"unknown metric {metric!r}")
+        engine = "generic" if args.generic else engine_family(row)
+        plan, why = plan_of(row, engine) if metric in METRICS else (None, f"unknown metric {metric!r}")
         if plan is None:
             missed[metric] += 1
             print(f"{where:62} {metric:18} {float(row['value']):>10,.1f}  not predicted: {why}")

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.errors import ModelError
+from hardware.engines import EngineFit
 from hardware.schema import Cluster
 
 from . import collectives as coll
@@ -178,8 +179,9 @@ class ServingModel:
 
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
                  dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-                 kv_dtype: str | None = None) -> None:
+                 kv_dtype: str | None = None, engine: EngineFit | None = None) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
+        self.engine = engine  # an engine family's fit on this GPU (hardware/engines.py), or the generic roofline
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
@@ -187,7 +189,8 @@ class ServingModel:
         self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype)
-        self.hbm = memory_bandwidth(gpu)
+        self.hbm = gpu.hbm_gbps * 1e9 * engine.hbm_efficiency if engine is not None else memory_bandwidth(gpu)
+        self.step_overhead = engine.step_overhead_ms / 1e3 if engine is not None else 0.0
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -299,10 +302,11 @@ class ServingModel:
         stage_parts = [self.decode_stage(runs, tp, b, context) for runs in self.stages(pp)]
         stage_times = [sum(p.values()) for p in stage_parts]
         hop = self.hop(tp, b) if pp > 1 else 0.0
-        iteration = max(k * max(stage_times), sum(stage_times) + pp * hop)
+        iteration = max(k * max(stage_times), sum(stage_times) + pp * hop) + self.step_overhead
         slow = stage_parts[stage_times.index(max(stage_times))]
         parts = {key: k * v for key, v in slow.items()}
         parts["pp_comm"] = pp * hop
+        parts["engine_overhead"] = self.step_overhead
         parts["pipeline_wait"] = max(0.0, iteration - sum(parts.values()))
         return iteration, parts
 

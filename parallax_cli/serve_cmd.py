@@ -78,6 +78,9 @@ def serve_plan_command(
     dtype: str = typer.Option("bf16", "--dtype"),
     kv_dtype: Optional[str] = typer.Option(None, "--kv-dtype", help="the KV cache's dtype: auto (16-bit), bf16, fp16 "
                                            "or fp8 (GPUs with FP8)"),
+    engine: str = typer.Option("generic", "--engine", help="the engine family to price: trtllm, vllm, sglang or "
+                               "lmdeploy (its fitted HBM efficiency and per-iteration overhead where fitted for the "
+                               "GPU), or generic (the roofline alone)"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     top: int = typer.Option(3, "--top"),
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
@@ -99,7 +102,7 @@ def serve_plan_command(
         fixed = {**pins, **fixed}
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
-                          price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv)
+                          price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv, engine=engine)
     if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))

@@ -28,6 +28,7 @@ from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel, weight_bytes_per_gpu
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
+from hardware.engines import EngineFit, resolve_engine
 from hardware.errors import InfeasibleError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
@@ -38,7 +39,7 @@ from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
 
 GIB = 2**30
-SCHEMA_VERSION = 2  # 2: kv_dtype
+SCHEMA_VERSION = 3  # 2: kv_dtype; 3: engine
 
 
 class InferencePlan(BaseModel):
@@ -46,12 +47,14 @@ class InferencePlan(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     dtype: str = "bf16"
     kv_dtype: Literal["auto", "bf16", "fp16", "fp8"] = Field(
         "auto", description="the KV cache's element type; auto: the activations' 16-bit type")
+    engine: str = Field("generic", description="the serving engine family priced (hardware/engines.py): its fitted "
+                        "HBM efficiency and per-iteration overhead; generic: the roofline alone")
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
     tp: int = Field(ge=1)
@@ -267,6 +270,7 @@ def plan_inference(
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
     fixed: dict[str, int] | None = None,
     kv_dtype: str = "auto",
+    engine: str | EngineFit = "generic",
 ) -> InferencePlan:
     """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
     tp, pp and replicas (an operator's deployment, priced as it stands)."""
@@ -276,14 +280,15 @@ def plan_inference(
     check_dtype(dtype, cluster)
     check_kv_dtype(kv_dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
+    fit, engine_note = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
-                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=fit)
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
     if fixed and not points:
         raise _pins_fit_nothing(fixed, workload, cluster)
-    notes = []
+    notes = [engine_note] if engine_note else []
     price = cluster.price_per_gpu_hour
     if price is None:
         notes.append(f"no price is known for {cluster.gpu.name}: $ figures are omitted"
@@ -306,7 +311,9 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
-    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype}) for p in plans]
+    engine_name = engine if isinstance(engine, str) else "fitted"
+    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": engine_name})
+             for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.inference import ServingModel
 from costmodel.simulate.serving import Engine, ServingSimulation, highest_rate, simulate_rate
+from hardware.engines import resolve_engine
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
@@ -59,6 +60,7 @@ class LoadReport(BaseModel):
     lengths: str = Field(description="fixed, or the file the lengths were drawn from")
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    engine: str = Field("generic", description="the engine family priced (hardware/engines.py)")
     layouts: list[LayoutLoad] = Field(description="best first")
 
     def to_json(self) -> str:
@@ -91,15 +93,16 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict):
+def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str):
     cluster = resolve_hardware(hw)
     check_dtype(dtype, cluster)
     check_kv_dtype(kv_dtype, cluster)
     prompt = round(sum(p for p, _ in lengths) / len(lengths))
     output = round(sum(o for _, o in lengths) / len(lengths))
     workload = resolve_workload(model, seq_len=prompt, dtype=dtype, cluster=cluster)
+    fit, _ = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt, output_len=output, dtype=dtype,
-                      kv_dtype=None if kv_dtype == "auto" else kv_dtype)
+                      kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=fit)
     chosen = [(tp, pp) for tp, pp in layouts(workload, cluster)
               if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
@@ -127,26 +130,26 @@ def _check(lengths, rates, slo_ttft_ms, slo_tpot_ms) -> None:
 def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[float], lengths_source: str = "fixed",
                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
                 kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
-                top_k: int = 3) -> LoadReport:
+                top_k: int = 3, engine: str = "generic") -> LoadReport:
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
     SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
     else the lowest p99 TTFT at the highest rate given."""
     _check(lengths, rates, slo_ttft_ms, slo_tpot_ms)
     fixed = dict(fixed or {})
-    cluster, workload, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed)
+    cluster, workload, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine)
     out = []
     for tp, pp in chosen:
         replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
-        engine = Engine.of(sm, tp, pp)
-        points = [simulate_rate(engine, rate / replicas, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+        replica = Engine.of(sm, tp, pp)
+        points = [simulate_rate(replica, rate / replicas, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
                   for rate in rates]
         best, at = None, None
         if slo_ttft_ms is not None or slo_tpot_ms is not None:
-            best, at = highest_rate(engine, lengths, slo_ttft_ms, slo_tpot_ms, requests, seed)
+            best, at = highest_rate(replica, lengths, slo_ttft_ms, slo_tpot_ms, requests, seed)
             best *= replicas
-        out.append(LayoutLoad(tp=tp, pp=pp, replicas=replicas, engine=_engine_load(engine), points=points,
+        out.append(LayoutLoad(tp=tp, pp=pp, replicas=replicas, engine=_engine_load(replica), points=points,
                               highest_rate=best, at_highest=at))
     out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, workload), hardware=cluster.spec(), prompt_len=sm.prompt_len,
-                      output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms,
+                      output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])

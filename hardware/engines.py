@@ -1,0 +1,72 @@
+"""Serving engines as data: what an engine family adds to the serving roofline on one GPU type.
+
+`costmodel.inference` prices a decode iteration as a roofline: weights and KV cache streamed at
+the HBM's bandwidth times an efficiency, compute where it exceeds that, the TP all-reduces. An
+engine reaches its own share of the bandwidth with its own kernels, and spends time per iteration
+outside them: scheduling, sampling, launches, its all-reduce kernels' latency. Each entry holds
+those two figures for one engine family on the GPU types its fit covered, each with its source
+(`benchmarks/fit_serving.py` over the cited rows of `benchmarks/data/serving_runs.csv`).
+"""
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from hardware.errors import PlanError
+from hardware.schema import _Sourced
+
+ENGINES_FILE = Path(__file__).parent / "catalog" / "engines" / "serving_engines.json"
+
+
+class EngineFit(_Sourced):
+    """One engine family on one GPU type."""
+
+    unsourced_fields = frozenset({"gpu"})
+    gpu: str = Field(description="the catalog GPU type the fit is for")
+    hbm_efficiency: float = Field(gt=0, le=1, description="share of the HBM bandwidth a decode iteration streams at")
+    step_overhead_ms: float = Field(ge=0, description="time a decode iteration spends beyond the roofline, ms")
+
+
+class Engine(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    name: str
+    fits: list[EngineFit]
+
+
+class EngineCatalog(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    engines: list[Engine]
+
+
+@lru_cache(maxsize=1)
+def engine_catalog() -> EngineCatalog:
+    return EngineCatalog.model_validate(json.loads(ENGINES_FILE.read_text()))
+
+
+def engine_names() -> list[str]:
+    return ["generic", *(engine.name for engine in engine_catalog().engines)]
+
+
+def engine_fit(name: str, gpu: str) -> EngineFit | None:
+    """The fit of engine `name` on `gpu`; None for "generic" or a GPU the fit did not cover.
+    An unknown engine is refused by name."""
+    if name == "generic":
+        return None
+    engine = next((e for e in engine_catalog().engines if e.name == name), None)
+    if engine is None:
+        raise PlanError("engine", f"unknown serving engine {name!r}", f"use one of {', '.join(engine_names())}")
+    return next((fit for fit in engine.fits if fit.gpu == gpu), None)
+
+
+def resolve_engine(engine: "str | EngineFit", gpu: str) -> tuple[EngineFit | None, str]:
+    """(the engine family's fit on `gpu`, or None; a note when a named family has no fit for it)."""
+    if isinstance(engine, EngineFit):
+        return engine, ""
+    fit = engine_fit(engine, gpu)
+    if fit is None and engine != "generic":
+        return None, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by the generic "
+                      "roofline")
+    return fit, ""

@@ -1,0 +1,52 @@
+"""Serving engines as data (hardware/engines.py): a family's fitted HBM efficiency and
+per-iteration overhead enter the decode iteration, and nothing else changes."""
+from __future__ import annotations
+
+import pytest
+
+import hardware
+from costmodel.inference import ServingModel
+from hardware.engines import EngineFit, engine_catalog, engine_fit
+from hardware.errors import PlanError
+from parallax_cli import main
+from planner.inference import plan_inference
+from planner.resolve import resolve_workload
+
+
+@pytest.fixture(scope="module")
+def llama_8b():
+    return resolve_workload("llama-3-8b", seq_len=1024, dtype="bf16")
+
+
+def test_an_engine_fit_sets_the_bandwidth_and_adds_its_overhead_per_iteration(llama_8b):
+    cluster = hardware.load("1xh100-sxm")
+    fit = EngineFit(gpu="h100-sxm", hbm_efficiency=1.0, step_overhead_ms=5.0,
+                    sources={"hbm_efficiency": "test", "step_overhead_ms": "test"})
+    plain = ServingModel(llama_8b, cluster, prompt_len=1024, output_len=128)
+    fitted = ServingModel(llama_8b, cluster, prompt_len=1024, output_len=128, engine=fit)
+    assert fitted.hbm == pytest.approx(cluster.gpu.hbm_gbps * 1e9)
+    streamed = plain.decode_iteration(1, 1, 8)[0] * plain.hbm / fitted.hbm  # the roofline, at the fit's bandwidth
+    step, parts = fitted.decode_iteration(1, 1, 8)
+    assert step == pytest.approx(streamed + 5e-3, rel=0.02) and parts["engine_overhead"] == 5e-3
+    assert fitted.prefill_latency(1, 1) <= plain.prefill_latency(1, 1)  # its weight reads at the fit's bandwidth
+
+
+def test_every_fit_is_sourced_and_a_plan_names_its_engine(llama_8b):
+    fits = [fit for engine in engine_catalog().engines for fit in engine.fits]
+    assert fits and all(set(fit.sources) == {"hbm_efficiency", "step_overhead_ms"} for fit in fits)
+    assert engine_fit("trtllm", "h100-sxm") is not None and engine_fit("generic", "h100-sxm") is None
+    plan = plan_inference(llama_8b, "1xh100-sxm", prompt_len=1024, output_len=128, batch=8, engine="trtllm")
+    generic = plan_inference(llama_8b, "1xh100-sxm", prompt_len=1024, output_len=128, batch=8)
+    assert plan.engine == "trtllm" and plan.estimate.decode_breakdown_s["engine_overhead"] > 0
+    assert plan.estimate.decode_step_s != generic.estimate.decode_step_s
+    unfitted = plan_inference(llama_8b, "1xa100-80g", prompt_len=1024, output_len=128, batch=8, engine="trtllm")
+    assert any("no fit on a100-80g" in note for note in unfitted.notes)
+
+
+def test_an_unknown_engine_is_refused_by_name(capsys):
+    with pytest.raises(PlanError, match="use one of generic, trtllm"):
+        engine_fit("tgi", "h100-sxm")
+    code = main(["serve-plan", "llama-3-8b", "--hw", "1xh100-sxm", "--prompt-len", "512", "--output-len", "64",
+                 "--engine", "tgi"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "unknown serving engine 'tgi'" in err[0]
