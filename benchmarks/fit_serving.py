@@ -12,6 +12,7 @@ in hardware/catalog/serving_engines.json, each with its source: the file, the ro
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import datetime
 import json
 import statistics
@@ -24,15 +25,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from published_serving import METRICS, engine_family, plan_of, predicted, row_workload, rows  # noqa: E402
 
-from hardware.engines import ENGINES_FILE, EngineFit  # noqa: E402
+from hardware.engines import ENGINES_FILE, EngineFit, ServingEngine, resolve_engine  # noqa: E402
 
 MIN_ROWS = 8  # a family on a GPU with fewer rows keeps the generic roofline
 COARSE = ([0.30 + 0.05 * i for i in range(15)], [0.5 * i for i in range(17)])
 
 
-def _fit(eff: float, overhead_ms: float, gpu: str) -> EngineFit:
-    return EngineFit(gpu=gpu, hbm_efficiency=eff, step_overhead_ms=overhead_ms,
-                     sources={"hbm_efficiency": "trial", "step_overhead_ms": "trial"})
+def _fit(family: str, eff: float, overhead_ms: float, gpu: str) -> ServingEngine:
+    """The family on `gpu` with a trial fit (and its catalog cap on running sequences)."""
+    trial = EngineFit(gpu=gpu, hbm_efficiency=eff, step_overhead_ms=overhead_ms,
+                      sources={"hbm_efficiency": "trial", "step_overhead_ms": "trial"})
+    return replace(resolve_engine(family, gpu)[0], fit=trial)
 
 
 def group_rows(path: Path) -> dict[tuple[str, str], list[tuple[dict, object]]]:
@@ -46,20 +49,20 @@ def group_rows(path: Path) -> dict[tuple[str, str], list[tuple[dict, object]]]:
     return groups
 
 
-def mape(members, eff: float, overhead_ms: float, gpu: str) -> float:
+def mape(members, family: str, eff: float, overhead_ms: float, gpu: str) -> float:
     errors = []
     for row, workload in members:
-        plan, _ = plan_of(row, _fit(eff, overhead_ms, gpu), workload)
+        plan, _ = plan_of(row, _fit(family, eff, overhead_ms, gpu), workload)
         errors.append(abs(predicted(plan, row["metric"].strip(), int(row["osl"])) / float(row["value"]) - 1))
     return statistics.mean(errors)
 
 
-def search(members, gpu: str) -> tuple[float, float, float]:
+def search(members, family: str, gpu: str) -> tuple[float, float, float]:
     """(MAPE, efficiency, overhead ms) at the best point of a coarse grid, then of a fine one around it."""
-    best = min((mape(members, e, o, gpu), e, o) for e in COARSE[0] for o in COARSE[1])
+    best = min((mape(members, family, e, o, gpu), e, o) for e in COARSE[0] for o in COARSE[1])
     _, eff, ovh = best
     fine = [(round(eff + 0.01 * i, 3), round(ovh + 0.1 * j, 2)) for i in range(-4, 5) for j in range(-4, 5)]
-    return min([best] + [(mape(members, e, o, gpu), e, o) for e, o in fine if 0 < e <= 1 and o >= 0])
+    return min([best] + [(mape(members, family, e, o, gpu), e, o) for e, o in fine if 0 < e <= 1 and o >= 0])
 
 
 def main(argv=None) -> int:
@@ -70,12 +73,13 @@ def main(argv=None) -> int:
     catalog = json.loads(ENGINES_FILE.read_text())
     today = datetime.date.today().isoformat()
     for (family, gpu), members in sorted(group_rows(Path(args.csv)).items()):
-        generic = statistics.mean(abs(predicted(plan_of(r, "generic", w)[0], r["metric"].strip(), int(r["osl"]))
+        unfitted = replace(resolve_engine(family, gpu)[0], fit=None)  # the roofline, with the family's cap
+        generic = statistics.mean(abs(predicted(plan_of(r, unfitted, w)[0], r["metric"].strip(), int(r["osl"]))
                                       / float(r["value"]) - 1) for r, w in members)
         if len(members) < MIN_ROWS:
             print(f"{family:9} {gpu:10} {len(members):3} rows: too few to fit (generic MAPE {generic:.1%})")
             continue
-        error, eff, ovh = search(members, gpu)
+        error, eff, ovh = search(members, family, gpu)
         print(f"{family:9} {gpu:10} {len(members):3} rows: hbm_efficiency {eff:.2f}, step_overhead_ms {ovh:.2f}: "
               f"MAPE {error:.1%} (generic roofline {generic:.1%})")
         source = (f"fitted by benchmarks/fit_serving.py on {today} over the {len(members)} predicted {family} rows on "

@@ -60,7 +60,7 @@ def row_workload(row: dict):
 
 def plan_of(row: dict, engine="generic", workload=None):
     """The row's deployment priced at its load, or the reason it is not predicted; `engine`: a
-    family name or an `EngineFit` (hardware/engines.py), `workload`: the row's, already traced."""
+    family name or a `ServingEngine` (hardware/engines.py), `workload`: the row's, already traced."""
     weights = (row.get("weights_dtype") or "bf16").strip()
     if weights not in PRICED_WEIGHTS:
         return None, f"{weights} weights are not priced"

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.errors import ModelError
-from hardware.engines import EngineFit
+from hardware.engines import ServingEngine
 from hardware.schema import Cluster
 
 from . import collectives as coll
@@ -179,9 +179,10 @@ class ServingModel:
 
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
                  dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-                 kv_dtype: str | None = None, engine: EngineFit | None = None) -> None:
+                 kv_dtype: str | None = None, engine: ServingEngine | None = None) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
-        self.engine = engine  # an engine family's fit on this GPU (hardware/engines.py), or the generic roofline
+        engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
+        fit, self.sequence_cap = engine.fit, engine.max_sequences
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
@@ -189,8 +190,8 @@ class ServingModel:
         self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype)
-        self.hbm = gpu.hbm_gbps * 1e9 * engine.hbm_efficiency if engine is not None else memory_bandwidth(gpu)
-        self.step_overhead = engine.step_overhead_ms / 1e3 if engine is not None else 0.0
+        self.hbm = gpu.hbm_gbps * 1e9 * fit.hbm_efficiency if fit is not None else memory_bandwidth(gpu)
+        self.step_overhead = fit.step_overhead_ms / 1e3 if fit is not None else 0.0
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -234,7 +235,8 @@ class ServingModel:
         return max(0.0, free / per_token) if per_token > 0 else 0.0
 
     def max_sequences(self, tp: int, pp: int) -> int:
-        return int(self.kv_token_capacity(tp, pp) // (self.prompt_len + self.output_len))
+        room = int(self.kv_token_capacity(tp, pp) // (self.prompt_len + self.output_len))
+        return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
     # prefill
     def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:

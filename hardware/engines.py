@@ -10,6 +10,7 @@ those two figures for one engine family on the GPU types its fit covered, each w
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -30,9 +31,13 @@ class EngineFit(_Sourced):
     step_overhead_ms: float = Field(ge=0, description="time a decode iteration spends beyond the roofline, ms")
 
 
-class Engine(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class Engine(_Sourced):
+    """An engine family: its default cap on running sequences, and its fits per GPU type."""
+
+    unsourced_fields = frozenset({"name", "fits"})
     name: str
+    max_sequences: int | None = Field(None, ge=1, description="sequences the engine runs at once unless told "
+                                      "otherwise (None: as many as the KV cache holds)")
     fits: list[EngineFit]
 
 
@@ -61,12 +66,24 @@ def engine_fit(name: str, gpu: str) -> EngineFit | None:
     return next((fit for fit in engine.fits if fit.gpu == gpu), None)
 
 
-def resolve_engine(engine: "str | EngineFit", gpu: str) -> tuple[EngineFit | None, str]:
-    """(the engine family's fit on `gpu`, or None; a note when a named family has no fit for it)."""
-    if isinstance(engine, EngineFit):
+@dataclass(frozen=True)
+class ServingEngine:
+    """An engine family as one GPU type runs it: its fit there (None: the generic roofline) and
+    its cap on running sequences (None: as many as the KV cache holds)."""
+
+    name: str = "generic"
+    fit: EngineFit | None = None
+    max_sequences: int | None = None
+
+
+def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngine, str]:
+    """The engine family `engine` names, on `gpu`; a note when it has no fit for that GPU."""
+    if isinstance(engine, ServingEngine):
         return engine, ""
     fit = engine_fit(engine, gpu)
+    family = next((e for e in engine_catalog().engines if e.name == engine), None)
+    resolved = ServingEngine(engine, fit, family.max_sequences if family is not None else None)
     if fit is None and engine != "generic":
-        return None, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by the generic "
-                      "roofline")
-    return fit, ""
+        return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "
+                          "the generic roofline")
+    return resolved, ""

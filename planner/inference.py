@@ -28,7 +28,7 @@ from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel, weight_bytes_per_gpu
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
-from hardware.engines import EngineFit, resolve_engine
+from hardware.engines import ServingEngine, resolve_engine
 from hardware.errors import InfeasibleError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
@@ -270,7 +270,7 @@ def plan_inference(
     memory_reserve: float = DEFAULT_MEMORY_RESERVE,
     fixed: dict[str, int] | None = None,
     kv_dtype: str = "auto",
-    engine: str | EngineFit = "generic",
+    engine: str | ServingEngine = "generic",
 ) -> InferencePlan:
     """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
     tp, pp and replicas (an operator's deployment, priced as it stands)."""
@@ -280,9 +280,10 @@ def plan_inference(
     check_dtype(dtype, cluster)
     check_kv_dtype(kv_dtype, cluster)
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
-    fit, engine_note = resolve_engine(engine, cluster.gpu.name)
+    served_by, engine_note = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
-                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=fit)
+                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+                      engine=served_by)
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
@@ -311,7 +312,7 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
-    engine_name = engine if isinstance(engine, str) else "fitted"
+    engine_name = served_by.name
     plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": engine_name})
              for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})

@@ -100,9 +100,9 @@ def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed
     prompt = round(sum(p for p, _ in lengths) / len(lengths))
     output = round(sum(o for _, o in lengths) / len(lengths))
     workload = resolve_workload(model, seq_len=prompt, dtype=dtype, cluster=cluster)
-    fit, _ = resolve_engine(engine, cluster.gpu.name)
+    served_by, _ = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt, output_len=output, dtype=dtype,
-                      kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=fit)
+                      kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=served_by)
     chosen = [(tp, pp) for tp, pp in layouts(workload, cluster)
               if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:

@@ -6,7 +6,7 @@ import pytest
 
 import hardware
 from costmodel.inference import ServingModel
-from hardware.engines import EngineFit, engine_catalog, engine_fit
+from hardware.engines import EngineFit, ServingEngine, engine_catalog, engine_fit, resolve_engine
 from hardware.errors import PlanError
 from parallax_cli import main
 from planner.inference import plan_inference
@@ -23,7 +23,7 @@ def test_an_engine_fit_sets_the_bandwidth_and_adds_its_overhead_per_iteration(ll
     fit = EngineFit(gpu="h100-sxm", hbm_efficiency=1.0, step_overhead_ms=5.0,
                     sources={"hbm_efficiency": "test", "step_overhead_ms": "test"})
     plain = ServingModel(llama_8b, cluster, prompt_len=1024, output_len=128)
-    fitted = ServingModel(llama_8b, cluster, prompt_len=1024, output_len=128, engine=fit)
+    fitted = ServingModel(llama_8b, cluster, prompt_len=1024, output_len=128, engine=ServingEngine("test", fit))
     assert fitted.hbm == pytest.approx(cluster.gpu.hbm_gbps * 1e9)
     streamed = plain.decode_iteration(1, 1, 8)[0] * plain.hbm / fitted.hbm  # the roofline, at the fit's bandwidth
     step, parts = fitted.decode_iteration(1, 1, 8)
@@ -50,3 +50,12 @@ def test_an_unknown_engine_is_refused_by_name(capsys):
                  "--engine", "tgi"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "unknown serving engine 'tgi'" in err[0]
+
+
+def test_an_engines_default_cap_bounds_its_running_sequences(llama_8b):
+    """vLLM runs at most --max-num-seqs sequences (256 by default) whatever the KV cache holds."""
+    cluster = hardware.load("1xh100-sxm")
+    vllm, _ = resolve_engine("vllm", "h100-sxm")
+    roomy = ServingModel(llama_8b, cluster, prompt_len=128, output_len=128)
+    capped = ServingModel(llama_8b, cluster, prompt_len=128, output_len=128, engine=vllm)
+    assert vllm.max_sequences == 256 and roomy.max_sequences(1, 1) > 256 and capped.max_sequences(1, 1) == 256
