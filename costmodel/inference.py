@@ -32,9 +32,14 @@ Everything comes from the same `Workload` the training cost model prices
 * A closed loop of more requests than the KV cache holds queues the rest
   (planner.inference._queued): the batch is what fits, the wait is in TTFT.
 
+* An engine family (hardware/engines.py), where named, sets the HBM efficiency a
+  decode streams at, adds its fitted overhead to each iteration and caps the running
+  sequences at its default.
+
 Not modelled here: speculative decoding, paged-attention block waste, queueing
-beyond Little's law (simulate/serving.py plays requests one by one for percentiles), per-step engine overheads, the engines' own all-reduce
-kernels (priced as the collective library's), int8 and 4-bit weights.
+beyond Little's law (simulate/serving.py plays requests one by one for
+percentiles), int8 and 4-bit weights; the engines' own all-reduce kernels are
+priced as the collective library's, plus whatever a family's fitted overhead holds.
 """
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.inference import ServingModel
-from costmodel.simulate.serving import Engine, ServingSimulation, highest_rate, simulate_rate
+from costmodel.simulate.serving import Replica, ServingSimulation, highest_rate, simulate_rate
 from hardware.engines import resolve_engine
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
@@ -111,9 +111,9 @@ def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed
     return cluster, workload, sm, chosen
 
 
-def _engine_load(engine: Engine) -> EngineLoad:
-    return EngineLoad(max_sequences=engine.max_sequences, max_batched_tokens=engine.max_batched_tokens,
-                      block_size=engine.block_size, kv_cache_tokens=engine.kv_blocks * engine.block_size)
+def _engine_load(replica: Replica) -> EngineLoad:
+    return EngineLoad(max_sequences=replica.max_sequences, max_batched_tokens=replica.max_batched_tokens,
+                      block_size=replica.block_size, kv_cache_tokens=replica.kv_blocks * replica.block_size)
 
 
 def _check(lengths, rates, slo_ttft_ms, slo_tpot_ms) -> None:
@@ -140,7 +140,7 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     out = []
     for tp, pp in chosen:
         replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
-        replica = Engine.of(sm, tp, pp)
+        replica = Replica.of(sm, tp, pp)
         points = [simulate_rate(replica, rate / replicas, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
                   for rate in rates]
         best, at = None, None

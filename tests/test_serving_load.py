@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.simulate.serving import Engine, highest_rate, poisson_requests, run_engine, simulate_rate
+from costmodel.simulate.serving import Replica, highest_rate, poisson_requests, run_engine, simulate_rate
 from hardware.errors import ParallaxError
 from parallax_cli import main
 from planner.serving_load import load_report, read_lengths
@@ -12,10 +12,10 @@ from planner.serving_load import load_report, read_lengths
 LENGTHS = [(512, 64)]
 
 
-def _engine(kv_blocks: int = 100_000, max_sequences: int = 256) -> Engine:
+def _engine(kv_blocks: int = 100_000, max_sequences: int = 256) -> Replica:
     """10 ms a decode iteration plus 0.1 ms per sequence; 20 us a prompt token."""
     decode = (0.0, *(0.010 + 1e-4 * b for b in range(1, max_sequences + 1)))
-    return Engine(decode_s=decode, prefill_s_per_token=20e-6, kv_blocks=kv_blocks, max_sequences=max_sequences,
+    return Replica(decode_s=decode, prefill_s_per_token=20e-6, kv_blocks=kv_blocks, max_sequences=max_sequences,
                   max_batched_tokens=2048)
 
 

@@ -57,8 +57,9 @@ class ServingSimulation(BaseModel):
 
 
 @dataclass(frozen=True)
-class Engine:
-    """The scheduler's settings and the replica's costs (from a `ServingModel` at one layout)."""
+class Replica:
+    """One replica as its engine's scheduler runs it: the settings, and the costs of an iteration
+    (from a `ServingModel` at one layout)."""
 
     decode_s: tuple[float, ...]  # decode iteration seconds by batch (index = running sequences)
     prefill_s_per_token: float
@@ -69,7 +70,7 @@ class Engine:
 
     @classmethod
     def of(cls, sm: ServingModel, tp: int, pp: int, max_batched_tokens: int | None = None,
-           block_size: int = 16) -> "Engine":
+           block_size: int = 16) -> "Replica":
         tokens = sm.kv_token_capacity(tp, pp)
         cap = max(1, sm.max_sequences(tp, pp))
         budget = max_batched_tokens or max(sm.prompt_len, 2048)
@@ -111,13 +112,13 @@ def poisson_requests(rate: float, n: int, lengths: list[tuple[int, int]], seed: 
     return out
 
 
-def run_engine(engine: Engine, requests: list[_Request]) -> tuple[list[_Request], int, float]:
+def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Request], int, float]:
     """Play the requests through the engine; returns them finished, the preemptions and the mean
     batch (decoding sequences, averaged over the time the engine is busy)."""
     pending = deque(requests)  # not yet arrived
     waiting: deque[_Request] = deque()
     running: list[_Request] = []  # admission order
-    free_blocks, clock, preemptions, batch_time, busy = engine.kv_blocks, 0.0, 0, 0.0, 0.0
+    free_blocks, clock, preemptions, batch_time, busy = replica.kv_blocks, 0.0, 0, 0.0, 0.0
     while pending or waiting or running:
         while pending and pending[0].arrival <= clock:
             waiting.append(pending.popleft())
@@ -125,26 +126,26 @@ def run_engine(engine: Engine, requests: list[_Request]) -> tuple[list[_Request]
             clock = pending[0].arrival
             continue
         decoding = [r for r in running if r.to_prefill == 0]
-        need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * engine.block_size)
+        need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * replica.block_size)
         while need > free_blocks and running:  # evict the newest until the next tokens have pages
             victim = running.pop()
             free_blocks += victim.blocks
             preemptions += 1
             if victim in decoding:
                 decoding.remove(victim)
-            need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * engine.block_size)
+            need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * replica.block_size)
             victim.blocks, victim.prefilled, victim.to_prefill = 0, 0, victim.context()
             waiting.appendleft(victim)
-        budget = engine.max_batched_tokens - len(decoding)
+        budget = replica.max_batched_tokens - len(decoding)
         chunks: list[tuple[_Request, int]] = []
         for r in running:
             if r.to_prefill and budget > 0:
                 take = min(r.to_prefill, budget)
                 chunks.append((r, take))
                 budget -= take
-        while waiting and budget > 0 and len(running) < engine.max_sequences:
+        while waiting and budget > 0 and len(running) < replica.max_sequences:
             r = waiting[0]
-            blocks = math.ceil((r.to_prefill + 1) / engine.block_size)
+            blocks = math.ceil((r.to_prefill + 1) / replica.block_size)
             if blocks > free_blocks:
                 break
             waiting.popleft()
@@ -153,12 +154,12 @@ def run_engine(engine: Engine, requests: list[_Request]) -> tuple[list[_Request]
             take = min(r.to_prefill, budget)
             chunks.append((r, take))
             budget -= take
-        step = engine.iteration_s(len(decoding), sum(t for _, t in chunks))
+        step = replica.iteration_s(len(decoding), sum(t for _, t in chunks))
         clock += step
         busy += step
         batch_time += len(decoding) * step
         for r in decoding:
-            grown = math.ceil((r.context() + 1) / engine.block_size)
+            grown = math.ceil((r.context() + 1) / replica.block_size)
             free_blocks -= grown - r.blocks
             r.blocks = grown
             r.generated += 1
@@ -180,10 +181,10 @@ def _percentiles(values: np.ndarray) -> Percentiles:
     return Percentiles(p50=float(p[0]), p90=float(p[1]), p99=float(p[2]), mean=float(values.mean()))
 
 
-def simulate_rate(engine: Engine, rate: float, lengths: list[tuple[int, int]], requests: int = 600, seed: int = 0,
+def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]], requests: int = 600, seed: int = 0,
                   slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> ServingSimulation:
     """A replica's TTFT, TPOT and end-to-end percentiles at `rate` requests/s."""
-    done, preemptions, mean_batch = run_engine(engine, poisson_requests(rate, requests, lengths, seed))
+    done, preemptions, mean_batch = run_engine(replica, poisson_requests(rate, requests, lengths, seed))
     measured = done[int(len(done) * WARMUP_SHARE):]
     ttft = np.array([(r.first_token - r.arrival) * 1e3 for r in measured])
     tpot = np.array([(r.finished - r.first_token) * 1e3 / max(r.output - 1, 1) for r in measured])
@@ -204,7 +205,7 @@ def simulate_rate(engine: Engine, rate: float, lengths: list[tuple[int, int]], r
                              slo_met_share=share, preemptions=preemptions, mean_batch=mean_batch)
 
 
-def highest_rate(engine: Engine, lengths: list[tuple[int, int]], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
+def highest_rate(replica: Replica, lengths: list[tuple[int, int]], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
                  requests: int = 600, seed: int = 0, tolerance: float = 0.02) -> tuple[float, ServingSimulation | None]:
     """The highest rate (requests/s, to `tolerance`) whose p99 TTFT and p99 TPOT meet the SLOs;
     (0, None) when even a trickle misses them. Bisection: p99s grow with the rate."""
@@ -213,14 +214,14 @@ def highest_rate(engine: Engine, lengths: list[tuple[int, int]], slo_ttft_ms: fl
                 and (slo_tpot_ms is None or sim.tpot_ms.p99 <= slo_tpot_ms))
 
     mean_output = sum(o for _, o in lengths) / len(lengths)
-    ceiling = engine.max_sequences / (engine.decode_s[-1] * mean_output)  # a full batch every iteration
+    ceiling = replica.max_sequences / (replica.decode_s[-1] * mean_output)  # a full batch every iteration
     lo, hi, best = 0.0, ceiling, None
-    first = simulate_rate(engine, ceiling * 0.01, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+    first = simulate_rate(replica, ceiling * 0.01, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
     if not meets(first):
         return 0.0, None
     lo, best = ceiling * 0.01, first
     while hi - lo > tolerance * hi:
         mid = (lo + hi) / 2
-        sim = simulate_rate(engine, mid, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+        sim = simulate_rate(replica, mid, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
         lo, hi, best = (mid, hi, sim) if meets(sim) else (lo, mid, best)
     return lo, best
