@@ -306,8 +306,13 @@ def _derive_split(og: OpGraph, module, state, inputs, keys, fake_mode, extra) ->
         return torch.func.functional_call(module, state, tuple(args), {**kwargs, **extra}, tie_weights=True,
                                           strict=False)
 
-    with fake_mode:
-        analysis = analyse_tp(module, forward=forward)
+    try:
+        with fake_mode:
+            analysis = analyse_tp(module, forward=forward)
+    except Exception as error:  # noqa: BLE001 - any torch failure: the graph's own split stands
+        og.warn_once(f"the TP split was read from the traced graph, not the executor's derivation: "
+                     f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
+        return
     og.tp_module_styles, og.tp_gathered = dict(analysis.styles), set(analysis.gather_output)
 
 

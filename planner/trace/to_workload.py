@@ -82,6 +82,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
     temporaries, temporaries_tp = transient(og, order, nbytes)
     experts = [d for _, d in nodes if any(".experts." in p for p in d.get("params") or ())]
     n_experts, top_k = og.meta.get("n_experts"), og.meta.get("top_k")
+    host_ops = _host_ops(og).get(layer, {})
     expert_flops = sum(d["flops"] for d in experts if d["kind"] in ("linear", "matmul"))
     return LayerProfile(
         name=name, kind=kind, params=int(sum(d["param_count"] for _, d in nodes)),
@@ -103,26 +104,26 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         tp_allreduces_bwd=len(colwise), tied_params=_tied_params(og, nodes, layer),
         grad_dense_bytes=float(sum(d["param_bytes"] for _, d in nodes if d["kind"] == "embedding")),
         largest_weight=max((_weight_elements(d) for _, d in nodes), default=0),
-        host_ops_forward=len(nodes), host_ops_backward=_backward_ops(og).get(layer, 0),
-        host_ops_saved=_saves(og, nodes),
+        host_ops_forward=len(nodes), host_ops_backward=host_ops.get("backward", 0), host_ops_saved=host_ops.get("saved", 0),
         tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b, **_gemm_operands(og, nodes))
 
 
-def _backward_ops(og: OpGraph) -> dict[str, int]:
-    """Backward ops per layer: each backward node goes to the layer whose forward ran its module."""
+def _host_ops(og: OpGraph) -> dict[str, dict[str, int]]:
+    """Per layer, the backward's ops and the forward's saved tensors: each goes to the one layer
+    whose forward ran the module that recorded it."""
     layer_of = {d.get("module"): d.get("layer") for _, d in og.nodes()}
-    counts: dict[str, int] = {}
+    counts: dict[str, dict[str, int]] = {}
     for _, data in og.nodes("backward"):
         layer = layer_of.get(data.get("module"))
         if layer is not None:
-            counts[layer] = counts.get(layer, 0) + 1
+            mine = counts.setdefault(layer, {"backward": 0, "saved": 0})
+            mine["backward"] += 1
+    for module, saves in og.saves_by_module.items():
+        layer = layer_of.get(module)
+        if layer is not None:
+            counts.setdefault(layer, {"backward": 0, "saved": 0})["saved"] += saves
     return counts
-
-
-def _saves(og: OpGraph, nodes: list[tuple[int, dict]]) -> int:
-    """Tensors the layer's forward saves, every save counted, by the modules its nodes ran in."""
-    return sum(og.saves_by_module.get(module, 0) for module in {d.get("module") for _, d in nodes})
 
 
 PRODUCTS = ("linear", "matmul", "attention")
