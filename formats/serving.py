@@ -52,8 +52,13 @@ class EngineSettings(BaseModel):
 
 
 def settings_of(plan) -> EngineSettings:
-    """The engine settings of an `planner.inference.InferencePlan`."""
-    max_sequences = max(1, min(plan.estimate.max_concurrent_sequences, math.ceil(plan.batch_per_replica)))
+    """The engine settings of an `planner.inference.InferencePlan`. A batch runs that many
+    sequences; under a request rate the mean batch is only a mean, and bursts above it are
+    admitted as long as the KV cache holds them (what `serve-load` simulates), so the cap is
+    the KV cache's room."""
+    room = plan.estimate.max_concurrent_sequences
+    wanted = room if plan.request_rate is not None else math.ceil(plan.batch_per_replica)
+    max_sequences = max(1, min(room, wanted))
     return EngineSettings(model=plan.model, tp=plan.tp, pp=plan.pp, replicas=plan.replicas,
                           max_sequences=max_sequences, max_batched_tokens=max(plan.prompt_len, max_sequences),
                           memory_fraction=round(1 - plan.memory_reserve, 4), kv_dtype=plan.kv_dtype,

@@ -73,6 +73,8 @@ def serve_load_command(
     seed: int = typer.Option(0, "--seed"),
     top: int = typer.Option(3, "--top"),
     out: Optional[Path] = typer.Option(None, "--out", help="write the report JSON here"),
+    plan_out: Optional[Path] = typer.Option(None, "--plan-out", help="with SLOs: write the best layout at its highest "
+                                            "rate as a serving plan (`parallax export FILE --to vllm`)"),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """TTFT and TPOT percentiles (p50, p90, p99) of serving MODEL at request rates (Poisson
@@ -97,9 +99,30 @@ def serve_load_command(
                          slo_tpot_ms=slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed, requests=requests,
                          seed=seed, top_k=top, engine=engine)
     if emit(report, out, as_json):
+        if plan_out is not None:
+            _write_plan(report, plan_out, model, hw, dtype, kv_dtype, engine)
         return
     console.print(render_load(report))
     best = report.layouts[0]
     e = best.engine
     console.print(f"engine settings of tp={best.tp} pp={best.pp}: max sequences {e.max_sequences}, max batched tokens "
                   f"{e.max_batched_tokens}, KV pages of {e.block_size} tokens ({e.kv_cache_tokens:,} tokens)")
+    if plan_out is not None:
+        _write_plan(report, plan_out, model, hw, dtype, kv_dtype, engine)
+
+
+def _write_plan(report: LoadReport, path: Path, model: str, hw: str, dtype: str, kv_dtype: str, engine: str) -> None:
+    from formats.serving import settings_of
+    from parallax_cli import write_output
+    from planner.serving_load import plan_at_highest_rate
+
+    plan = plan_at_highest_rate(report, model, hw, dtype=dtype, kv_dtype=kv_dtype, engine=engine)
+    if plan is None:
+        raise PlanError("--plan-out", "no layout met the SLOs, so there is no plan to write", "relax --slo-ttft-ms or "
+                        "--slo-tpot-ms, or add GPUs")
+    write_output(path, plan.to_json(), "--plan-out")
+    s = settings_of(plan)
+    console.print(f"wrote {path}: tp={plan.tp} pp={plan.pp} x{plan.replicas} at {plan.request_rate:.2f} requests/s; "
+                  f"engine settings: max sequences {s.max_sequences}, max batched tokens {s.max_batched_tokens}, "
+                  f"memory fraction {s.memory_fraction}, KV cache {s.kv_dtype}, max model length {s.max_model_len} "
+                  f"(`parallax export {path} --to vllm` writes the engine's flags)")

@@ -153,3 +153,19 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     return LoadReport(model=model_name(model, workload), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
+
+
+def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf16", kv_dtype: str = "auto",
+                         engine: str = "generic"):
+    """The best layout of an SLO search as a serving plan (`planner.inference.InferencePlan`) at the
+    highest rate it sustained, its degrees and replicas pinned: what `parallax export` turns into
+    an engine's command line. None when no layout met the SLOs."""
+    from planner.inference import plan_inference
+
+    best = report.layouts[0] if report.layouts else None
+    if best is None or not best.highest_rate:
+        return None
+    return plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
+                          request_rate=best.highest_rate, slo_ttft_ms=report.slo_ttft_ms,
+                          slo_tpot_ms=report.slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
+                          fixed={"tp": best.tp, "pp": best.pp, "replicas": best.replicas})

@@ -7,7 +7,7 @@ import pytest
 from costmodel.simulate.serving import Replica, highest_rate, poisson_requests, run_engine, simulate_rate
 from hardware.errors import ParallaxError
 from parallax_cli import main
-from planner.serving_load import load_report, read_lengths
+from planner.serving_load import load_report, plan_at_highest_rate, read_lengths
 
 LENGTHS = [(512, 64)]
 
@@ -68,6 +68,11 @@ def test_a_deployment_under_load_is_priced_from_the_serving_model():
     assert (best.tp, best.pp, best.replicas) == (1, 1, 1)
     assert best.points[0].ttft_ms.p50 < best.points[1].ttft_ms.p99
     assert best.highest_rate > 0 and best.at_highest.ttft_ms.p99 <= 500.0
+    plan = plan_at_highest_rate(report, "llama-3-8b", "1xh100-sxm")
+    assert (plan.tp, plan.pp, plan.replicas, plan.request_rate) == (1, 1, 1, best.highest_rate)
+    from formats.serving import settings_of
+
+    assert settings_of(plan).max_sequences == plan.estimate.max_concurrent_sequences  # bursts admitted, as simulated
 
 
 def test_request_lengths_are_read_from_a_csv(tmp_path):
