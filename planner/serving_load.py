@@ -158,14 +158,21 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
 def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf16", kv_dtype: str = "auto",
                          engine: str = "generic"):
     """The best layout of an SLO search as a serving plan (`planner.inference.InferencePlan`) at the
-    highest rate it sustained, its degrees and replicas pinned: what `parallax export` turns into
-    an engine's command line. None when no layout met the SLOs."""
+    highest rate it sustained: its degrees and replicas pinned, priced at the simulated mean batch,
+    and stating the rate. That is what `parallax export` turns into an engine's command line.
+    None when no layout met the SLOs."""
     from planner.inference import plan_inference
 
     best = report.layouts[0] if report.layouts else None
-    if best is None or not best.highest_rate:
+    if best is None or not best.highest_rate or best.at_highest is None:
         return None
-    return plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
-                          request_rate=best.highest_rate, slo_ttft_ms=report.slo_ttft_ms,
-                          slo_tpot_ms=report.slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
+    batch = max(1, round(best.at_highest.mean_batch)) * best.replicas  # the simulated operating point
+    plan = plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
+                          batch=batch, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
                           fixed={"tp": best.tp, "pp": best.pp, "replicas": best.replicas})
+    simulated = best.at_highest
+    note = (f"operating point from serve-load's simulation: {best.highest_rate:.2f} requests/s, p99 TTFT "
+            f"{simulated.ttft_ms.p99:,.0f} ms, p99 TPOT {simulated.tpot_ms.p99:.1f} ms (mean batch {simulated.mean_batch:.1f})")
+    return plan.model_copy(update={"batch": None, "request_rate": best.highest_rate, "slo_ttft_ms": report.slo_ttft_ms,
+                                   "slo_tpot_ms": report.slo_tpot_ms, "tokens_per_s": best.highest_rate * report.output_len,
+                                   "capacity_requests_per_s": best.highest_rate, "notes": [*plan.notes, note]})
