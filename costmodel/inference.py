@@ -36,7 +36,9 @@ Everything comes from the same `Workload` the training cost model prices
   decode streams at, adds its fitted overhead to each iteration and caps the running
   sequences at its default.
 
-Not modelled here: speculative decoding, paged-attention block waste, queueing
+* The KV cache is held in pages of KV_BLOCK_TOKENS tokens: a sequence's last page is held whole.
+
+Not modelled here: speculative decoding, queueing
 beyond Little's law (simulate/serving.py plays requests one by one for
 percentiles), int8 and 4-bit weights; the engines' own all-reduce kernels are
 priced as the collective library's, plus whatever a family's fitted overhead holds.
@@ -59,6 +61,11 @@ from .workload import LayerProfile, Workload
 
 __all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu",
            "weight_bytes_per_gpu", "serving_model", "ServingModel"]
+
+
+# The engines page the KV cache in blocks of tokens: vLLM's --block-size defaults to 16 on CUDA (its
+# engine arguments, choices 8, 16 and 32); other engines' pages differ and are priced at vLLM's
+KV_BLOCK_TOKENS = 16
 
 
 class ServingEstimate(BaseModel):
@@ -240,7 +247,10 @@ class ServingModel:
         return max(0.0, free / per_token) if per_token > 0 else 0.0
 
     def max_sequences(self, tp: int, pp: int) -> int:
-        room = int(self.kv_token_capacity(tp, pp) // (self.prompt_len + self.output_len))
+        """Sequences the KV cache holds, each in whole pages (a partly filled last page is held whole),
+        at most the engine's cap."""
+        pages = -(-(self.prompt_len + self.output_len) // KV_BLOCK_TOKENS)
+        room = int(self.kv_token_capacity(tp, pp) // (pages * KV_BLOCK_TOKENS))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
     # prefill

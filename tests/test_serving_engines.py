@@ -59,3 +59,13 @@ def test_an_engines_default_cap_bounds_its_running_sequences(llama_8b):
     roomy = ServingModel(llama_8b, cluster, prompt_len=128, output_len=128)
     capped = ServingModel(llama_8b, cluster, prompt_len=128, output_len=128, engine=vllm)
     assert vllm.max_sequences == 256 and roomy.max_sequences(1, 1) > 256 and capped.max_sequences(1, 1) == 256
+
+
+def test_each_sequence_holds_its_kv_cache_in_whole_pages(llama_8b):
+    """A sequence of 17 tokens holds two 16-token pages: as many sequences fit as 32-token ones."""
+    from costmodel.inference import KV_BLOCK_TOKENS
+
+    cluster = hardware.load("1xh100-sxm")
+    odd = ServingModel(llama_8b, cluster, prompt_len=9, output_len=8)
+    paged = ServingModel(llama_8b, cluster, prompt_len=16, output_len=16)
+    assert KV_BLOCK_TOKENS == 16 and odd.max_sequences(1, 1) == paged.max_sequences(1, 1)

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.inference import ServingModel
+from costmodel.inference import KV_BLOCK_TOKENS, ServingModel
 
 PERCENTILES = (50, 90, 99)
 WARMUP_SHARE = 0.1  # the first requests meet an empty engine: left out of the statistics
@@ -64,13 +64,13 @@ class Replica:
     decode_s: tuple[float, ...]  # decode iteration seconds by batch (index = running sequences)
     prefill_s_per_token: float
     kv_blocks: int
-    block_size: int = 16
+    block_size: int = KV_BLOCK_TOKENS
     max_sequences: int = 256
     max_batched_tokens: int = 8192
 
     @classmethod
     def of(cls, sm: ServingModel, tp: int, pp: int, max_batched_tokens: int | None = None,
-           block_size: int = 16) -> "Replica":
+           block_size: int = KV_BLOCK_TOKENS) -> "Replica":
         tokens = sm.kv_token_capacity(tp, pp)
         cap = max(1, sm.max_sequences(tp, pp))
         budget = max_batched_tokens or max(sm.prompt_len, 2048)
