@@ -22,7 +22,7 @@ from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
 from costmodel.validate import check_dtype
-from planner.inference import check_kv_dtype, layouts
+from planner.inference import check_kv_dtype, layouts, plan_inference
 from planner.resolve import model_name, resolve_hardware, resolve_workload
 
 MAX_LENGTH_ROWS = 100_000
@@ -161,8 +161,6 @@ def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf
     highest rate it sustained: its degrees and replicas pinned, priced at the simulated mean batch,
     and stating the rate. That is what `parallax export` turns into an engine's command line.
     None when no layout met the SLOs."""
-    from planner.inference import plan_inference
-
     best = report.layouts[0] if report.layouts else None
     if best is None or not best.highest_rate or best.at_highest is None:
         return None
