@@ -28,19 +28,10 @@ from torch.utils.checkpoint import checkpoint as checkpoint_call  # noqa: E402
 
 from executor.apply.layers import layer_map  # noqa: E402
 from executor.apply.recompute import _save_products, keep_products  # noqa: E402
+from executor.measure.microbench import CountOps  # noqa: E402
 from executor.runtime.models import build_model  # noqa: E402
 
 SETTINGS = {"cuda": ("llama-3.2-1b", 2048, 2, torch.bfloat16), "cpu": ("llama-160m", 128, 1, None)}
-
-
-class _CountOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        return func(*args, **(kwargs or {}))
 
 
 class _PassThrough(TorchDispatchMode):
@@ -84,7 +75,7 @@ def policy_row(name: str, policy: str, device: str, seq_len: int, micro: int, dt
     for _ in range(2):
         _step(model, tokens, 2, dtype, device)
     _sync(device)
-    counter = _CountOps()
+    counter = CountOps()
     with counter:
         _step(model, tokens, 2, dtype, device)
     _sync(device)

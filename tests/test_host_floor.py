@@ -3,33 +3,21 @@
 the executor's modules dispatch on this CPU, and the floor to the cost model's composition."""
 from __future__ import annotations
 
-import collections
-
 import pytest
 import torch
 from torch.distributed._composable import checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import hardware
 from costmodel.compute import host_issue_time, layer_parts, layer_time
 from costmodel.layout import layout_of
 from executor.apply.layers import layer_map
+from executor.measure.microbench import CountOps
 from executor.runtime.models import build_model
 from layout.layout import Layout
 from planner.search.space import to_plan
 from planner.trace.workload_for import workload_for
 
 MODEL, SEQ = "llama-160m", 16
-
-
-class _Count(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _dispatched(checkpointed: bool) -> tuple[int, int, int]:
@@ -40,13 +28,13 @@ def _dispatched(checkpointed: bool) -> tuple[int, int, int]:
         for name in blocks:
             checkpoint(model.get_submodule(name), use_reentrant=False)
     tokens = torch.randint(0, 100, (1, SEQ))
-    forward, backward = _Count(), _Count()
+    forward, backward = CountOps(), CountOps()
     with forward:
         out = model(tokens)
         loss = (out.logits if hasattr(out, "logits") else out).float().mean()
     with backward:
         loss.backward()
-    return sum(forward.ops.values()), sum(backward.ops.values()), len(blocks)
+    return forward.ops, backward.ops, len(blocks)
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -85,16 +85,14 @@ class Replica:
 
 @dataclass
 class _Request:
-    index: int
     arrival: float
     prompt: int
     output: int
-    prefilled: int = 0  # tokens of the (prompt + regenerated) context already prefilled
     generated: int = 0
     first_token: float | None = None
     finished: float | None = None
     blocks: int = 0
-    to_prefill: int = field(default=0)
+    to_prefill: int = 0  # context tokens still to prefill: the prompt, or after a preemption all it had
 
     def context(self) -> int:
         return self.prompt + self.generated
@@ -106,9 +104,9 @@ def poisson_requests(rate: float, n: int, lengths: list[tuple[int, int]], seed: 
     arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
     picks = rng.integers(0, len(lengths), size=n)
     out = []
-    for i, (t, k) in enumerate(zip(arrivals, picks)):
+    for t, k in zip(arrivals, picks):
         prompt, output = lengths[int(k)]
-        out.append(_Request(i, float(t), int(prompt), int(output), to_prefill=int(prompt)))
+        out.append(_Request(float(t), int(prompt), int(output), to_prefill=int(prompt)))
     return out
 
 
@@ -134,7 +132,7 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
             if victim in decoding:
                 decoding.remove(victim)
             need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * replica.block_size)
-            victim.blocks, victim.prefilled, victim.to_prefill = 0, 0, victim.context()
+            victim.blocks, victim.to_prefill = 0, victim.context()
             waiting.appendleft(victim)
         budget = replica.max_batched_tokens - len(decoding)
         chunks: list[tuple[_Request, int]] = []
@@ -165,7 +163,6 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
             r.generated += 1
         for r, take in chunks:
             r.to_prefill -= take
-            r.prefilled += take
             if r.to_prefill == 0 and r.first_token is None:
                 r.first_token = clock  # the prompt's last chunk yields the first token
                 r.generated = max(r.generated, 1)
@@ -215,11 +212,10 @@ def highest_rate(replica: Replica, lengths: list[tuple[int, int]], slo_ttft_ms: 
 
     mean_output = sum(o for _, o in lengths) / len(lengths)
     ceiling = replica.max_sequences / (replica.decode_s[-1] * mean_output)  # a full batch every iteration
-    lo, hi, best = 0.0, ceiling, None
-    first = simulate_rate(replica, ceiling * 0.01, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
-    if not meets(first):
+    lo, hi = ceiling * 0.01, ceiling
+    best = simulate_rate(replica, lo, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+    if not meets(best):
         return 0.0, None
-    lo, best = ceiling * 0.01, first
     while hi - lo > tolerance * hi:
         mid = (lo + hi) / 2
         sim = simulate_rate(replica, mid, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)

@@ -129,7 +129,9 @@ def host_link_bandwidth(device: str, mbytes: int = 256) -> float:
 HOST_OP_MODEL = "llama-160m"  # a catalog Llama: its blocks' ops are the mix most runs issue
 
 
-class _CountOps(TorchDispatchMode):
+class CountOps(TorchDispatchMode):
+    """Counts the aten ops dispatched while it is active (forward and backward alike)."""
+
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
@@ -158,7 +160,7 @@ def host_op_seconds(device: str, dtype: torch.dtype, budget_s: float = 1.0) -> f
 
     step()
     _sync(device)
-    counter = _CountOps()
+    counter = CountOps()
     with counter:
         step()
     _sync(device)
