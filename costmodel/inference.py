@@ -194,7 +194,7 @@ class ServingModel:
                  kv_dtype: str | None = None, engine: ServingEngine | None = None) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
-        fit, self.sequence_cap = engine.fit, engine.max_sequences
+        fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve

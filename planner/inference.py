@@ -277,13 +277,9 @@ def plan_inference(
     _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
     fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
-    check_dtype(dtype, cluster)
-    check_kv_dtype(kv_dtype, cluster)
-    workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
-    served_by, engine_note = resolve_engine(engine, cluster.gpu.name)
-    sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
-                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                      engine=served_by)
+    sm, engine_note = serving_model_for(model, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
+                                        kv_dtype=kv_dtype, engine=engine, memory_reserve=memory_reserve)
+    workload = sm.w
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
@@ -312,10 +308,25 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
-    engine_name = served_by.name
-    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": engine_name})
+    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": sm.engine_name})
              for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
+
+
+def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_len: int, dtype: str = "bf16",
+                      kv_dtype: str = "auto", engine: str | ServingEngine = "generic",
+                      memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> tuple[ServingModel, str]:
+    """The serving model of `model` on `cluster`, its dtypes checked against the GPU, and a note
+    when the named engine family has no fit for it (the one door `plan_inference` and
+    `planner.serving_load` price by)."""
+    check_dtype(dtype, cluster)
+    check_kv_dtype(kv_dtype, cluster)
+    workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
+    served_by, note = resolve_engine(engine, cluster.gpu.name)
+    sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
+                      memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
+                      engine=served_by)
+    return sm, note
 
 
 def _distinct(ranked: list[_Point], k: int) -> list[_Point]:

@@ -15,15 +15,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.inference import ServingModel
 from costmodel.simulate.serving import Replica, ServingSimulation, highest_rate, simulate_rate
-from hardware.engines import resolve_engine
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
-from costmodel.validate import check_dtype
-from planner.inference import check_kv_dtype, layouts, plan_inference
-from planner.resolve import model_name, resolve_hardware, resolve_workload
+from planner.inference import layouts, plan_inference, serving_model_for
+from planner.resolve import model_name, resolve_hardware
 
 MAX_LENGTH_ROWS = 100_000
 
@@ -95,14 +92,11 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
 
 def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str):
     cluster = resolve_hardware(hw)
-    check_dtype(dtype, cluster)
-    check_kv_dtype(kv_dtype, cluster)
     prompt = round(sum(p for p, _ in lengths) / len(lengths))
     output = round(sum(o for _, o in lengths) / len(lengths))
-    workload = resolve_workload(model, seq_len=prompt, dtype=dtype, cluster=cluster)
-    served_by, _ = resolve_engine(engine, cluster.gpu.name)
-    sm = ServingModel(workload, cluster, prompt_len=prompt, output_len=output, dtype=dtype,
-                      kv_dtype=None if kv_dtype == "auto" else kv_dtype, engine=served_by)
+    sm, _ = serving_model_for(model, cluster, prompt_len=prompt, output_len=output, dtype=dtype, kv_dtype=kv_dtype,
+                              engine=engine)
+    workload = sm.w
     chosen = [(tp, pp) for tp, pp in layouts(workload, cluster)
               if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
