@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import hardware  # noqa: E402
 import planner  # noqa: E402
+from planner.request import PlanRequest  # noqa: E402
 from planner.search.enumerate import best_uniform  # noqa: E402
 from planner.trace.workload_for import workload_for  # noqa: E402
 
@@ -91,7 +92,7 @@ def run_case(name, hw, global_batch, seq_len, time_limit):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", help="only cases whose model name contains this")
-    parser.add_argument("--time-limit", type=float, default=4.0)
+    parser.add_argument("--time-limit", type=float, default=PlanRequest.model_fields["time_limit_s"].default)
     args = parser.parse_args(argv)
     print(f"{'case':30} {'cold s':>6} {'CLI s':>6} {'plan s':>7} {'trace s':>7} {'tokens/s':>11} {'MFU':>6} {'vs uniform':>10} {'bound gap':>9} {'enum s':>7}  layout | best uniform")
     for case in CASES:

@@ -56,20 +56,24 @@ def kv_bytes_per_sequence(workload: Workload) -> float:
     return 2.0 * (workload.kv_heads or heads) * head_dim * workload.seq_len * workload.dtype_bytes
 
 
+def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None = None) -> Context:
+    """What a layer's cost depends on under `layout` (a `layout.layout.Layout` or a Plan): the
+    TP, CP and EP groups (TP innermost, inside a node first), the tokens per rank, the stack."""
+    return Context(cluster=cluster, dtype=dtype, tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank,
+                   tp_group=coll.group_of(layout.tp, 1, cluster), cp=layout.cp,
+                   cp_group=coll.group_of(layout.cp, layout.tp, cluster),
+                   cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
+                   ep=layout.ep, ep_group=coll.group_of(layout.ep, layout.tp, cluster), stack=layout.stack,
+                   tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None)
+
+
 def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:
     """Mesh order is (pp, dp, cp, tp), dp x cp being the data-parallel ranks (HSDP
     splits them into replicate x shard, shard inner): TP innermost, inside a node first."""
     if plan.cp > 1 and workload is None:
         raise ValueError("a context-parallel plan is priced with its workload (the keys and values it gathers)")
-    tp_group = coll.group_of(plan.tp, 1, cluster)
-    ctx = Context(cluster=cluster, dtype=plan.dtype, tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank,
-                  tp_group=tp_group, cp=plan.cp, cp_group=coll.group_of(plan.cp, plan.tp, cluster),
-                  cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
-                  ep=plan.ep, ep_group=coll.group_of(plan.ep, plan.tp, cluster), stack=plan.stack,
-                  tp_overlap=plan.tp_overlap,
-                  seq_len=workload.seq_len if workload is not None else None)
     return Layout(
-        ctx=ctx,
+        ctx=context_of(plan, plan.dtype, cluster, workload),
         dp_group=coll.group_of(plan.data_parallel, plan.tp, cluster),
         pp_inter_node=plan.data_parallel * plan.tp >= cluster.gpus_per_node,
         m=plan.num_micro_batches,

@@ -31,7 +31,7 @@ class PlanRequest(BaseModel):
     objective: str = Field("time", description="'time' (fastest step) or 'cost' (cheapest per token)")
     fixed: dict[str, Any] = Field(default_factory=dict, description="pinned axes, e.g. {'tp': 8, 'zero': 1}")
     top_k: int = Field(3, ge=1, le=100, description="the pick and top_k - 1 alternatives")
-    time_limit_s: float = Field(4.0, description="the whole search's budget, tracing excluded")
+    time_limit_s: float = Field(2.0, description="the whole search's budget, tracing excluded")
     memory_reserve: float = Field(DEFAULT_MEMORY_RESERVE, ge=0.0, lt=1.0, description="share of memory kept free")
     price_per_gpu_hour: Optional[float] = Field(None, description="overrides the profile's price")
     allow_compression: bool = Field(False, description="the solver may pick lossy gradient compression")

@@ -40,9 +40,10 @@ def plan_uniform(model: Any, hw: str | Cluster, request: PlanRequest, *, example
     name = model_name(model, workload)
     clusters = _cost_clusters(cluster) if request.objective == "cost" else [cluster]
     share = request.model_copy(update={"time_limit_s": request.time_limit_s / len(clusters)})
-    best_result, best_key, best_cluster = None, None, cluster
+    best_result, best_key, best_cluster, timed_out = None, None, cluster, False
     for candidate in clusters:
         result = search(workload, candidate, share, model=name)
+        timed_out = timed_out or result.report.status == "timeout"
         if result.best:
             key = _objective_value(result.best[0].estimate, request.objective)
             if best_key is None or key < best_key:
@@ -51,6 +52,9 @@ def plan_uniform(model: Any, hw: str | Cluster, request: PlanRequest, *, example
     if best_result is None and is_fully_pinned(fixed):  # the user's own layout, estimated and flagged
         pinned = with_profile(pinned_plan(workload, cluster, model=name, **kw), cluster)
         return _noted(with_checkpointing(pinned, workload, cluster, request.mtbf_hours), why)
+    if best_result is None and timed_out:
+        raise PlanError("time_limit_s", f"the search's {request.time_limit_s:g} s passed before it priced a layout "
+                        "that fits", "raise --time-limit")
     if best_result is None:
         report = infeasibility_report(workload, cluster, **kw)
         raise InfeasibleError("hw", report["message"], report["hint"], report=report)

@@ -134,16 +134,19 @@ def test_cli_rejects_a_malformed_plan_file(tmp_path, capsys):
 
 
 def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
-    """Both bounds must stay below the estimated time of every plan that fits."""
+    """The floor and both bounds must stay below the estimated time of every plan that fits."""
     from planner.search.bounds import lower_bound, memory_aware_bound
-    from planner.search.branch_and_bound import _entries, uniform_plans
+    from planner.search.branch_and_bound import uniform_plans
+    from planner.search.frontier import all_entries
 
     cluster = hardware.load("64xh100-sxm")
-    entries, _ = _entries(llama_70b, cluster, 256, {}, "bf16", None, 0.1)
+    entries, _ = all_entries(llama_70b, cluster, 256, {}, "bf16", None, 0.1)
+    floors = _floors(llama_70b, cluster, "bf16", 256)
     checked = 0
     for entry in entries[:: max(1, len(entries) // 60)]:
         lay, m = entry.layout, entry.template.num_micro_batches
-        bounds = (lower_bound(entry.data, lay.pp, lay.vpp, m), memory_aware_bound(entry.data, lay.pp, lay.vpp, m))
+        bounds = (lower_bound(entry.data, lay.pp, lay.vpp, m), memory_aware_bound(entry.data, lay.pp, lay.vpp, m),
+                  floors.floor(lay))
         for cand in uniform_plans(llama_70b, cluster, lay, entry.template, {}, 0.1):
             if cand.fits:
                 checked += 1
@@ -151,12 +154,19 @@ def test_lower_bounds_never_exceed_a_fitting_plan(llama_70b):
     assert checked > 10
 
 
+def _floors(workload, cluster, dtype, global_batch):
+    from planner.search.coefficients import LayerTimes
+    from planner.search.floor import Floors
+
+    return Floors(workload, cluster, dtype, global_batch, LayerTimes())
+
+
 def test_every_bound_stays_below_every_partition_it_bounds():
     """Dual below primal: for every layout of llama-3-8b on 8 H100s, the cheap and the
-    memory-aware bounds never exceed the linear price of a fitting uniform or balanced
-    partition, nor CP-SAT's solution."""
+    memory-aware bounds, and the floor under them, never exceed the linear price of a fitting
+    uniform or balanced partition, nor CP-SAT's solution."""
     import hardware
-    import planner.search.branch_and_bound as search
+    import planner.search.frontier as frontier
     from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
     from planner.search.coefficients import linear_step
     from planner.search.solver import StageModel
@@ -164,12 +174,14 @@ def test_every_bound_stays_below_every_partition_it_bounds():
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
-    entries = search._rank_uniform(workload, search._entries(workload, cluster, 64, {}, "bf16", None,
+    entries = frontier.rank_uniform(workload, frontier.all_entries(workload, cluster, 64, {}, "bf16", None,
                                                              DEFAULT_MEMORY_RESERVE)[0], {})
+    floors = _floors(workload, cluster, "bf16", 64)
     checked = 0
     for e in entries:
         lay, m = e.layout, e.template.num_micro_batches
-        bounds = [lower_bound(e.data, lay.pp, lay.vpp, m)] + ([memory_aware_bound(e.data, lay.pp, lay.vpp, m)] if lay.pp > 1 else [])
+        bounds = [lower_bound(e.data, lay.pp, lay.vpp, m), floors.floor(lay)] + (
+            [memory_aware_bound(e.data, lay.pp, lay.vpp, m)] if lay.pp > 1 else [])
         primal = [e.uniform_best]
         split = balanced_split(e.data, lay.pp, lay.vpp) if lay.pp > 1 else None
         if split is not None:
@@ -190,32 +202,36 @@ def test_bounds_hold_where_cpu_ranks_share_cores():
 
     import hardware
     import planner.search.branch_and_bound as search
+    import planner.search.frontier as frontier
     from planner.search.bounds import lower_bound, memory_aware_bound
     from planner.resolve import resolve_workload
 
     cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json"))
     workload = resolve_workload("gpt2", seq_len=32, dtype="fp32")
-    entries = [e for e in search._entries(workload, cluster, 4, {}, "fp32", None, DEFAULT_MEMORY_RESERVE)[0]
+    entries = [e for e in frontier.all_entries(workload, cluster, 4, {}, "fp32", None, DEFAULT_MEMORY_RESERVE)[0]
                if e.layout.pp > 1]
     assert entries
+    floors = _floors(workload, cluster, "fp32", 4)
     for e in entries:
         lay, m = e.layout, e.template.num_micro_batches
-        bound = max(lower_bound(e.data, lay.pp, lay.vpp, m), memory_aware_bound(e.data, lay.pp, lay.vpp, m))
+        bound = max(lower_bound(e.data, lay.pp, lay.vpp, m), memory_aware_bound(e.data, lay.pp, lay.vpp, m),
+                    floors.floor(lay))
         priced = [c.estimate.step_time_s for c in search.uniform_plans(workload, cluster, lay, e.template, {}, 0.1) if c.fits]
         assert all(bound <= step * (1 + 1e-9) for step in priced), (lay, bound, priced)
 
 
 def test_layouts_dropped_for_their_states_fit_no_plan():
-    """The search drops layouts whose average rank's states alone overflow before pricing
-    them: the estimator must agree that none of their plans fits."""
+    """The search drops layouts whose average rank's states and leanest activations overflow
+    before pricing them: the estimator must agree that none of their plans fits."""
     import hardware
     import planner.search.branch_and_bound as search
+    import planner.search.frontier as frontier
     from planner.trace.workload_for import workload_for
 
     workload, _ = workload_for("llama-3-8b", seq_len=4096)
     cluster = hardware.load("8xh100-sxm")
     dropped: list = []
-    kept, _ = search._entries(workload, cluster, 64, {}, "bf16", None, DEFAULT_MEMORY_RESERVE, dropped)
+    kept, _ = frontier.all_entries(workload, cluster, 64, {}, "bf16", None, DEFAULT_MEMORY_RESERVE, dropped)
     assert dropped and kept
     for layout in dropped[:12]:
         template = to_plan(layout, workload, cluster, global_batch=64, dtype="bf16", recompute="none", model="llama-3-8b")

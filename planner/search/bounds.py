@@ -16,8 +16,9 @@ average rank is added: the most loaded rank holds at least the average.
 from __future__ import annotations
 
 import heapq
-import math
 from typing import Callable
+
+import numpy as np
 
 from costmodel.terms import bubble_fill, pipeline_seconds
 from layout.axes import REBUILT, RECOMPUTE
@@ -53,29 +54,28 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
                 - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
         work = (cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
                 + sum(data.stage_fill(s, vpp) for s in range(vpp)))
-        return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp)
+        return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp) + _exposed_reduction(data, pp, vpp)
     block = data.block.time["none"]
     costs = [lambda n, f=fixed: n * block + f for fixed in _fixed_times(data, pp, vpp)]
     total = data.n_blocks * block + sum(_fixed_times(data, pp, vpp))
     return (_pipeline(total, _least_slowest(costs, vpp, data.n_blocks), vpp, m, data.core_sharing, _fill(data, pp))
-            + _optimizer(data, params, pp))
+            + _optimizer(data, params, pp) + _exposed_reduction(data, pp, vpp))
 
 
-def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
+def memory_aware_bound(data: StageModelData, pp: int, vpp: int, m: int, ranks: list[_RankCost] | None = None) -> float:
     """Bound for pipelined layouts: each rank checkpointing the cheapest mix its
     own memory allows for the blocks it is given; for the total a fractional
     mix (an LP value function with a right-hand side affine in the count, so
     convex in it), for the slowest rank whole blocks (exact, and growing with
-    the count). inf: no split fits."""
-    S = pp * vpp
-    ranks = [_RankCost(data, r, pp, S) for r in range(pp)]
+    the count). inf: no split fits. `ranks`: `rank_costs`' (shared with `balanced_split`)."""
+    ranks = ranks or rank_costs(data, pp, vpp)
     costs = [lambda n, rank=rank: rank.blocks_time(n) + rank.fixed_time for rank in ranks]
     total = _least_total(costs, vpp, data.n_blocks)
     if total == float("inf"):
         return total
     whole = [lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time for rank in ranks]
     return (_pipeline(total, _least_slowest(whole, vpp, data.n_blocks), vpp, m, data.core_sharing, _fill(data, pp))
-            + _optimizer(data, _params(data), pp))
+            + _optimizer(data, _params(data), pp) + _exposed_reduction(data, pp, vpp))
 
 
 def _least_total(costs: list[RankCost], start: int, n_blocks: int) -> float:
@@ -117,12 +117,13 @@ def least_slowest_split(costs: list[RankCost], start: int, n_blocks: int) -> tup
     return level, counts
 
 
-def balanced_split(data: StageModelData, pp: int, vpp: int) -> list[dict[str, int]] | None:
+def balanced_split(data: StageModelData, pp: int, vpp: int,
+                   ranks: list[_RankCost] | None = None) -> list[dict[str, int]] | None:
     """A feasible partition from the bottleneck bound's split: each rank's blocks with the
     fastest whole-block checkpointing mix its memory allows, spread over its virtual stages.
     A primal start beside the greedy one (None when a rank's rounded mix does not fit)."""
     S = pp * vpp
-    ranks = [_RankCost(data, r, pp, S) for r in range(pp)]
+    ranks = ranks or rank_costs(data, pp, vpp)
     level, counts = least_slowest_split([lambda n, rank=rank: rank.whole_blocks_time(n) + rank.fixed_time
                                          for rank in ranks], vpp, data.n_blocks)
     if level == float("inf"):
@@ -159,6 +160,25 @@ def _optimizer(data: StageModelData, params: float, pp: int) -> float:
     return params / pp * data.optimizer_seconds_per_param  # the all-gathers and experts' reduction left out: still below
 
 
+def _exposed_reduction(data: StageModelData, pp: int, vpp: int) -> float:
+    """The least data-parallel reduction the first pipeline rank leaves exposed
+    (`coefficients.rank_step`): no earlier rank's backward hides it, only its own blocks'
+    backward, at most the widest policy's each. Its cost is linear in its block count, so the
+    least over splits is at the fewest blocks it may hold (one per virtual stage) or the
+    most (every other rank holding one per virtual stage)."""
+    if not data.dp_seconds_per_param:
+        return 0.0
+    block, first = data.block, fixed_per_rank(data, pp, vpp)[0]
+    widest = max(block.backward.values())
+
+    def exposed(n: int) -> float:
+        reduced = first.params + n * (block.params - block.expert_params)
+        return reduced * data.dp_seconds_per_param + data.dp_latency - n * widest
+
+    fewest, most = (vpp, data.n_blocks - (pp - 1) * vpp) if pp > 1 else (data.n_blocks, data.n_blocks)
+    return max(0.0, min(exposed(fewest), exposed(most)))
+
+
 def _fixed_times(data: StageModelData, pp: int, vpp: int) -> list[float]:
     """Each pipeline rank's seconds per micro-batch besides its blocks (`RankFixed.time`)."""
     return [fixed.time for fixed in fixed_per_rank(data, pp, vpp)]
@@ -173,8 +193,14 @@ def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> boo
     return average > data.capacity
 
 
+def rank_costs(data: StageModelData, pp: int, vpp: int) -> list[_RankCost]:
+    """Each pipeline rank's `_RankCost`, for `memory_aware_bound` and `balanced_split`."""
+    return [_RankCost(data, r, pp, pp * vpp) for r in range(pp)]
+
+
 class _RankCost:
-    """One pipeline rank's fixed layers and memory, for `memory_aware_bound`."""
+    """One pipeline rank's fixed layers and memory, for `memory_aware_bound`; its whole-block
+    mixes are remembered by count (the bottleneck split asks for each count more than once)."""
 
     def __init__(self, data: StageModelData, r: int, pp: int, S: int) -> None:
         fixed = fixed_per_rank(data, pp, S // pp)[r]
@@ -182,6 +208,8 @@ class _RankCost:
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
         self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.activation * self.in_flight
+        self._times = np.empty(0)  # whole_blocks_time by count, once asked (`_tabulate`)
+        self._mixes: list[dict[str, int] | None] = []
 
     def blocks_time(self, n: int) -> float:
         d = self.data
@@ -193,35 +221,52 @@ class _RankCost:
         the transient of a rebuilt block included), over every mix of unrecomputed blocks with a
         leaner policy and a middle one: for each count of the leaner, the fewest middle blocks
         that make room (or all the rest, should the middle be the faster)."""
-        best, best_time = None, float("inf")
-        for lean, middle in MIXES:
-            for mix in self._mixes(n, lean, middle):
-                seconds = sum(self.data.block.time[k] * c for k, c in mix.items())
-                if seconds < best_time:
-                    best, best_time = mix, seconds
-        return best
-
-    def _mixes(self, n: int, lean: str, middle: str):
-        block = self.data.block
-        act = block.activation
-        room = self.data.capacity - self.fixed_bytes - n * block.states
-        saved_by_middle = self.in_flight * (act["none"] - act[middle])
-        for leaner in range(n + 1):
-            rebuilt = leaner > 0 and lean in REBUILT
-            over = self.in_flight * (n * act["none"] - leaner * (act["none"] - act[lean])) - room
-            over += self.rebuild if rebuilt else 0.0
-            if over <= 0:
-                fewest = 0
-            elif saved_by_middle > 0:
-                extra = self.rebuild if middle in REBUILT and not rebuilt else 0.0
-                fewest = math.ceil((over + extra) / saved_by_middle - 1e-9)
-            else:
-                continue
-            for mid in {fewest, n - leaner}:
-                if 0 <= fewest <= mid <= n - leaner:
-                    yield {"none": n - leaner - mid, middle: mid, lean: leaner} | {
-                        k: 0 for k in RECOMPUTE if k not in ("none", middle, lean)}
+        if n >= len(self._mixes):
+            self._tabulate(2 * n + 8)
+        return self._mixes[n]
 
     def whole_blocks_time(self, n: int) -> float:
-        mix = self.whole_block_mix(n)
-        return float("inf") if mix is None else sum(self.data.block.time[k] * c for k, c in mix.items())
+        if n >= len(self._mixes):
+            self._tabulate(2 * n + 8)
+        return float(self._times[n])
+
+    def _tabulate(self, top: int) -> None:
+        """`whole_block_mix` of every count up to `top` at once (rows are counts, columns the
+        leaner blocks among them): the bottleneck split asks for a rank's counts one by one,
+        from a few up to about twice its share, most of them twice."""
+        block = self.data.block
+        act, t = block.activation, block.time
+        n = np.arange(top + 1, dtype=float)[:, None]
+        leaner = np.arange(top + 1, dtype=float)[None, :]
+        rest = n - leaner  # negative where there are more leaner blocks than blocks: no mix
+        room = self.data.capacity - self.fixed_bytes - n * block.states
+        rows = np.arange(top + 1)
+        best_time = np.full(top + 1, np.inf)
+        best: list[tuple | None] = [None] * (top + 1)
+        for lean, middle in MIXES:
+            rebuilt = (leaner > 0) & (lean in REBUILT)
+            over = self.in_flight * (n * act["none"] - leaner * (act["none"] - act[lean])) - room
+            over = over + np.where(rebuilt, self.rebuild, 0.0)
+            saved_by_middle = self.in_flight * (act["none"] - act[middle])
+            if saved_by_middle > 0:
+                extra = np.where(~rebuilt & (middle in REBUILT), self.rebuild, 0.0)
+                fewest = np.where(over <= 0, 0.0, np.ceil((over + extra) / saved_by_middle - 1e-9))
+                fits = rest >= 0
+            else:
+                fewest = np.zeros_like(over)
+                fits = (over <= 0) & (rest >= 0)
+            for mid in (fewest, rest):
+                valid = fits & (fewest >= 0) & (fewest <= mid) & (mid <= rest)
+                seconds = np.where(valid, (rest - mid) * t["none"] + mid * t[middle] + leaner * t[lean], np.inf)
+                col = seconds.argmin(axis=1)
+                value = seconds[rows, col]
+                for i in np.flatnonzero(value < best_time):
+                    best_time[i] = value[i]
+                    best[i] = (lean, middle, int(col[i]), int(mid[i, col[i]]))
+        self._times = best_time
+        self._mixes = [None if b is None else self._mix_of(int(count), *b) for count, b in zip(rows, best)]
+
+    @staticmethod
+    def _mix_of(n: int, lean: str, middle: str, leaner: int, mid: int) -> dict[str, int]:
+        return {"none": n - leaner - mid, middle: mid, lean: leaner} | {
+            k: 0 for k in RECOMPUTE if k not in ("none", middle, lean)}

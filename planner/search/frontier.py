@@ -1,0 +1,192 @@
+"""The layouts a search builds: in order of their floor, each into an entry (its uniform
+template, stage-model coefficients and cheap bound) only while its floor could beat the
+best uniform plans found so far (`_Frontier`), and each entry whose bound could beat them
+priced uniform with the linear stage model (`rank_uniform`). A layout whose average
+rank's states and leanest activations overflow one GPU is dropped before it is built.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from costmodel.data_parallel import held_zero, layer_params_on_rank
+from costmodel.layout import kv_bytes_per_sequence
+from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
+                              model_state_bytes)
+from costmodel.offload import states_on_host
+from costmodel.terms import usable_memory_bytes
+from costmodel.workload import Workload
+from hardware.schema import Cluster
+from layout.axes import RECOMPUTE
+from layout.layout import Layout
+from layout.plan import Plan
+
+from planner.search.bounds import lower_bound
+from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step,
+                                         rank_step, stage_model_data)
+from planner.search.floor import Floors
+from planner.search.space import layouts, recompute_choices, to_plan
+
+
+@dataclass
+class Entry:
+    layout: Layout
+    template: Plan
+    data: StageModelData
+    bound: float
+    uniform_best: float = float("inf")
+    promise: float = float("inf")  # linear time of the better of uniform and greedy mixed checkpointing
+    uniform_policy: str = "full"
+    proven: float | None = None
+    tightened: bool = False  # the memory-aware bound has replaced the cheap one
+    split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
+
+
+def all_entries(workload, cluster, global_batch, fixed, dtype, model, memory_reserve, dropped: list | None = None,
+             deadline: float = float("inf")) -> tuple[list[Entry], bool]:
+    """Every layout with its coefficients and cheap bound, lowest bound first, and whether the
+    enumeration finished before `deadline` (a perf_counter time); the layouts whose states
+    alone overflow are counted in `dropped` instead. (The search builds only the layouts
+    whose floor could beat its best: `Frontier`.)"""
+    build = EntryBuilder(workload, cluster, global_batch, dtype, model, memory_reserve)
+    entries = []
+    for layout in layouts(workload, cluster, global_batch, fixed):
+        if time.perf_counter() > deadline:
+            entries.sort(key=lambda e: e.bound)
+            return entries, False
+        entry = build(layout)
+        if entry is None and dropped is not None:
+            dropped.append(layout)
+        elif entry is not None:
+            entries.append(entry)
+    entries.sort(key=lambda e: e.bound)
+    return entries, True
+
+
+class EntryBuilder:
+    """A layout's `Entry` (its uniform template, coefficients and cheap bound), or None where
+    its states alone overflow; layer prices shared across the layouts of one search."""
+
+    def __init__(self, workload, cluster, global_batch, dtype, model, memory_reserve) -> None:
+        self.workload, self.cluster, self.global_batch, self.dtype = workload, cluster, global_batch, dtype
+        self.model, self.memory_reserve = model or workload.name, memory_reserve
+        self.times, self.per_rank = LayerTimes(), {}
+        self.capacity = usable_memory_bytes(cluster, memory_reserve)  # every layout's bound: its own is smaller
+
+    def __call__(self, layout: Layout) -> Entry | None:
+        workload, cluster = self.workload, self.cluster
+        if _states_overflow(workload, layout, self.dtype, self.capacity, self.per_rank, cluster, self.global_batch):
+            return None
+        template = to_plan(layout, workload, cluster, global_batch=self.global_batch, dtype=self.dtype, recompute="none",
+                           model=self.model, shared_stages=True)
+        room = usable_memory_bytes(cluster, self.memory_reserve, template, workload)  # this layout's communicators
+        data = stage_model_data(workload, template, cluster, room, self.times)
+        return Entry(layout, template, data, lower_bound(data, layout.pp, layout.vpp, template.num_micro_batches))
+
+
+class Frontier:
+    """The layouts in order of their floor (`floor.Floors`), built into entries only while
+    their floor is below a threshold the search lowers as it finds plans: the rest are
+    bounded by the lowest floor left. Each entry built whose bound is below the threshold is
+    priced uniform (`_rank_uniform`), and its times feed `incumbents`."""
+
+    def __init__(self, workload, cluster, request_fixed, build: EntryBuilder, top_k: int, deadline: float) -> None:
+        floors = Floors(workload, cluster, build.dtype, build.global_batch, build.times)
+        self.workload, self.fixed, self.build, self.top_k = workload, request_fixed, build, top_k
+        self.pending, self.complete = [], True
+        for layout in layouts(workload, cluster, build.global_batch, request_fixed):
+            if time.perf_counter() > deadline:
+                self.complete = False
+                break
+            self.pending.append((floors.floor(layout), layout))
+        self.pending.sort(key=lambda item: item[0])
+        self.entries: list[Entry] = []
+        self.dropped = 0
+        self.uniform: list[float] = []  # the linear model's best uniform time of each priced layout
+        self._next = 0
+
+    def grow(self, threshold, deadline: float) -> None:
+        """Build the layouts whose floor is below `threshold()`, until `deadline` once one
+        layout has a fitting uniform plan (a search never ends empty-handed for want of time
+        while a layout is left that might fit)."""
+        while self._next < len(self.pending) and self.pending[self._next][0] < threshold():
+            if time.perf_counter() > deadline and min(self.uniform, default=float("inf")) < float("inf"):
+                return
+            entry = self.build(self.pending[self._next][1])
+            self._next += 1
+            if entry is None:
+                self.dropped += 1
+                continue
+            self.entries.append(entry)
+            if entry.bound < threshold():
+                rank_uniform(self.workload, [entry], self.fixed)
+                self.uniform.append(entry.uniform_best)
+
+    def kth_uniform(self) -> float:
+        """The k-th best layout's uniform time so far (inf until k layouts have a fitting one)."""
+        times = sorted(self.uniform)
+        return times[self.top_k - 1] if len(times) >= self.top_k else float("inf")
+
+    def floor_left(self) -> float:
+        """What every layout not built could reach at best."""
+        return self.pending[self._next][0] if self._next < len(self.pending) else float("inf")
+
+    @property
+    def considered(self) -> int:
+        return len(self.pending)
+
+
+def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict,
+                     cluster: Cluster, global_batch: int) -> bool:
+    """Whether the average pipeline rank's weights and optimizer states, with its share of
+    the activations at the leanest policy and the fewest micro-batches any rank holds in
+    flight, exceed one GPU (the fullest rank holds at least the average; experts priced at
+    the dense per-parameter figure, which shards over more ranks): such a layout's bound is
+    inf, so it is dropped before its coefficients are built. Offloaded states are on the host."""
+    return (_average_states(workload, layout, dtype, per_rank, cluster)
+            + _average_activations(workload, layout, per_rank, global_batch)) > capacity
+
+
+def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: dict, cluster: Cluster) -> float:
+    if states_on_host(layout, cluster):
+        return 0.0
+    key = (layout.tp, layout.ep)
+    if key not in per_rank:
+        per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
+    shard = layout.shard_degree
+    states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
+    # gradients left out: one FSDP2 micro-batch holds none at its peak (estimate.gradients_at_peak)
+    state = (states["weights"] + states["optimizer"]
+             + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
+    return per_rank[key] / layout.pp * state
+
+
+def _average_activations(workload: Workload, layout: Layout, per_rank: dict, global_batch: int) -> float:
+    key = ("activations", layout.tp, layout.sp, layout.micro_batch, layout.cp, layout.stack)
+    if key not in per_rank:
+        keywords = activation_keywords(layout, kv_bytes_per_sequence(workload))
+        per_rank[key] = sum(min(activation_bytes(s.layer, p, **keywords) for p in RECOMPUTE) * s.count
+                            for s in workload.segments)
+    m = global_batch // (layout.dp * layout.micro_batch)
+    fewest = min(in_flight_micro_batches(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp))
+    return per_rank[key] / layout.pp * fewest
+
+
+def rank_uniform(workload: Workload, entries: list[Entry], fixed: dict) -> list[Entry]:
+    """Price every layout's uniform plans, and its greedy least-recompute mix,
+    with the linear stage model (exactly the estimator's composition, without
+    building plans)."""
+    first, last = block_span(workload)
+    for entry in entries:
+        allowed = recompute_choices(fixed, entry.layout)
+        blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
+        lay, m = entry.layout, entry.template.num_micro_batches
+        per_rank = [sum(blocks[r::lay.pp]) for r in range(lay.pp)]
+        for policy in allowed:
+            step, headroom = rank_step(entry.data, [{policy: b} for b in per_rank], lay.pp, lay.vpp, m)
+            if headroom >= 0 and step < entry.uniform_best:
+                entry.uniform_best, entry.uniform_policy = step, policy
+        greedy = least_recompute_counts(entry.data, blocks, lay.pp, allowed)
+        if greedy is not None:
+            entry.promise = min(entry.uniform_best, linear_step(entry.data, greedy, lay.pp, lay.vpp, m)[0])
+    return entries
