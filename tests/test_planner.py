@@ -265,3 +265,14 @@ def test_fusing_stacks_are_faster_by_their_mechanisms(llama_70b_plans):
     """compile fuses pointwise chains over eager's GEMMs; fused adds Megatron/TE GEMM speeds."""
     eager, compile_, fused = (llama_70b_plans[s].estimate.step_time_s for s in ("eager", "compile", "fused"))
     assert fused < compile_ < eager
+
+
+def test_a_search_cut_by_its_limit_says_so_rather_than_does_not_fit():
+    """A limit too short to enumerate any layout is a time-limit error naming the flag, never
+    the infeasibility report of a model that fits."""
+    from hardware.errors import InfeasibleError, PlanError
+
+    with pytest.raises(PlanError) as caught:
+        planner.plan("gpt2", "2xcpu", global_batch=16, seq_len=1024, time_limit_s=1e-9)
+    assert caught.value.field == "time_limit_s" and not isinstance(caught.value, InfeasibleError)
+    assert "raise --time-limit" in str(caught.value)
