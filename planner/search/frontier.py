@@ -43,11 +43,11 @@ class Entry:
 
 
 def all_entries(workload, cluster, global_batch, fixed, dtype, model, memory_reserve, dropped: list | None = None,
-             deadline: float = float("inf")) -> tuple[list[Entry], bool]:
+                deadline: float = float("inf")) -> tuple[list[Entry], bool]:
     """Every layout with its coefficients and cheap bound, lowest bound first, and whether the
     enumeration finished before `deadline` (a perf_counter time); the layouts whose states
-    alone overflow are counted in `dropped` instead. (The search builds only the layouts
-    whose floor could beat its best: `Frontier`.)"""
+    and leanest activations overflow are counted in `dropped` instead. (The search builds
+    only the layouts whose floor could beat its best: `Frontier`; the tests build them all.)"""
     build = EntryBuilder(workload, cluster, global_batch, dtype, model, memory_reserve)
     entries = []
     for layout in layouts(workload, cluster, global_batch, fixed):
@@ -65,7 +65,8 @@ def all_entries(workload, cluster, global_batch, fixed, dtype, model, memory_res
 
 class EntryBuilder:
     """A layout's `Entry` (its uniform template, coefficients and cheap bound), or None where
-    its states alone overflow; layer prices shared across the layouts of one search."""
+    its states and leanest activations overflow; layer prices shared across the layouts of
+    one search."""
 
     def __init__(self, workload, cluster, global_batch, dtype, model, memory_reserve) -> None:
         self.workload, self.cluster, self.global_batch, self.dtype = workload, cluster, global_batch, dtype
@@ -88,7 +89,7 @@ class Frontier:
     """The layouts in order of their floor (`floor.Floors`), built into entries only while
     their floor is below a threshold the search lowers as it finds plans: the rest are
     bounded by the lowest floor left. Each entry built whose bound is below the threshold is
-    priced uniform (`_rank_uniform`), and its times feed `incumbents`."""
+    priced uniform (`rank_uniform`), and its best time may lower the threshold (`kth_uniform`)."""
 
     def __init__(self, workload, cluster, request_fixed, build: EntryBuilder, top_k: int, deadline: float) -> None:
         floors = Floors(workload, cluster, build.dtype, build.global_batch, build.times)
