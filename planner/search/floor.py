@@ -2,14 +2,15 @@
 
 Building a layout's stage-model coefficients (`coefficients.stage_model_data`) prices its
 collectives, memory moments and pipeline ranks: most of the search's enumeration time, for
-thousands of layouts of which a few dozen can beat the best. The floor needs only the layers'
-unrecomputed compute and TP time, which depends on a handful of axes (TP, SP, micro-batch, CP,
-EP, stack) and so is priced once per handful: the pipeline composition
+thousands of layouts of which a few dozen can beat the best. The floor needs only the
+layers' unrecomputed compute and TP time, which depends on a handful of axes (TP, SP,
+micro-batch, CP, EP, stack) and so is priced once per handful: the pipeline composition
 (`costmodel.terms.pipeline_seconds`) of that work spread evenly over the ranks, with a
-zero-bubble schedule's fill (on CPU ranks sharing cores, `bounds._pipeline`'s form). Every term the coefficients add (recomputation, exposed ZeRO
-and data-parallel collectives, sends, the optimizer, an uneven split) only raises a plan's
-time, and `pipeline_seconds` grows with its slowest rank, so no plan of the layout is faster
-than its floor: a layout whose floor cannot beat the search's best is never built.
+zero-bubble schedule's fill (on CPU ranks sharing cores, `bounds._pipeline`'s form).
+Every term the coefficients add (recomputation, exposed ZeRO and data-parallel
+collectives, sends, the optimizer, an uneven split) only raises a plan's time, and
+`pipeline_seconds` grows with its slowest rank, so no plan of the layout is faster than
+its floor: a layout whose floor cannot beat the search's best is never built.
 """
 from __future__ import annotations
 
