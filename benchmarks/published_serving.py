@@ -81,10 +81,8 @@ def plan_of(row: dict, engine="generic", workload=None):
     if not (row.get("isl") or "").strip() or not (row.get("osl") or "").strip():
         return None, "the request lengths are not stated (a dataset's varying lengths)"
     isl = int(row["isl"])
-    dims = {**row, "seq_len": str(isl)}
     try:
-        model = workload if workload is not None else row_dims(dims, f"{row['n_layers']}L-{row['hidden']}")
-        plan = plan_inference(model, f"{n_gpus}x{row['gpu'].strip()}",
+        plan = plan_inference(workload if workload is not None else row_workload(row), f"{n_gpus}x{row['gpu'].strip()}",
                               prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
                               dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
                               fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine)

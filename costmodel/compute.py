@@ -61,9 +61,10 @@ class LayerTime:
         return self.forward + self.backward + self.recompute + self.tp_comm
 
 
-def memory_bandwidth(gpu) -> float:
-    """Bytes per second a memory-bound kernel streams on `gpu`: its HBM at the achievable share."""
-    return gpu.hbm_gbps * 1e9 * gpu.efficiency.memory_bound
+def memory_bandwidth(gpu, efficiency: float | None = None) -> float:
+    """Bytes per second a memory-bound kernel streams on `gpu`: its HBM at the achievable share
+    (the profile's, or `efficiency`, such as a serving engine's fitted one)."""
+    return gpu.hbm_gbps * 1e9 * (gpu.efficiency.memory_bound if efficiency is None else efficiency)
 
 
 def gemm_efficiency(ctx: Context, min_dim: float, dtype: str | None = None) -> float:

@@ -202,7 +202,7 @@ class ServingModel:
         self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype)
-        self.hbm = gpu.hbm_gbps * 1e9 * fit.hbm_efficiency if fit is not None else memory_bandwidth(gpu)
+        self.hbm = memory_bandwidth(gpu, fit.hbm_efficiency if fit is not None else None)
         self.step_overhead = fit.step_overhead_ms / 1e3 if fit is not None else 0.0
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}

@@ -40,6 +40,10 @@ class Engine(_Sourced):
                                       "otherwise (None: as many as the KV cache holds)")
     fits: list[EngineFit]
 
+    def fit_on(self, gpu: str) -> EngineFit | None:
+        """The family's fit on GPU type `gpu` (None: the fit did not cover it)."""
+        return next((fit for fit in self.fits if fit.gpu == gpu), None)
+
 
 class EngineCatalog(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -55,15 +59,20 @@ def engine_names() -> list[str]:
     return ["generic", *(engine.name for engine in engine_catalog().engines)]
 
 
-def engine_fit(name: str, gpu: str) -> EngineFit | None:
-    """The fit of engine `name` on `gpu`; None for "generic" or a GPU the fit did not cover.
-    An unknown engine is refused by name."""
+def _family(name: str) -> Engine | None:
+    """The catalog's engine family `name`; None for "generic". An unknown engine is refused by name."""
     if name == "generic":
         return None
     engine = next((e for e in engine_catalog().engines if e.name == name), None)
     if engine is None:
         raise PlanError("engine", f"unknown serving engine {name!r}", f"use one of {', '.join(engine_names())}")
-    return next((fit for fit in engine.fits if fit.gpu == gpu), None)
+    return engine
+
+
+def engine_fit(name: str, gpu: str) -> EngineFit | None:
+    """The fit of engine `name` on `gpu`; None for "generic" or a GPU the fit did not cover."""
+    family = _family(name)
+    return family.fit_on(gpu) if family is not None else None
 
 
 @dataclass(frozen=True)
@@ -80,8 +89,8 @@ def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngi
     """The engine family `engine` names, on `gpu`; a note when it has no fit for that GPU."""
     if isinstance(engine, ServingEngine):
         return engine, ""
-    fit = engine_fit(engine, gpu)
-    family = next((e for e in engine_catalog().engines if e.name == engine), None)
+    family = _family(engine)
+    fit = family.fit_on(gpu) if family is not None else None
     resolved = ServingEngine(engine, fit, family.max_sequences if family is not None else None)
     if fit is None and engine != "generic":
         return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "

@@ -98,15 +98,12 @@ def serve_load_command(
     report = load_report(model, hw, lengths=mix, rates=_rates(rates), lengths_source=source, slo_ttft_ms=slo_ttft_ms,
                          slo_tpot_ms=slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed, requests=requests,
                          seed=seed, top_k=top, engine=engine)
-    if emit(report, out, as_json):
-        if plan_out is not None:
-            _write_plan(report, plan_out, model, hw, dtype, kv_dtype, engine)
-        return
-    console.print(render_load(report))
-    best = report.layouts[0]
-    e = best.engine
-    console.print(f"engine settings of tp={best.tp} pp={best.pp}: max sequences {e.max_sequences}, max batched tokens "
-                  f"{e.max_batched_tokens}, KV pages of {e.block_size} tokens ({e.kv_cache_tokens:,} tokens)")
+    if not emit(report, out, as_json):
+        console.print(render_load(report))
+        best = report.layouts[0]
+        e = best.engine
+        console.print(f"engine settings of tp={best.tp} pp={best.pp}: max sequences {e.max_sequences}, max batched "
+                      f"tokens {e.max_batched_tokens}, KV pages of {e.block_size} tokens ({e.kv_cache_tokens:,} tokens)")
     if plan_out is not None:
         _write_plan(report, plan_out, model, hw, dtype, kv_dtype, engine)
 

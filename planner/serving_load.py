@@ -96,13 +96,12 @@ def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed
     output = round(sum(o for _, o in lengths) / len(lengths))
     sm, _ = serving_model_for(model, cluster, prompt_len=prompt, output_len=output, dtype=dtype, kv_dtype=kv_dtype,
                               engine=engine)
-    workload = sm.w
-    chosen = [(tp, pp) for tp, pp in layouts(workload, cluster)
+    chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster)
               if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
-        raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {workload.name} fits {cluster.spec()}"
+        raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {sm.w.name} fits {cluster.spec()}"
                         + (f" with {fixed}" if fixed else ""), "add GPUs, or pin a layout `serve-plan` lists")
-    return cluster, workload, sm, chosen
+    return cluster, sm, chosen
 
 
 def _engine_load(replica: Replica) -> EngineLoad:
@@ -110,7 +109,7 @@ def _engine_load(replica: Replica) -> EngineLoad:
                       block_size=replica.block_size, kv_cache_tokens=replica.kv_blocks * replica.block_size)
 
 
-def _check(lengths, rates, slo_ttft_ms, slo_tpot_ms) -> None:
+def _check(rates, slo_ttft_ms, slo_tpot_ms) -> None:
     for rate in rates:
         check_positive("rate", rate, "requests per second, e.g. 5")
     for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
@@ -128,9 +127,9 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
     SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
     else the lowest p99 TTFT at the highest rate given."""
-    _check(lengths, rates, slo_ttft_ms, slo_tpot_ms)
+    _check(rates, slo_ttft_ms, slo_tpot_ms)
     fixed = dict(fixed or {})
-    cluster, workload, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine)
+    cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine)
     out = []
     for tp, pp in chosen:
         replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
@@ -144,7 +143,7 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
         out.append(LayoutLoad(tp=tp, pp=pp, replicas=replicas, engine=_engine_load(replica), points=points,
                               highest_rate=best, at_highest=at))
     out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
-    return LoadReport(model=model_name(model, workload), hardware=cluster.spec(), prompt_len=sm.prompt_len,
+    return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
 

@@ -124,14 +124,12 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
             clock = pending[0].arrival
             continue
         decoding = [r for r in running if r.to_prefill == 0]
-        need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * replica.block_size)
-        while need > free_blocks and running:  # evict the newest until the next tokens have pages
+        while _pages_wanted(decoding, replica.block_size) > free_blocks and running:  # evict the newest
             victim = running.pop()
             free_blocks += victim.blocks
             preemptions += 1
             if victim in decoding:
                 decoding.remove(victim)
-            need = sum(1 for r in decoding if (r.context() + 1) > r.blocks * replica.block_size)
             victim.blocks, victim.to_prefill = 0, victim.context()
             waiting.appendleft(victim)
         budget = replica.max_batched_tokens - len(decoding)
@@ -171,6 +169,11 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
             free_blocks += r.blocks
             running.remove(r)
     return requests, preemptions, batch_time / busy if busy else 0.0
+
+
+def _pages_wanted(decoding: list[_Request], block_size: int) -> int:
+    """New pages the decoding sequences' next tokens need: one for each whose pages are full."""
+    return sum(1 for r in decoding if r.context() + 1 > r.blocks * block_size)
 
 
 def _percentiles(values: np.ndarray) -> Percentiles:

@@ -31,7 +31,8 @@ import torch.multiprocessing as mp
 from costmodel.memory import OPTIMIZER_TRAFFIC_BYTES  # the cost model's AdamW traffic per parameter
 from executor.measure.microbench import (COLLECTIVE_SIZES, DTYPES, SLOW_DTYPE_FACTOR, TRAINING_DTYPE, _LOCKSTEP,
                                  attention_flops, collective_in_training, collective_passes, fit_half_dim,
-                                 fresh_page_bytes_per_s, host_link_bandwidth, host_op_seconds, host_memory_bytes, link_from_all_reduce, matmul_curve,
+                                 fresh_page_bytes_per_s, host_link_bandwidth, host_op_seconds, host_memory_bytes,
+                                 link_from_all_reduce, matmul_curve,
                                  cuda_runtime_memory, memory_bandwidth, optimizer_seconds_per_param, overlap_fraction,
                                  storage_write_bytes_per_s)
 from hardware.schema import GPU, Cluster, Collectives, Efficiency, Node, Protocol, RuntimeMemory

@@ -19,9 +19,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from planner.trace.ops import run_on_fake
-
 from planner.executable import tp_split_classes
+from planner.trace.ops import run_on_fake
 
 _MIXING_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm", "mean", "var_mean", "softmax", "_softmax", "_log_softmax"}
 
