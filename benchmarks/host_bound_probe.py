@@ -23,25 +23,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch.distributed._composable import checkpoint  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils.checkpoint import checkpoint as checkpoint_call  # noqa: E402
 
 from executor.apply.layers import layer_map  # noqa: E402
 from executor.apply.recompute import _save_products, keep_products  # noqa: E402
-from executor.measure.microbench import CountOps  # noqa: E402
+from executor.measure.microbench import CountOps, _sync  # noqa: E402
 from executor.runtime.models import build_model  # noqa: E402
 
 SETTINGS = {"cuda": ("llama-3.2-1b", 2048, 2, torch.bfloat16), "cpu": ("llama-160m", 128, 1, None)}
-
-
-class _PassThrough(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        return func(*args, **(kwargs or {}))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def _model(name: str, policy: str, device: str):
@@ -114,7 +103,7 @@ def per_op_host_us(device: str, n: int = 4000) -> dict[str, float]:
         return 1e6 * elapsed / n
 
     def under_mode():
-        with _PassThrough():
+        with CountOps():  # a dispatch mode that only counts
             chain(x)
 
     return {"eager": timed(lambda: chain(x)), "dispatch mode": timed(under_mode),
