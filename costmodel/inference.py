@@ -38,9 +38,13 @@ Everything comes from the same `Workload` the training cost model prices
 
 * The KV cache is held in pages of KV_BLOCK_TOKENS tokens: a sequence's last page is held whole.
 
+* Weight-only quantization (int8, int4: hardware/engines.py's WeightQuantization) is
+  priced in bytes: its packed bits and each group's scale and zero point are what the
+  weights take and what a decode streams; its GEMMs run at the activations' 16-bit rate.
+
 Not modelled here: speculative decoding, queueing
 beyond Little's law (simulate/serving.py plays requests one by one for
-percentiles), int8 and 4-bit weights; the engines' own all-reduce kernels are
+percentiles), W8A8 int8 GEMMs; the engines' own all-reduce kernels are
 priced as the collective library's, plus whatever a family's fitted overhead holds.
 """
 from __future__ import annotations
@@ -50,7 +54,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.errors import ModelError
-from hardware.engines import ServingEngine
+from hardware.engines import ServingEngine, WeightQuantization
 from hardware.schema import Cluster
 
 from . import collectives as coll
@@ -172,16 +176,20 @@ def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int, kv_dtype: s
     return blocks * _kv_per_token_per_block_rank(workload, tp, kv_dtype)
 
 
-def served_weight_bytes(workload: Workload, dtype: str) -> float:
-    """Bytes per served weight: FP8 serving stores and reads 1-byte weights (the KV cache
-    and activations stay in the workload's 16-bit dtype)."""
+def served_weight_bytes(workload: Workload, dtype: str, quantization: WeightQuantization | None = None) -> float:
+    """Bytes per served weight: FP8 serving stores and reads 1-byte weights, a weight-only method
+    its packed bits and its groups' scales and zero points (the KV cache and activations stay in
+    the workload's 16-bit dtype)."""
+    if quantization is not None:
+        return quantization.bytes_per_weight
     return 1.0 if dtype == "fp8" else workload.dtype_bytes
 
 
-def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int, dtype: str = "bf16") -> float:
+def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int, dtype: str = "bf16",
+                         quantization: WeightQuantization | None = None) -> float:
     """Weights of the heaviest stage on one of its TP ranks."""
     held = max(sum(_params_on_rank(l, tp) * n for l, n in runs) for runs in _stages(workload, pp))
-    return held * served_weight_bytes(workload, dtype)
+    return held * served_weight_bytes(workload, dtype, quantization)
 
 
 # --- time -----------------------------------------------------------------------
@@ -191,8 +199,10 @@ class ServingModel:
 
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
                  dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
-                 kv_dtype: str | None = None, engine: ServingEngine | None = None) -> None:
+                 kv_dtype: str | None = None, engine: ServingEngine | None = None,
+                 quantization: WeightQuantization | None = None) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
+        self.quantization = quantization  # weight-only: fewer bytes streamed, GEMMs still at the 16-bit rate
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
         fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
         self.prompt_len, self.output_len = prompt_len, output_len
@@ -201,7 +211,7 @@ class ServingModel:
         gpu = cluster.gpu
         self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
-        self.weight_bytes = served_weight_bytes(workload, dtype)
+        self.weight_bytes = served_weight_bytes(workload, dtype, quantization)
         self.hbm = memory_bandwidth(gpu, fit.hbm_efficiency if fit is not None else None)
         self.step_overhead = fit.step_overhead_ms / 1e3 if fit is not None else 0.0
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
@@ -240,9 +250,13 @@ class ServingModel:
                 biggest = max(biggest, live * self.prompt_len / self.s)
         return biggest
 
+    def weights_per_gpu(self, tp: int, pp: int) -> float:
+        """Bytes of served weights on each GPU of the heaviest stage."""
+        return weight_bytes_per_gpu(self.w, tp, pp, self.dtype, self.quantization)
+
     def kv_token_capacity(self, tp: int, pp: int) -> float:
         """Tokens the KV cache holds on each GPU of the replica, beside the weights and a prefill's workspace."""
-        free = self.capacity - weight_bytes_per_gpu(self.w, tp, pp, self.dtype) - self.workspace(tp, pp)
+        free = self.capacity - self.weights_per_gpu(tp, pp) - self.workspace(tp, pp)
         per_token = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype)
         return max(0.0, free / per_token) if per_token > 0 else 0.0
 
@@ -341,7 +355,7 @@ class ServingModel:
         kv_gpu = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype)
         return ServingEstimate(
             tp=tp, pp=pp, batch=batch, context_len=self.prompt_len + self.output_len / 2,
-            weights_bytes_per_gpu=weight_bytes_per_gpu(self.w, tp, pp, self.dtype),
+            weights_bytes_per_gpu=self.weights_per_gpu(tp, pp),
             kv_bytes_per_token=kv_bytes_per_token(self.w, self.kv_dtype), kv_bytes_per_token_per_gpu=kv_gpu,
             kv_cache_bytes_per_gpu=kv_gpu * batch * (self.prompt_len + self.output_len),
             workspace_bytes_per_gpu=self.workspace(tp, pp), memory_capacity_bytes=self.capacity,

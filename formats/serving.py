@@ -46,7 +46,8 @@ class EngineSettings(BaseModel):
     max_batched_tokens: int = Field(ge=1, description="tokens per scheduler step: one prompt, as the plan prices prefill")
     memory_fraction: float = Field(gt=0, le=1, description="share of each GPU's memory the engine may hold")
     kv_dtype: str = Field("auto", description="auto: the activations' 16-bit type; bf16, fp16 or fp8")
-    quantization: str | None = Field(None, description="fp8 weights, or None")
+    quantization: str | None = Field(None, description="fp8 weights, or None: vLLM and SGLang read a weight-only "
+                                     "method (the plan's int8 or int4) from the checkpoint's quantization config")
     dtype: str = "bf16"
     max_model_len: int = Field(ge=1)
 

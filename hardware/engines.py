@@ -6,6 +6,10 @@ engine reaches its own share of the bandwidth with its own kernels, and spends t
 outside them: scheduling, sampling, launches, its all-reduce kernels' latency. Each entry holds
 those two figures for one engine family on the GPU types its fit covered, each with its source
 (`benchmarks/fit_serving.py` over the cited rows of `benchmarks/data/serving_runs.csv`).
+
+The weight-only quantization methods the engines serve are data too (`WeightQuantization`):
+the bytes a packed weight and its group's scale and zero point take, and the GPUs whose
+kernels run them.
 """
 from __future__ import annotations
 
@@ -96,3 +100,51 @@ def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngi
         return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "
                           "the generic roofline")
     return resolved, ""
+
+
+QUANTIZATION_FILE = Path(__file__).parent / "catalog" / "engines" / "weight_quantization.json"
+
+
+class WeightQuantization(_Sourced):
+    """A weight-only quantization method an engine serves: the bytes a weight takes, and the GPUs
+    whose kernels run it. The GEMMs still run at the activations' 16-bit rate."""
+
+    unsourced_fields = frozenset({"name", "description"})
+    name: str
+    description: str
+    bits: int = Field(ge=1, le=16)
+    group_size: int = Field(ge=1, description="weights sharing one scale and zero point")
+    group_bytes: float = Field(ge=0, description="bytes of one group's scale and zero point")
+    min_cuda_arch: int = Field(description="the oldest NVIDIA compute capability (x10) its kernels run on; AMD: none")
+
+    @property
+    def bytes_per_weight(self) -> float:
+        return self.bits / 8 + self.group_bytes / self.group_size
+
+
+class QuantizationCatalog(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    methods: list[WeightQuantization]
+
+
+@lru_cache(maxsize=1)
+def quantization_catalog() -> QuantizationCatalog:
+    return QuantizationCatalog.model_validate(json.loads(QUANTIZATION_FILE.read_text()))
+
+
+def weight_quantization(name: str, gpu) -> WeightQuantization | None:
+    """Method `name` on `gpu` (a `hardware.schema.GPU`); None for "none". A method not in the
+    catalog, or one the GPU's kernels lack, is refused by name."""
+    if name == "none":
+        return None
+    methods = {m.name: m for m in quantization_catalog().methods}
+    if name not in methods:
+        raise PlanError("quantization", f"unknown weight quantization {name!r}",
+                        f"use none, {', '.join(methods)} (fp8 weights: --dtype fp8)")
+    method = methods[name]
+    arch = gpu.arch or ""
+    if not (arch.startswith("sm") and int(arch[2:]) >= method.min_cuda_arch):
+        raise PlanError("quantization", f"{name} weights run on NVIDIA GPUs of compute capability "
+                        f"{method.min_cuda_arch / 10:.1f} and newer, and {gpu.name} is {arch or 'not one'}",
+                        "use none, or fp8 weights (--dtype fp8) where the GPU has FP8")
+    return method

@@ -20,7 +20,9 @@ def _ms(seconds: float) -> str:
 
 
 def render_inference(plan: InferencePlan) -> Table:
-    table = Table(title=f"Serving {plan.model} on {plan.hardware} ({plan.prompt_len} in / {plan.output_len} out)")
+    weights = f", {plan.quantization} weights" if plan.quantization != "none" else ""
+    table = Table(title=f"Serving {plan.model} on {plan.hardware} ({plan.prompt_len} in / {plan.output_len} out"
+                        f"{weights})")
     table.add_column("layout")
     for col in ("GPUs", "batch/rep", "max seqs", "W GiB/GPU", "KV KiB/tok/GPU", "TTFT ms", "TPOT ms",
                 "step ms", "tok/s", "tok/s/GPU", "$/1M out"):
@@ -81,6 +83,8 @@ def serve_plan_command(
     engine: str = typer.Option("generic", "--engine", help="the engine family to price: trtllm, vllm, sglang or "
                                "lmdeploy (its fitted HBM efficiency and per-iteration overhead where fitted for the "
                                "GPU), or generic (the roofline alone)"),
+    quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
+                                     "activations, on GPUs whose kernels run them), or none; fp8 weights: --dtype fp8"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     top: int = typer.Option(3, "--top"),
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
@@ -102,7 +106,8 @@ def serve_plan_command(
         fixed = {**pins, **fixed}
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
-                          price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv, engine=engine)
+                          price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv, engine=engine,
+                          quantization=quantization)
     if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))

@@ -69,6 +69,8 @@ def serve_load_command(
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (16-bit), bf16, fp16 or fp8"),
     engine: str = typer.Option("generic", "--engine", help="trtllm, vllm, sglang, lmdeploy (fitted where the GPU "
                                "was) or generic"),
+    quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
+                                     "activations), or none"),
     requests: int = typer.Option(600, "--requests", help="requests simulated per rate (the first tenth warm up)"),
     seed: int = typer.Option(0, "--seed"),
     top: int = typer.Option(3, "--top"),
@@ -97,7 +99,7 @@ def serve_load_command(
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("replicas", replicas)) if v is not None}
     report = load_report(model, hw, lengths=mix, rates=_rates(rates), lengths_source=source, slo_ttft_ms=slo_ttft_ms,
                          slo_tpot_ms=slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed, requests=requests,
-                         seed=seed, top_k=top, engine=engine)
+                         seed=seed, top_k=top, engine=engine, quantization=quantization)
     if not emit(report, out, as_json):
         console.print(render_load(report))
         best = report.layouts[0]

@@ -25,10 +25,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.terms import DEFAULT_MEMORY_RESERVE
-from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel, weight_bytes_per_gpu
+from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
-from hardware.engines import ServingEngine, resolve_engine
+from hardware.engines import ServingEngine, resolve_engine, weight_quantization
 from hardware.errors import InfeasibleError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
@@ -39,7 +39,7 @@ from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
 
 GIB = 2**30
-SCHEMA_VERSION = 3  # 2: kv_dtype; 3: engine
+SCHEMA_VERSION = 4  # 2: kv_dtype; 3: engine; 4: quantization
 
 
 class InferencePlan(BaseModel):
@@ -47,7 +47,7 @@ class InferencePlan(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2, 3] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     dtype: str = "bf16"
@@ -55,6 +55,9 @@ class InferencePlan(BaseModel):
         "auto", description="the KV cache's element type; auto: the activations' 16-bit type")
     engine: str = Field("generic", description="the serving engine family priced (hardware/engines.py): its fitted "
                         "HBM efficiency and per-iteration overhead; generic: the roofline alone")
+    quantization: Literal["none", "int8", "int4"] = Field(
+        "none", description="weight-only quantization (hardware/catalog/engines/weight_quantization.json); fp8 "
+        "weights are dtype fp8")
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
     tp: int = Field(ge=1)
@@ -271,6 +274,7 @@ def plan_inference(
     fixed: dict[str, int] | None = None,
     kv_dtype: str = "auto",
     engine: str | ServingEngine = "generic",
+    quantization: str = "none",
 ) -> InferencePlan:
     """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
     tp, pp and replicas (an operator's deployment, priced as it stands)."""
@@ -278,7 +282,8 @@ def plan_inference(
     fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
     sm, engine_note = serving_model_for(model, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
-                                        kv_dtype=kv_dtype, engine=engine, memory_reserve=memory_reserve)
+                                        kv_dtype=kv_dtype, engine=engine, memory_reserve=memory_reserve,
+                                        quantization=quantization)
     workload = sm.w
     points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
     if not floor:
@@ -308,24 +313,29 @@ def plan_inference(
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
                       slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
-    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": sm.engine_name})
-             for p in plans]
+    plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": sm.engine_name,
+                                  "quantization": quantization}) for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
 
 
 def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_len: int, dtype: str = "bf16",
                       kv_dtype: str = "auto", engine: str | ServingEngine = "generic",
-                      memory_reserve: float = DEFAULT_MEMORY_RESERVE) -> tuple[ServingModel, str]:
+                      memory_reserve: float = DEFAULT_MEMORY_RESERVE, quantization: str = "none",
+                      ) -> tuple[ServingModel, str]:
     """The serving model of `model` on `cluster`, its dtypes checked against the GPU, and a note
     when the named engine family has no fit for it (the one door `plan_inference` and
     `planner.serving_load` price by)."""
     check_dtype(dtype, cluster)
     check_kv_dtype(kv_dtype, cluster)
+    method = weight_quantization(quantization, cluster.gpu)
+    if method is not None and dtype == "fp8":
+        raise PlanError("quantization", f"{quantization} weights with dtype fp8: FP8 is itself the weights' format",
+                        "use dtype bf16 or fp16 with it, or quantization none")
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     served_by, note = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
-                      engine=served_by)
+                      engine=served_by, quantization=method)
     return sm, note
 
 
@@ -369,7 +379,7 @@ def _nothing_fits(sm: ServingModel, workload: Workload, cluster: Cluster) -> Inf
     n = cluster.n_gpus
     tp = max(d for d in divisors(n) if workload.tp_divides(d))
     pp = max(1, min(workload.n_blocks, n // tp))
-    weights = weight_bytes_per_gpu(workload, tp, pp, sm.dtype)
+    weights = sm.weights_per_gpu(tp, pp)
     per_seq = sm.prompt_len + sm.output_len
     return InfeasibleError(
         "hw", f"{workload.name} does not fit on {cluster.spec()} for serving: even at tp={tp} pp={pp} the weights "

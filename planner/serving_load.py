@@ -58,6 +58,7 @@ class LoadReport(BaseModel):
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     engine: str = Field("generic", description="the engine family priced (hardware/engines.py)")
+    quantization: str = Field("none", description="the weights' weight-only quantization")
     layouts: list[LayoutLoad] = Field(description="best first")
 
     def to_json(self) -> str:
@@ -90,12 +91,12 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str):
+def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str, quantization: str):
     cluster = resolve_hardware(hw)
     prompt = round(sum(p for p, _ in lengths) / len(lengths))
     output = round(sum(o for _, o in lengths) / len(lengths))
     sm, _ = serving_model_for(model, cluster, prompt_len=prompt, output_len=output, dtype=dtype, kv_dtype=kv_dtype,
-                              engine=engine)
+                              engine=engine, quantization=quantization)
     chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster)
               if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
@@ -123,13 +124,13 @@ def _check(rates, slo_ttft_ms, slo_tpot_ms) -> None:
 def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[float], lengths_source: str = "fixed",
                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
                 kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
-                top_k: int = 3, engine: str = "generic") -> LoadReport:
+                top_k: int = 3, engine: str = "generic", quantization: str = "none") -> LoadReport:
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
     SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
     else the lowest p99 TTFT at the highest rate given."""
     _check(rates, slo_ttft_ms, slo_tpot_ms)
     fixed = dict(fixed or {})
-    cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine)
+    cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine, quantization)
     out = []
     for tp, pp in chosen:
         replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
@@ -145,14 +146,15 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
+                      quantization=quantization,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
 
 
 def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf16", kv_dtype: str = "auto",
                          engine: str = "generic"):
     """The best layout of an SLO search as a serving plan (`planner.inference.InferencePlan`) at the
-    highest rate it sustained: its degrees and replicas pinned, priced at the simulated mean batch,
-    and stating the rate. That is what `parallax export` turns into an engine's command line.
+    highest rate it sustained: its degrees and replicas pinned, priced at the simulated mean batch
+    and in the report's weight quantization, and stating the rate. That is what `parallax export` turns into an engine's command line.
     None when no layout met the SLOs."""
     best = report.layouts[0] if report.layouts else None
     if best is None or not best.highest_rate or best.at_highest is None:
@@ -160,6 +162,7 @@ def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf
     batch = max(1, round(best.at_highest.mean_batch)) * best.replicas  # the simulated operating point
     plan = plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
                           batch=batch, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
+                          quantization=report.quantization,
                           fixed={"tp": best.tp, "pp": best.pp, "replicas": best.replicas})
     simulated = best.at_highest
     note = (f"operating point from serve-load's simulation: {best.highest_rate:.2f} requests/s, p99 TTFT "
