@@ -276,3 +276,33 @@ def test_a_search_cut_by_its_limit_says_so_rather_than_does_not_fit():
         planner.plan("gpt2", "2xcpu", global_batch=16, seq_len=1024, time_limit_s=1e-9)
     assert caught.value.field == "time_limit_s" and not isinstance(caught.value, InfeasibleError)
     assert "raise --time-limit" in str(caught.value)
+
+
+def test_a_capped_solve_finds_the_optimum_under_the_cap_or_proves_the_cap_a_bound():
+    """`StageModel.cap`: above a layout's optimum the capped model still finds it; below, it
+    has no solution and its bound is the cap (never above the optimum)."""
+    import hardware
+    import planner.search.frontier as frontier
+    from planner.search.solver import StageModel
+    from planner.trace.workload_for import workload_for
+
+    workload, _ = workload_for("llama-3-8b", seq_len=4096)
+    cluster = hardware.load("8xh100-sxm")
+    entries = frontier.rank_uniform(workload, frontier.all_entries(workload, cluster, 64, {}, "bf16", None,
+                                                                   DEFAULT_MEMORY_RESERVE)[0], {})
+    checked = 0
+    for e in (e for e in entries if e.layout.pp > 1 and e.uniform_best < float("inf")):
+        lay, m = e.layout, e.template.num_micro_batches
+        optimum = StageModel(e.data, lay.pp, lay.vpp, m).solve(5.0)
+        if optimum is None or not optimum.optimal:
+            continue
+        above, below = (StageModel(e.data, lay.pp, lay.vpp, m) for _ in range(2))
+        above.cap(optimum.objective_s * 1.01)
+        below.cap(optimum.objective_s * 0.99)
+        found, refused = above.solve(5.0), below.solve(5.0)
+        assert found.counts is not None and found.objective_s == pytest.approx(optimum.objective_s, rel=1e-6)
+        assert refused.counts is None and refused.bound_s == pytest.approx(optimum.objective_s * 0.99)
+        checked += 1
+        if checked == 3:
+            break
+    assert checked == 3

@@ -6,9 +6,11 @@ coefficients and cheap bound only of those whose floor could still beat the best
 uniform plans found so far, pricing their uniform partitions with the linear stage
 model (the estimator's composition, evaluated without building plans); the
 estimator prices the best few. Phase 2 runs the CP-SAT stage model (non-uniform
-partition, per-layer checkpointing) first on the layouts that might improve the
-pick, then on the rest lowest bound first, skipping any whose bound cannot beat the
-best plan, until the proven gap is small enough or the time limit passes. The result
+partition, per-layer checkpointing) first on the most promising layout, then on the
+rest lowest bound first, skipping any whose bound cannot beat the best plan, until the
+proven gap is small enough or the time limit passes. Each solve asks only for plans
+faster than the k-th best found (`StageModel.cap`): a slower layout is then pruned, or
+proven bounded by the cap, in a fraction of the time its optimum would take. The result
 is never worse than the best uniform plan, and the reported gap is against the
 lowest bound (or floor, for the layouts never built) of any layout left unsolved.
 """
@@ -107,14 +109,15 @@ def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model:
     _tighten_bounds(entries, tally.first())
     refined = 0
     if single_block_profile(workload):
-        for entry in _refine_order(entries, tally.first(), target_gap):
+        for entry in _refine_order(entries):
             if (time.perf_counter() - started > time_limit_s
                     or _gap(tally.first(), _proven_bound(entries, frontier)) <= target_gap):
                 break
             if entry.bound >= tally.first():
                 continue
             left = time_limit_s - (time.perf_counter() - started)
-            cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve, min(LAYOUT_SOLVE_LIMIT_S, left))
+            cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve, min(LAYOUT_SOLVE_LIMIT_S, left),
+                                        cap=tally.kth())
             refined += 1
             if cand is not None:
                 tally.add(cand)
@@ -136,14 +139,14 @@ def _worth_pricing(entries: list[Entry], top_k: int, within: float = 0.01) -> li
     return [e for i, e in enumerate(fitting) if i < 3 * top_k or e.uniform_best <= cutoff]
 
 
-def _refine_order(priced: list[Entry], best: float, target_gap: float) -> list[Entry]:
-    """The layouts that might improve the pick first, most promising first (by the better of
-    their best uniform plan and their greedy or split mixed-checkpointing plan, within
-    `target_gap` of the best plan priced); then the rest by bound, lowest first, the order
-    that raises the proven bound soonest."""
-    close = sorted((e for e in priced if e.promise <= best * (1 + target_gap)), key=lambda e: (e.promise, e.bound))
-    chosen = {id(e) for e in close}
-    return close + sorted((e for e in priced if id(e) not in chosen), key=lambda e: e.bound)
+def _refine_order(priced: list[Entry]) -> list[Entry]:
+    """The most promising layout first (by the better of its best uniform plan and its greedy or
+    split mixed-checkpointing plan), to set a good cap for the rest; then the rest by bound,
+    lowest first, the order that raises the proven bound soonest."""
+    if not priced:
+        return []
+    leader = min(priced, key=lambda e: (e.promise, e.bound))
+    return [leader] + sorted((e for e in priced if e is not leader), key=lambda e: e.bound)
 
 
 def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[Candidate]:
@@ -156,11 +159,12 @@ def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[C
     return out
 
 
-def refine(workload, cluster, entry: Entry, fixed, reserve,
-           solve_limit_s: float = LAYOUT_SOLVE_LIMIT_S) -> tuple[Candidate | None, float | None]:
+def refine(workload, cluster, entry: Entry, fixed, reserve, solve_limit_s: float = LAYOUT_SOLVE_LIMIT_S,
+           cap: float = float("inf")) -> tuple[Candidate | None, float | None]:
     """CP-SAT partition and per-layer checkpointing of one layout (for at most `solve_limit_s`:
-    the search's time left), started from the greedy least-recompute assignment and the
-    bottleneck split (each also priced on its own)."""
+    the search's time left; only partitions faster than `cap`, the search's k-th best, where
+    finite), started from the greedy least-recompute assignment and the bottleneck split (each
+    also priced on its own)."""
     layout, template = entry.layout, entry.template
     model = StageModel(entry.data, layout.pp, layout.vpp, template.num_micro_batches)
     allowed = recompute_choices(fixed, layout)
@@ -176,14 +180,16 @@ def refine(workload, cluster, entry: Entry, fixed, reserve,
     if starts:
         m = template.num_micro_batches
         model.hint(min(starts, key=lambda s: linear_step(entry.data, s[1], layout.pp, layout.vpp, m)[0])[1])
+    if cap < float("inf"):
+        model.cap(cap)
     solution = model.solve(solve_limit_s)
-    if solution is not None:
+    if solution is not None and solution.counts is not None:
         plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
         cands.append(_priced(workload, cluster, layout, plan, reserve, "cp-sat"))
+    proven = max(solution.bound_s, entry.bound) if solution is not None else None
     if not cands:
-        return None, None
-    best = min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s))
-    return best, max(solution.bound_s, entry.bound) if solution is not None else None
+        return None, proven
+    return min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s)), proven
 
 
 def _allowed_split(split: list[dict[str, int]] | None, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:

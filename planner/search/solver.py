@@ -48,7 +48,8 @@ KIB = 1 / 1024  # bytes -> integer KiB
 
 @dataclass(frozen=True)
 class StageSolution:
-    counts: list[dict[str, int]]  # per virtual stage: blocks per policy
+    counts: list[dict[str, int]] | None  # per virtual stage: blocks per policy; None: none under the cap
+    # (`StageModel.cap`), and `bound_s` what the solver proved of the layout
     objective_s: float
     bound_s: float
     optimal: bool
@@ -75,6 +76,7 @@ class StageModel:
         self.add_memory()
         self.E = self.add_dp_overlap()
         self.add_objective()
+        self.cap_s: float | None = None
 
     def _time_upper_bound(self) -> int:
         """Nanoseconds no rank time, exposed reduction or optimizer step can exceed
@@ -178,7 +180,8 @@ class StageModel:
         # 1 ns per checkpointed block breaks ties (flash attention makes
         # selective cost the same as none) in favour of simpler plans.
         checkpointed = sum(stage[k] for stage in self.n for k in POLICIES if k != "none")
-        self.model.Minimize((self.m * v - 1) * Rmax + sum(self.R) - self._fill() + v * (self.E + opt) + checkpointed)
+        self.objective = (self.m * v - 1) * Rmax + sum(self.R) - self._fill() + v * (self.E + opt) + checkpointed
+        self.model.Minimize(self.objective)
 
     def _fill(self):
         """A zero-bubble schedule's ramp fill (`costmodel.terms.bubble_fill`), linear in each rank's
@@ -198,6 +201,12 @@ class StageModel:
                 if k not in policies:
                     self.model.Add(stage[k] == 0)
 
+    def cap(self, seconds: float) -> None:
+        """Ask only for partitions faster than `seconds` (the search's k-th best plan): the solver
+        then prunes everything slower, and a model with none left proves the layout's bound."""
+        self.model.Add(self.objective <= _i(seconds, NS * self.vpp))
+        self.cap_s = seconds
+
     def hint(self, counts: list[dict[str, int]]) -> None:
         """Start the search from a known-feasible assignment."""
         for stage, given in zip(self.n, counts):
@@ -211,10 +220,15 @@ class StageModel:
         solver.parameters.random_seed = 0
         solver.parameters.catch_sigint_signal = False  # Ctrl-C interrupts the command, not just this solve
         status = solver.Solve(self.model)
+        scale = NS * self.vpp
+        if status == cp_model.INFEASIBLE and self.cap_s is not None:
+            return StageSolution(counts=None, objective_s=float("inf"), bound_s=self.cap_s, optimal=True)
+        if status == cp_model.UNKNOWN and self.cap_s is not None:
+            return StageSolution(counts=None, objective_s=float("inf"), bound_s=solver.BestObjectiveBound() / scale,
+                                 optimal=False)
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
             return None
         counts = [{k: solver.Value(self.n[s][k]) for k in POLICIES} for s in range(self.S)]
-        scale = NS * self.vpp
         return StageSolution(
             counts=counts,
             objective_s=solver.ObjectiveValue() / scale,
