@@ -264,11 +264,16 @@ def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, c
 
 
 def gradients_at_peak(plan: Plan) -> bool:
+    """Whether gradients exist at the activation peak (`gradients_held`)."""
+    return gradients_held(plan.zero, plan.pp, plan.num_micro_batches)
+
+
+def gradients_held(zero: int, pp: int, num_micro_batches: int) -> bool:
     """Whether gradients exist at the activation peak: not for a single micro-batch under
     FSDP2 without pipelining (zero_grad sets them to None and the backward makes them as it
     frees activations); DDP's buckets, accumulated micro-batches and pipelined FSDP2's
     unsharded gradients are there."""
-    return not (plan.zero >= 2 and plan.pp == 1 and plan.num_micro_batches == 1)
+    return not (zero >= 2 and pp == 1 and num_micro_batches == 1)
 
 
 def root_buffer_bytes(root_params: float, dtype: str) -> float:

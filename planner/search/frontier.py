@@ -14,7 +14,7 @@ from costmodel.layout import kv_bytes_per_sequence
 from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
                               model_state_bytes)
 from costmodel.offload import states_on_host
-from costmodel.terms import usable_memory_bytes
+from costmodel.terms import gradients_held, usable_memory_bytes
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 from layout.axes import RECOMPUTE
@@ -139,16 +139,17 @@ class Frontier:
 
 def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict,
                      cluster: Cluster, global_batch: int) -> bool:
-    """Whether the average pipeline rank's weights and optimizer states, with its share of
-    the activations at the leanest policy and the fewest micro-batches any rank holds in
-    flight, exceed one GPU (the fullest rank holds at least the average; experts priced at
+    """Whether the average pipeline rank's weights, optimizer states and held gradients, with
+    its share of the activations at the leanest policy and the fewest micro-batches any rank
+    holds in flight, exceed one GPU (the fullest rank holds at least the average; experts priced at
     the dense per-parameter figure, which shards over more ranks): such a layout's bound is
     inf, so it is dropped before its coefficients are built. Offloaded states are on the host."""
-    return (_average_states(workload, layout, dtype, per_rank, cluster)
+    return (_average_states(workload, layout, dtype, per_rank, cluster, global_batch)
             + _average_activations(workload, layout, per_rank, global_batch)) > capacity
 
 
-def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: dict, cluster: Cluster) -> float:
+def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: dict, cluster: Cluster,
+                    global_batch: int) -> float:
     if states_on_host(layout, cluster):
         return 0.0
     key = (layout.tp, layout.ep)
@@ -156,8 +157,9 @@ def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: di
         per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
     shard = layout.shard_degree
     states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
-    # gradients left out: one FSDP2 micro-batch holds none at its peak (estimate.gradients_at_peak)
-    state = (states["weights"] + states["optimizer"]
+    # gradients where the peak holds them, at most sharded (pipelined FSDP2 holds them whole)
+    held = gradients_held(layout.zero, layout.pp, global_batch // (layout.dp * layout.micro_batch))
+    state = (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
              + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
     return per_rank[key] / layout.pp * state
 
