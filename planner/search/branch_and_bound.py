@@ -9,8 +9,9 @@ estimator prices the best few. Phase 2 runs the CP-SAT stage model (non-uniform
 partition, per-layer checkpointing) first on the most promising layout, then on the
 rest lowest bound first, skipping any whose bound cannot beat the best plan, until the
 proven gap is small enough or the time limit passes. Each solve asks only for plans
-faster than the k-th best found (`StageModel.cap`): a slower layout is then pruned, or
-proven bounded by the cap, in a fraction of the time its optimum would take. The result
+faster than the best found (`StageModel.cap`): a slower layout is then pruned, its bound
+proven to be the cap, in a fraction of the time its optimum would take (the alternatives
+keep their greedy or split partitions). The result
 is never worse than the best uniform plan, and the reported gap is against the
 lowest bound (or floor, for the layouts never built) of any layout left unsolved.
 """
@@ -117,7 +118,7 @@ def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model:
                 continue
             left = time_limit_s - (time.perf_counter() - started)
             cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve, min(LAYOUT_SOLVE_LIMIT_S, left),
-                                        cap=tally.kth())
+                                        cap=tally.first())
             refined += 1
             if cand is not None:
                 tally.add(cand)
@@ -162,7 +163,7 @@ def uniform_plans(workload, cluster, layout, template, fixed, reserve) -> list[C
 def refine(workload, cluster, entry: Entry, fixed, reserve, solve_limit_s: float = LAYOUT_SOLVE_LIMIT_S,
            cap: float = float("inf")) -> tuple[Candidate | None, float | None]:
     """CP-SAT partition and per-layer checkpointing of one layout (for at most `solve_limit_s`:
-    the search's time left; only partitions faster than `cap`, the search's k-th best, where
+    the search's time left; only partitions faster than `cap`, the search's best, where
     finite), started from the greedy least-recompute assignment and the bottleneck split (each
     also priced on its own)."""
     layout, template = entry.layout, entry.template

@@ -202,8 +202,8 @@ class StageModel:
                     self.model.Add(stage[k] == 0)
 
     def cap(self, seconds: float) -> None:
-        """Ask only for partitions faster than `seconds` (the search's k-th best plan): the solver
-        then prunes everything slower, and a model with none left proves the layout's bound."""
+        """Ask only for partitions faster than `seconds` (the search's best plan): the solver then
+        prunes everything slower, and a model with none left proves the layout's bound."""
         self.model.Add(self.objective <= _i(seconds, NS * self.vpp))
         self.cap_s = seconds
 
