@@ -187,15 +187,26 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                                                 vpp=vpp, dp_shard=shard, cp=cp, ep=ep, **recipe)
                                 if _honours(layout, fixed) and recompute_choices(fixed, layout):
                                     for method, offload, held in _method_offload(layout, cluster, fixed, m):
-                                        offered = layout.model_copy(update=dict(compression=method, offload=offload,
-                                                                                accumulation=held))
-                                        # a pinned stack the executor does not run is still priced (a what-if),
-                                        # and so are the precision pairs only Megatron's optimizer keeps
-                                        runnable = offered.model_copy(update=dict(
-                                            stack=offered.stack if offered.stack in EXECUTED_STACKS else "eager",
-                                            optimizer_dtype=offered.master_dtype, tp_overlap=False))
-                                        if layout_problem(runnable, facts, workload.seq_len, m) is None:
+                                        offered = _with(layout, compression=method, offload=offload,
+                                                        accumulation=held)
+                                        if layout_problem(_runnable(offered), facts, workload.seq_len, m) is None:
                                             yield offered
+
+
+def _runnable(offered: Layout) -> Layout:
+    """The layout the executor's rules judge for `offered`: a pinned stack it does not run is
+    judged as eager, the precision pairs only Megatron's optimizer keeps as the master dtype,
+    TP overlap as off (each priced, not run). Most layouts are their own."""
+    return _with(offered, stack=offered.stack if offered.stack in EXECUTED_STACKS else "eager",
+                 optimizer_dtype=offered.master_dtype, tp_overlap=False)
+
+
+def _with(layout: Layout, **update) -> Layout:
+    """`layout` with `update`, the same object where nothing changes (thousands of layouts a
+    search, most of them unchanged)."""
+    if all(getattr(layout, key) == value for key, value in update.items()):
+        return layout
+    return layout.model_copy(update=update)
 
 
 def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, int]]:
