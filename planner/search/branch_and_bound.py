@@ -181,13 +181,16 @@ def refine(workload, cluster, entry: Entry, fixed, reserve, solve_limit_s: float
     if starts:
         m = template.num_micro_batches
         model.hint(min(starts, key=lambda s: linear_step(entry.data, s[1], layout.pp, layout.vpp, m)[0])[1])
-    if cap < float("inf"):
+    # CPU ranks sharing cores run faster than the closed form CP-SAT minimises (`bounds._pipeline`):
+    # there its objective is no bound on the estimate, so neither a cap nor its proof holds
+    shared = entry.data.core_sharing > 1.0
+    if cap < float("inf") and not shared:
         model.cap(cap)
     solution = model.solve(solve_limit_s)
     if solution is not None and solution.counts is not None:
         plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
         cands.append(_priced(workload, cluster, layout, plan, reserve, "cp-sat"))
-    proven = max(solution.bound_s, entry.bound) if solution is not None else None
+    proven = entry.bound if shared else max(solution.bound_s, entry.bound) if solution is not None else None
     if not cands:
         return None, proven
     return min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s)), proven
