@@ -306,3 +306,34 @@ def test_a_capped_solve_finds_the_optimum_under_the_cap_or_proves_the_cap_a_boun
         if checked == 3:
             break
     assert checked == 3
+
+
+@pytest.mark.parametrize("model, hw, global_batch, seq_len, dtype", [
+    ("gpt2", "cpu4", 4, 32, "fp32"),  # CPU ranks sharing cores: the estimate replays faster than the closed form
+    ("llama-3-8b", "8xh100-sxm", 64, 4096, "bf16"),
+])
+def test_the_reported_gap_is_a_proof(model, hw, global_batch, seq_len, dtype):
+    """No fitting plan of any layout beats the pick by more than the gap the search reports:
+    neither its uniform plans nor, for pipelines, an uncapped CP-SAT partition."""
+    from pathlib import Path
+
+    from planner.resolve import resolve_workload
+    from planner.search.branch_and_bound import refine, uniform_plans
+    from planner.search.bounds import balanced_split
+    from planner.search.frontier import all_entries
+
+    cluster = hardware.load(str(Path(__file__).parent / "data" / "cpu4-profile.json") if hw == "cpu4" else hw)
+    plan = planner.plan(model, cluster, global_batch=global_batch, seq_len=seq_len, dtype=dtype, top_k=1,
+                        time_limit_s=10.0)
+    bound = plan.estimate.step_time_s * (1 - plan.solver.gap)
+    searched = cluster.for_stack("eager")
+    workload = resolve_workload(model, seq_len=seq_len, dtype=dtype, cluster=searched)
+    fitting = []
+    for e in all_entries(workload, searched, global_batch, {}, dtype, None, DEFAULT_MEMORY_RESERVE)[0]:
+        fitting += [c.estimate.step_time_s for c in uniform_plans(workload, searched, e.layout, e.template, {},
+                                                                  DEFAULT_MEMORY_RESERVE) if c.fits]
+        if e.layout.pp > 1 and e.bound < plan.estimate.step_time_s:
+            e.split = balanced_split(e.data, e.layout.pp, e.layout.vpp)
+            cand, _ = refine(workload, searched, e, {}, DEFAULT_MEMORY_RESERVE, 1.0)
+            fitting += [cand.estimate.step_time_s] if cand is not None and cand.fits else []
+    assert fitting and min(fitting) >= bound * (1 - 1e-6), (min(fitting), bound, plan.solver.gap)
