@@ -190,7 +190,7 @@ def refine(workload, cluster, entry: Entry, fixed, reserve, solve_limit_s: float
     if solution is not None and solution.counts is not None:
         plan = template.model_copy(update={"stages": stages_from_counts(workload, solution.counts)})
         cands.append(_priced(workload, cluster, layout, plan, reserve, "cp-sat"))
-    proven = entry.bound if shared else max(solution.bound_s, entry.bound) if solution is not None else None
+    proven = entry.bound if shared else (max(solution.bound_s, entry.bound) if solution is not None else None)
     if not cands:
         return None, proven
     return min(cands, key=lambda c: (not c.fits, c.estimate.step_time_s)), proven
