@@ -132,16 +132,19 @@ def quantization_catalog() -> QuantizationCatalog:
     return QuantizationCatalog.model_validate(json.loads(QUANTIZATION_FILE.read_text()))
 
 
+def quantization_names() -> list[str]:
+    return [method.name for method in quantization_catalog().methods]
+
+
 def weight_quantization(name: str, gpu) -> WeightQuantization | None:
     """Method `name` on `gpu` (a `hardware.schema.GPU`); None for "none". A method not in the
     catalog, or one the GPU's kernels lack, is refused by name."""
     if name == "none":
         return None
-    methods = {m.name: m for m in quantization_catalog().methods}
-    if name not in methods:
+    if name not in quantization_names():
         raise PlanError("quantization", f"unknown weight quantization {name!r}",
-                        f"use none, {', '.join(methods)} (fp8 weights: --dtype fp8)")
-    method = methods[name]
+                        f"use none, {', '.join(quantization_names())} (fp8 weights: --dtype fp8)")
+    method = next(m for m in quantization_catalog().methods if m.name == name)
     arch = gpu.arch or ""
     if not (arch.startswith("sm") and int(arch[2:]) >= method.min_cuda_arch):
         raise PlanError("quantization", f"{name} weights run on NVIDIA GPUs of compute capability "

@@ -22,13 +22,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from costmodel.terms import DEFAULT_MEMORY_RESERVE
 from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
-from hardware.engines import ServingEngine, resolve_engine, weight_quantization
+from hardware.engines import ServingEngine, quantization_names, resolve_engine, weight_quantization
 from hardware.errors import InfeasibleError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
@@ -55,9 +55,8 @@ class InferencePlan(BaseModel):
         "auto", description="the KV cache's element type; auto: the activations' 16-bit type")
     engine: str = Field("generic", description="the serving engine family priced (hardware/engines.py): its fitted "
                         "HBM efficiency and per-iteration overhead; generic: the roofline alone")
-    quantization: Literal["none", "int8", "int4"] = Field(
-        "none", description="weight-only quantization (hardware/catalog/engines/weight_quantization.json); fp8 "
-        "weights are dtype fp8")
+    quantization: str = Field("none", description="weight-only quantization, none or a method of "
+                              "hardware/catalog/engines/weight_quantization.json; fp8 weights are dtype fp8")
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
     tp: int = Field(ge=1)
@@ -80,6 +79,13 @@ class InferencePlan(BaseModel):
     best_achievable: dict[str, float] = Field(default_factory=dict, description="lowest TPOT/TTFT of any layout (ms)")
     alternatives: list["InferencePlan"] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+
+    @field_validator("quantization")
+    @classmethod
+    def _known_quantization(cls, value: str) -> str:
+        if value != "none" and value not in quantization_names():
+            raise ValueError(f"unknown weight quantization {value!r}; use none, {', '.join(quantization_names())}")
+        return value
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2)

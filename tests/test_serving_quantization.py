@@ -58,3 +58,10 @@ def test_the_cli_refuses_fp8_with_a_weight_only_method_in_one_line(capsys):
                  "--dtype", "fp8", "--quantization", "int4"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "FP8 is itself the weights' format" in err[0]
+
+
+def test_a_plan_file_naming_an_unknown_method_is_refused(llama_70b):
+    plan = plan_inference(llama_70b, "2xa100-80g", prompt_len=1024, output_len=256, batch=16, quantization="int8")
+    text = plan.to_json().replace('"quantization": "int8"', '"quantization": "int3"')
+    with pytest.raises(ValueError, match="unknown weight quantization 'int3'"):
+        InferencePlan.model_validate_json(text)
