@@ -54,9 +54,25 @@ class EngineCatalog(BaseModel):
     engines: list[Engine]
 
 
-@lru_cache(maxsize=1)
+@lru_cache(maxsize=None)
+def _read(path: Path, model: type[BaseModel]):
+    """A catalog file, validated once."""
+    return model.model_validate(json.loads(path.read_text()))
+
+
+def _named(items: list, name: str, field: str, what: str, none_name: str, hint: str = ""):
+    """The catalog item called `name`; None for `none_name`; any other name refused by name."""
+    if name == none_name:
+        return None
+    found = next((item for item in items if item.name == name), None)
+    if found is None:
+        raise PlanError(field, f"unknown {what} {name!r}",
+                        f"use one of {', '.join([none_name, *(item.name for item in items)])}{hint}")
+    return found
+
+
 def engine_catalog() -> EngineCatalog:
-    return EngineCatalog.model_validate(json.loads(ENGINES_FILE.read_text()))
+    return _read(ENGINES_FILE, EngineCatalog)
 
 
 def engine_names() -> list[str]:
@@ -65,12 +81,7 @@ def engine_names() -> list[str]:
 
 def _family(name: str) -> Engine | None:
     """The catalog's engine family `name`; None for "generic". An unknown engine is refused by name."""
-    if name == "generic":
-        return None
-    engine = next((e for e in engine_catalog().engines if e.name == name), None)
-    if engine is None:
-        raise PlanError("engine", f"unknown serving engine {name!r}", f"use one of {', '.join(engine_names())}")
-    return engine
+    return _named(engine_catalog().engines, name, "engine", "serving engine", "generic")
 
 
 def engine_fit(name: str, gpu: str) -> EngineFit | None:
@@ -127,9 +138,8 @@ class QuantizationCatalog(BaseModel):
     methods: list[WeightQuantization]
 
 
-@lru_cache(maxsize=1)
 def quantization_catalog() -> QuantizationCatalog:
-    return QuantizationCatalog.model_validate(json.loads(QUANTIZATION_FILE.read_text()))
+    return _read(QUANTIZATION_FILE, QuantizationCatalog)
 
 
 def quantization_names() -> list[str]:
@@ -139,12 +149,10 @@ def quantization_names() -> list[str]:
 def weight_quantization(name: str, gpu) -> WeightQuantization | None:
     """Method `name` on `gpu` (a `hardware.schema.GPU`); None for "none". A method not in the
     catalog, or one the GPU's kernels lack, is refused by name."""
-    if name == "none":
+    method = _named(quantization_catalog().methods, name, "quantization", "weight quantization", "none",
+                    " (fp8 weights: --dtype fp8)")
+    if method is None:
         return None
-    if name not in quantization_names():
-        raise PlanError("quantization", f"unknown weight quantization {name!r}",
-                        f"use none, {', '.join(quantization_names())} (fp8 weights: --dtype fp8)")
-    method = next(m for m in quantization_catalog().methods if m.name == name)
     arch = gpu.arch or ""
     if not (arch.startswith("sm") and int(arch[2:]) >= method.min_cuda_arch):
         raise PlanError("quantization", f"{name} weights run on NVIDIA GPUs of compute capability "
