@@ -38,6 +38,11 @@ Everything comes from the same `Workload` the training cost model prices
 
 * The KV cache is held in pages of KV_BLOCK_TOKENS tokens: a sequence's last page is held whole.
 
+* A mixture-of-experts layer reads only the experts its tokens are routed to: a decode step of
+  b sequences the share 1 - (1 - k/E)^b of its expert weights (`costmodel.experts`, even
+  routing), a prefill nearly all of them. TP splits each expert, as the engines' fused MoE
+  kernels do, in its weights and in its GEMMs.
+
 * Weight-only quantization (int8, int4: hardware/engines.py's WeightQuantization) is
   priced in bytes: its packed bits and each group's scale and zero point are what the
   weights take and what a decode streams; its GEMMs run at the activations' 16-bit rate.
@@ -59,6 +64,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
+from .experts import weights_read
 from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
@@ -227,7 +233,7 @@ class ServingModel:
         """Engines run their pointwise chains as fused kernels (vLLM's and SGLang's custom ops,
         TensorRT-LLM's plugins), as the fused training stack does."""
         return Context(cluster=self.cluster, dtype=self.dtype, tp=tp, sp=False, micro_batch=batch,
-                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused")
+                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused", experts_split=True)
 
     def pp_inter_node(self, tp: int) -> bool:
         return tp >= self.cluster.gpus_per_node
@@ -267,6 +273,12 @@ class ServingModel:
         room = int(self.kv_token_capacity(tp, pp) // (pages * KV_BLOCK_TOKENS))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
+    def _read(self, layer: LayerProfile, tp: int, tokens: float) -> float:
+        """Parameters a TP rank reads for `tokens` tokens through `layer` (a mixture of experts: the
+        experts they are routed to, `costmodel.experts`)."""
+        t = tp if layer.tp_shardable else 1
+        return weights_read(layer, _params_on_rank(layer, tp), t, self.w.n_experts, self.s, tokens)
+
     # prefill
     def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:
         """(compute-or-weights time, TP comm time) of one prompt through `count` copies of `layer`."""
@@ -279,7 +291,7 @@ class ServingModel:
         if layer.kind == "head":  # logits of the last position only
             gemm /= self.prompt_len
             memory /= self.prompt_len
-        weights = _params_on_rank(layer, tp) * self.weight_bytes / self.hbm if layer.kind != "embedding" else 0.0
+        weights = self._read(layer, tp, self.prompt_len) * self.weight_bytes / self.hbm if layer.kind != "embedding" else 0.0
         comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
         return count * max(gemm + attention + memory, weights), count * comm
 
@@ -311,7 +323,7 @@ class ServingModel:
             if layer.kind == "embedding":
                 weight_bytes = b * (self.w.hidden or 0) * self.weight_bytes / t  # gathers b rows only
             else:
-                weight_bytes = _params_on_rank(layer, tp) * self.weight_bytes
+                weight_bytes = self._read(layer, tp, b) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
             flops_t = b * (layer.matmul_flops / self.s) / t / (self.peak * self.cluster.gpu.efficiency.matmul_max)

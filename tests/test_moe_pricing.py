@@ -25,6 +25,24 @@ def test_the_tracer_finds_the_experts_and_their_tokens(mixtral_block):
     assert mixtral_block.expert_flops == pytest.approx(2 * 128 * 2 * 3 * 512 * 256)
 
 
+def test_grouped_expert_gemms_backward_twice_their_forward():
+    """The backward's weight gradients are grouped GEMMs whose groups split the contracted dim:
+    counted once over it, not once per expert."""
+    from planner.trace.workload_for import workload_for
+
+    cfg = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "vocab_size": 1000, "num_local_experts": 8,
+           "num_experts_per_tok": 2}
+    _, graph = workload_for(cfg, seq_len=128)
+    flops = {"forward": 0.0, "backward": 0.0}
+    for _, node in graph.graph.nodes(data=True):
+        if node["op"].startswith("aten._grouped_mm"):
+            flops[node["phase"]] += node["flops"]
+    assert not graph.warnings
+    if flops["forward"]:  # transformers' grouped-GEMM experts (a per-expert loop traces plain linears)
+        assert flops["backward"] == pytest.approx(2 * flops["forward"])
+
+
 def test_tp_splits_the_attention_but_not_the_experts(mixtral_block):
     whole = layer_params_on_rank(mixtral_block, 1)
     split = layer_params_on_rank(mixtral_block, 2)

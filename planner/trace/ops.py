@@ -37,9 +37,20 @@ def _per_query_head(query, key, value) -> tuple:
     return (*key.shape[:1], heads, *key.shape[2:]), (*value.shape[:1], heads, *value.shape[2:])
 
 
+def _grouped_mm_flops(a, b, *args, out_val=None, **kwargs) -> int:
+    """A mixture of experts' grouped GEMM (HF's and torchtitan's experts): 2·M·N·K over the
+    groups. Two 2-D operands are a weight gradient whose groups split the contracted dim, so its
+    [groups, N1, N2] output sums over M once in all; otherwise every output element is one
+    K-long dot product."""
+    if a.dim() == 2 and b.dim() == 2:
+        return 2 * a.shape[0] * a.shape[1] * b.shape[1]
+    return 2 * out_val.numel() * a.shape[-1]
+
+
 CUSTOM_FLOPS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _sdpa_cpu_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _sdpa_cpu_backward_flops,
+    aten._grouped_mm: _grouped_mm_flops,
 }
 FUSED_ATTENTION = {packet for packet in (*flop_counter.flop_registry, *CUSTOM_FLOPS) if "attention" in str(packet)}
 
