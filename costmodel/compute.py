@@ -45,8 +45,11 @@ class Context:
     stack: str = "eager"  # the kernel stack (Plan.stack): compile and fused run pointwise chains fused
     tp_overlap: bool = False  # SP's collectives chunked and overlapped with the GEMMs they feed (Plan.tp_overlap)
     seq_len: int | None = None  # tokens per sequence: with micro_batch, the GEMMs' token dimension (None: not known)
-    experts_split: bool = False  # TP splits each expert, as the serving engines' fused MoE kernels do; the
-    # executor keeps experts whole on every TP rank
+    # A mixture of experts' GEMMs on one rank: `expert_share` of the routed tokens' expert work (all of it where
+    # the executor keeps the experts whole on every TP rank; 1/tp where the serving engines split each expert
+    # over TP; the busiest rank's under their expert parallelism), each expert's weights split `expert_slices` ways
+    expert_share: float = 1.0
+    expert_slices: int = 1
 
 
 @dataclass(frozen=True)
@@ -112,10 +115,9 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
         if ctx.seq_len is not None:  # TP splits the weights, never the tokens: short sequences set the size
             min_dim = min(min_dim, max(1.0, ctx.seq_len * b))
         gemm = dense * b / t / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
-    if layer.expert_flops:  # at the tokens each expert gets; the executor runs them whole on every TP rank
-        e = t if ctx.experts_split else 1
-        min_dim = max(1.0, min(layer.matmul_min_dim / e, layer.expert_tokens * b))
-        gemm += layer.expert_flops * b / e / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
+    if layer.expert_flops:  # at the tokens each expert gets
+        min_dim = max(1.0, min(layer.matmul_min_dim / ctx.expert_slices, layer.expert_tokens * b))
+        gemm += layer.expert_flops * b * ctx.expert_share / (gpu.peak_flops(dtype) * gemm_efficiency(ctx, min_dim, dtype))
     attention = layer.attention_flops * b / t / (peak * attention_efficiency(layer, gpu))
     memory = elementwise_traffic(layer, ctx) * b * _elementwise_share(layer, ctx) / memory_bandwidth(gpu)
     return gemm, attention, memory

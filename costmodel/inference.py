@@ -54,7 +54,8 @@ priced as the collective library's, plus whatever a family's fitted overhead hol
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -64,7 +65,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
-from .experts import weights_read
+from .experts import ExpertLoad, expert_load, weights_read
 from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
@@ -206,9 +207,10 @@ class ServingModel:
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
                  dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
                  kv_dtype: str | None = None, engine: ServingEngine | None = None,
-                 quantization: WeightQuantization | None = None) -> None:
+                 quantization: WeightQuantization | None = None, expert_parallel: bool = False) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
         self.quantization = quantization  # weight-only: fewer bytes streamed, GEMMs still at the 16-bit rate
+        self.expert_parallel = expert_parallel  # each TP rank holds whole experts (`costmodel.experts`)
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
         fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
         self.prompt_len, self.output_len = prompt_len, output_len
@@ -224,6 +226,14 @@ class ServingModel:
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
 
+    def with_expert_parallel(self, on: bool) -> "ServingModel":
+        """This model with each TP rank holding whole experts (on) or a slice of every expert."""
+        if on == self.expert_parallel:
+            return self
+        twin = copy.copy(self)
+        twin.expert_parallel, twin._prefill_cache = on, {}
+        return twin
+
     def stages(self, pp: int):
         if pp not in self._stage_cache:
             self._stage_cache[pp] = _stages(self.w, pp)
@@ -233,7 +243,7 @@ class ServingModel:
         """Engines run their pointwise chains as fused kernels (vLLM's and SGLang's custom ops,
         TensorRT-LLM's plugins), as the fused training stack does."""
         return Context(cluster=self.cluster, dtype=self.dtype, tp=tp, sp=False, micro_batch=batch,
-                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused", experts_split=True)
+                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused")
 
     def pp_inter_node(self, tp: int) -> bool:
         return tp >= self.cluster.gpus_per_node
@@ -273,16 +283,22 @@ class ServingModel:
         room = int(self.kv_token_capacity(tp, pp) // (pages * KV_BLOCK_TOKENS))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
+    def _load(self, layer: LayerProfile, tp: int, tokens: float) -> ExpertLoad:
+        """The busiest TP rank's share of `layer`'s experts for `tokens` routed tokens."""
+        return expert_load(layer, self.w.n_experts, self.s, tokens, tp if layer.tp_shardable else 1,
+                           self.expert_parallel)
+
     def _read(self, layer: LayerProfile, tp: int, tokens: float) -> float:
-        """Parameters a TP rank reads for `tokens` tokens through `layer` (a mixture of experts: the
-        experts they are routed to, `costmodel.experts`)."""
+        """Parameters the busiest TP rank reads for `tokens` tokens through `layer` (a mixture of
+        experts: the experts they are routed to, `costmodel.experts`)."""
         t = tp if layer.tp_shardable else 1
-        return weights_read(layer, _params_on_rank(layer, tp), t, self.w.n_experts, self.s, tokens)
+        return weights_read(layer, _params_on_rank(layer, tp), t, self._load(layer, tp, tokens))
 
     # prefill
     def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:
         """(compute-or-weights time, TP comm time) of one prompt through `count` copies of `layer`."""
-        ctx = self.ctx(tp)
+        load = self._load(layer, tp, self.prompt_len)
+        ctx = replace(self.ctx(tp), expert_share=load.work, expert_slices=load.slices)
         gemm, attention, memory = forward_parts(layer, ctx)
         scale = self.prompt_len / self.s  # trace length = prompt length in the planner; exact either way for GEMMs
         gemm *= scale
@@ -326,7 +342,8 @@ class ServingModel:
                 weight_bytes = self._read(layer, tp, b) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
-            flops_t = b * (layer.matmul_flops / self.s) / t / (self.peak * self.cluster.gpu.efficiency.matmul_max)
+            dense = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
+            flops_t = b * (dense / self.s) / (self.peak * self.cluster.gpu.efficiency.matmul_max)
             flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)

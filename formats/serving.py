@@ -50,6 +50,8 @@ class EngineSettings(BaseModel):
                                      "method (the plan's int8 or int4) from the checkpoint's quantization config")
     dtype: str = "bf16"
     max_model_len: int = Field(ge=1)
+    expert_parallel: bool = Field(False, description="whole experts on each TP rank: expert parallelism as wide "
+                                  "as TP (vLLM's --enable-expert-parallel; SGLang's and TRT-LLM's ep size = tp)")
 
 
 def settings_of(plan) -> EngineSettings:
@@ -65,7 +67,7 @@ def settings_of(plan) -> EngineSettings:
                           memory_fraction=round(1 - plan.memory_reserve, 4), kv_dtype=plan.kv_dtype,
                           quantization="fp8" if plan.dtype == "fp8" else None,
                           dtype="bf16" if plan.dtype == "fp8" else plan.dtype,
-                          max_model_len=plan.prompt_len + plan.output_len)
+                          max_model_len=plan.prompt_len + plan.output_len, expert_parallel=plan.expert_parallel)
 
 
 # engine -> (program, {setting: flag}); the model is the program's first argument (vLLM, TRT-LLM) or a flag
@@ -74,16 +76,18 @@ FLAGS = {
                             "replicas": "--data-parallel-size", "max_sequences": "--max-num-seqs",
                             "max_batched_tokens": "--max-num-batched-tokens",
                             "memory_fraction": "--gpu-memory-utilization", "kv_dtype": "--kv-cache-dtype",
-                            "quantization": "--quantization", "dtype": "--dtype", "max_model_len": "--max-model-len"}),
+                            "quantization": "--quantization", "dtype": "--dtype", "max_model_len": "--max-model-len",
+                            "expert_parallel": "--enable-expert-parallel"}),
     "sglang": ("python -m sglang.launch_server", {
         "model": "--model-path", "tp": "--tp-size", "pp": "--pp-size", "replicas": "--dp-size",
         "max_sequences": "--max-running-requests", "max_batched_tokens": "--chunked-prefill-size",
         "memory_fraction": "--mem-fraction-static", "kv_dtype": "--kv-cache-dtype", "quantization": "--quantization",
-        "dtype": "--dtype", "max_model_len": "--context-length"}),
+        "dtype": "--dtype", "max_model_len": "--context-length", "expert_parallel": "--ep-size"}),
     "trtllm": ("trtllm-serve", {"tp": "--tp_size", "pp": "--pp_size", "max_sequences": "--max_batch_size",
                                 "max_batched_tokens": "--max_num_tokens", "max_model_len": "--max_seq_len",
-                                "memory_fraction": "--kv_cache_free_gpu_memory_fraction"}),
+                                "memory_fraction": "--kv_cache_free_gpu_memory_fraction", "expert_parallel": "--ep_size"}),
 }
+EP_SIZE = {"sglang", "trtllm"}  # engines that take expert parallelism as a size (the plan's: tp), not a switch
 
 
 def export(plan, engine: str, lossy: bool) -> Exported:
@@ -97,6 +101,8 @@ def export(plan, engine: str, lossy: bool) -> Exported:
             value = TORCH_DTYPE[value]
         elif key == "kv_dtype":
             value = KV_FLAG_VALUE.get(engine, {}).get(value, value)
+        elif key == "expert_parallel" and engine in EP_SIZE:
+            value = settings.tp if value else None
         options.append((flag, value))
     missing = [k for k in ("replicas", "kv_dtype", "quantization", "dtype") if k not in flags]
     for key in missing:
@@ -137,12 +143,25 @@ def read(text: str, engine: str, model: str | None = None) -> EngineSettings:
             value = dtypes.get(value, value)
         elif key == "kv_dtype":
             value = kv_dtype_of(value)
+        elif key == "expert_parallel":
+            value = _expert_parallel(found, flag, engine, values.get("tp") or 1)  # tp is read first
         values[key] = value
     absent = [flags.get(k, k) for k in ("model", "tp", "pp", "max_sequences", "max_batched_tokens", "memory_fraction",
                                          "max_model_len") if values.get(k) is None]
     if absent:
         raise FormatError(absent[0], f"not in the {engine} command line", "Parallax's export states it")
     return EngineSettings(**values)
+
+
+def _expert_parallel(found: dict, flag: str, engine: str, tp: int) -> bool:
+    """An engine's expert parallelism in the plan's terms: on, as wide as TP, or off."""
+    if engine not in EP_SIZE:
+        return argv.truth(found, flag)
+    size = argv.whole(found, flag, engine)
+    if size not in (1, tp):
+        raise FormatError(flag, f"expert parallelism over {size} ranks with tp {tp}: Parallax plans it as wide as TP",
+                          f"use {flag} {tp}, or 1")
+    return size == tp > 1
 
 
 def kv_dtype_of(value: str) -> str:
@@ -156,6 +175,16 @@ def engine_kv_dtype(text: str, engine: str) -> str:
     if "kv_dtype" not in flags or not any(w.startswith("--") for w in argv.split(text, engine)):
         return "auto"
     return kv_dtype_of(argv.read(text, engine).get(flags["kv_dtype"], "auto"))
+
+
+def engine_expert_parallel(text: str, engine: str) -> bool:
+    """Whether an engine's command line holds whole experts on each TP rank (off if unset)."""
+    _, flags = FLAGS[engine]
+    if not any(w.startswith("--") for w in argv.split(text, engine)):
+        return False
+    found = argv.read(text, engine)
+    return flags["expert_parallel"] in found and _expert_parallel(found, flags["expert_parallel"], engine,
+                                                                   degrees(text, engine)["tp"])
 
 
 def degrees(text: str, engine: str) -> dict[str, int]:

@@ -30,7 +30,7 @@ def render_inference(plan: InferencePlan) -> Table:
     for i, p in enumerate([plan, *plan.alternatives]):
         x = p.estimate
         usd = f"{x.usd_per_million_output_tokens:.2f}" if x.usd_per_million_output_tokens is not None else "n/a"
-        label = f"tp={p.tp} pp={p.pp} x{p.replicas}" + (" (chosen)" if i == 0 else "")
+        label = f"tp={p.tp}{' ep' if p.expert_parallel else ''} pp={p.pp} x{p.replicas}" + (" (chosen)" if i == 0 else "")
         table.add_row(label, str(p.gpus_used), f"{p.batch_per_replica:.1f}", str(x.max_concurrent_sequences),
                       f"{x.weights_bytes_per_gpu / GIB:.1f}", f"{x.kv_bytes_per_token_per_gpu / 1024:.0f}",
                       _ms(x.ttft_s), _ms(x.tpot_s), _ms(x.decode_step_s), f"{p.tokens_per_s:,.0f}",
@@ -46,11 +46,11 @@ def _slo_line(plan: InferencePlan) -> str:
     return ", ".join(parts) + f": {verdict}"
 
 
-def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str]:
-    """tp, pp and replicas of an engine's command line, and its KV cache dtype, the engine told
-    from --from-format or the flags."""
+def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str, bool]:
+    """tp, pp and replicas of an engine's command line, its KV cache dtype and whether it holds
+    whole experts on each rank, the engine told from --from-format or the flags."""
     from formats import SERVING, check_format
-    from formats.serving import degrees, engine_kv_dtype
+    from formats.serving import degrees, engine_expert_parallel, engine_kv_dtype
     from hardware.errors import FormatError
     from hardware.untrusted import read_text
 
@@ -63,7 +63,7 @@ def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str]:
             raise FormatError("--from", f"cannot tell which engine {path.name} is for", "name it with --from-format "
                               f"({', '.join(SERVING)})")
     engine = check_format(fmt, "--from-format", SERVING)
-    return degrees(text, engine), engine_kv_dtype(text, engine)
+    return degrees(text, engine), engine_kv_dtype(text, engine), engine_expert_parallel(text, engine)
 
 
 @app.command("serve-plan")
@@ -85,6 +85,10 @@ def serve_plan_command(
                                "GPU), or generic (the roofline alone)"),
     quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
                                      "activations, on GPUs whose kernels run them), or none; fp8 weights: --dtype fp8"),
+    expert_parallel: Optional[bool] = typer.Option(None, "--expert-parallel/--no-expert-parallel", help="a mixture "
+                                                   "of experts: pin whole experts on each TP rank (vLLM's "
+                                                   "--enable-expert-parallel) or a slice of every expert on each; "
+                                                   "unset, both are priced"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     top: int = typer.Option(3, "--top"),
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
@@ -102,12 +106,13 @@ def serve_plan_command(
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("replicas", replicas)) if v is not None}
     engine_kv = "auto"
     if from_file is not None:
-        pins, engine_kv = _engine_pins(from_file, from_format)
+        pins, engine_kv, engine_ep = _engine_pins(from_file, from_format)
         fixed = {**pins, **fixed}
+        expert_parallel = engine_ep if expert_parallel is None else expert_parallel
     plan = plan_inference(model, hw, prompt_len=prompt_len, output_len=output_len, batch=batch, request_rate=rate,
                           slo_tpot_ms=tpot_ms, slo_ttft_ms=ttft_ms, objective=objective, dtype=dtype, top_k=top,
                           price_per_gpu_hour=price, fixed=fixed, kv_dtype=kv_dtype or engine_kv, engine=engine,
-                          quantization=quantization)
+                          quantization=quantization, expert_parallel=expert_parallel)
     if emit(plan, out, as_json):
         return
     console.print(render_inference(plan))

@@ -33,7 +33,7 @@ def render_load(report: LoadReport) -> Table:
                 "preempted", "SLO met"):
         table.add_column(col, justify="right" if col != "layout" else "left")
     for lay in report.layouts:
-        label = f"tp={lay.tp} pp={lay.pp} x{lay.replicas}"
+        label = f"tp={lay.tp}{' ep' if report.expert_parallel else ''} pp={lay.pp} x{lay.replicas}"
         if lay.highest_rate is not None and lay.at_highest is None:
             table.add_row(label, "0", *[""] * 9, "missed even at a trickle")
         elif lay.at_highest is not None:
@@ -71,6 +71,8 @@ def serve_load_command(
                                "was) or generic"),
     quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
                                      "activations), or none"),
+    expert_parallel: bool = typer.Option(False, "--expert-parallel/--no-expert-parallel", help="a mixture of "
+                                         "experts: whole experts on each TP rank (vLLM's --enable-expert-parallel)"),
     requests: int = typer.Option(600, "--requests", help="requests simulated per rate (the first tenth warm up)"),
     seed: int = typer.Option(0, "--seed"),
     top: int = typer.Option(3, "--top"),
@@ -99,7 +101,8 @@ def serve_load_command(
     fixed = {k: v for k, v in (("tp", tp), ("pp", pp), ("replicas", replicas)) if v is not None}
     report = load_report(model, hw, lengths=mix, rates=_rates(rates), lengths_source=source, slo_ttft_ms=slo_ttft_ms,
                          slo_tpot_ms=slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed, requests=requests,
-                         seed=seed, top_k=top, engine=engine, quantization=quantization)
+                         seed=seed, top_k=top, engine=engine, quantization=quantization,
+                         expert_parallel=expert_parallel)
     if not emit(report, out, as_json):
         console.print(render_load(report))
         best = report.layouts[0]

@@ -39,7 +39,7 @@ from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
 
 GIB = 2**30
-SCHEMA_VERSION = 4  # 2: kv_dtype; 3: engine; 4: quantization
+SCHEMA_VERSION = 5  # 2: kv_dtype; 3: engine; 4: quantization; 5: expert_parallel
 
 
 class InferencePlan(BaseModel):
@@ -47,7 +47,7 @@ class InferencePlan(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     dtype: str = "bf16"
@@ -57,6 +57,8 @@ class InferencePlan(BaseModel):
                         "HBM efficiency and per-iteration overhead; generic: the roofline alone")
     quantization: str = Field("none", description="weight-only quantization, none or a method of "
                               "hardware/catalog/engines/weight_quantization.json; fp8 weights are dtype fp8")
+    expert_parallel: bool = Field(False, description="a mixture of experts: each TP rank holds whole experts "
+                                  "(vLLM's --enable-expert-parallel, --ep-size tp), not a slice of every one")
     prompt_len: int = Field(gt=0)
     output_len: int = Field(gt=0)
     tp: int = Field(ge=1)
@@ -103,6 +105,7 @@ class _Point:
     est: ServingEstimate
     feasible: bool
     why: str = ""
+    expert_parallel: bool = False
 
 
 def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype) -> None:
@@ -192,6 +195,8 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
     """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
     points, floor = [], []
     for tp, pp in layouts(workload, cluster):
+        if sm.expert_parallel and not expert_parallel_fits(workload, tp):
+            continue
         cap = sm.max_sequences(tp, pp)
         pinned_out = fixed.get("tp", tp) != tp or fixed.get("pp", pp) != pp or \
             fixed.get("replicas", 1) > cluster.n_gpus // (tp * pp)
@@ -217,7 +222,27 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
                 est = sm.estimate(tp, pp, b)
                 why = _meets(est, tpot_ms, ttft_ms)
             points.append(_Point(tp, pp, r, est, not why, why))
+    for point in points + floor:
+        point.expert_parallel = sm.expert_parallel
     return points, floor
+
+
+def expert_parallel_fits(workload: Workload, tp: int) -> bool:
+    """Expert parallelism over a replica's TP ranks: more than one rank, each holding as many whole experts."""
+    return tp > 1 and workload.n_experts > 0 and workload.n_experts % tp == 0
+
+
+def expert_models(sm: ServingModel, expert_parallel: bool | None, cluster: Cluster) -> list[ServingModel]:
+    """The expert placements to price: a pinned one, else both for a mixture of experts."""
+    if expert_parallel is None:
+        return [sm, sm.with_expert_parallel(True)] if sm.w.n_experts else [sm]
+    if expert_parallel and not sm.w.n_experts:
+        raise PlanError("expert_parallel", f"{sm.w.name} has no experts to place", "leave --expert-parallel off")
+    degrees = sorted({tp for tp, _ in layouts(sm.w, cluster) if expert_parallel_fits(sm.w, tp)})
+    if expert_parallel and not degrees:
+        raise PlanError("expert_parallel", f"the {sm.w.n_experts} experts of {sm.w.name} split evenly over no TP "
+                        f"degree of 2 or more that {cluster.spec()} offers", "add GPUs, or leave --expert-parallel off")
+    return [sm.with_expert_parallel(expert_parallel)]
 
 
 PINNED = ("tp", "pp", "replicas")
@@ -281,9 +306,11 @@ def plan_inference(
     kv_dtype: str = "auto",
     engine: str | ServingEngine = "generic",
     quantization: str = "none",
+    expert_parallel: bool | None = None,
 ) -> InferencePlan:
     """The best serving layout of `model` on `hw` for the request mix and SLO; `fixed` pins any of
-    tp, pp and replicas (an operator's deployment, priced as it stands)."""
+    tp, pp and replicas (an operator's deployment, priced as it stands), `expert_parallel` the
+    experts' placement of a mixture of experts (None: both are priced)."""
     _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype)
     fixed = _check_pins(fixed or {})
     cluster = resolve_hardware(hw, price_per_gpu_hour=price_per_gpu_hour)
@@ -291,7 +318,10 @@ def plan_inference(
                                         kv_dtype=kv_dtype, engine=engine, memory_reserve=memory_reserve,
                                         quantization=quantization)
     workload = sm.w
-    points, floor = _points(sm, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
+    points, floor = [], []
+    for model_of in expert_models(sm, expert_parallel, cluster):
+        priced, lowest = _points(model_of, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
+        points, floor = points + priced, floor + lowest
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
     if fixed and not points:
@@ -346,11 +376,11 @@ def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_l
 
 
 def _distinct(ranked: list[_Point], k: int) -> list[_Point]:
-    """The best point of each of the first k distinct (tp, pp) layouts."""
+    """The best point of each of the first k distinct (tp, pp, expert placement) layouts."""
     seen, out = set(), []
     for p in ranked:
-        if (p.tp, p.pp) not in seen:
-            seen.add((p.tp, p.pp))
+        if (p.tp, p.pp, p.expert_parallel) not in seen:
+            seen.add((p.tp, p.pp, p.expert_parallel))
             out.append(p)
         if len(out) == k:
             break
@@ -378,6 +408,7 @@ def _to_plan(p: _Point, name, cluster, prompt_len, output_len, dtype, objective,
         feasible=feasible and p.feasible, estimate=p.est, tokens_per_s=tps,
         capacity_requests_per_s=p.est.tokens_per_s_replica * p.replicas / output_len,
         usd_per_hour=price * gpus if price is not None else None, best_achievable=achievable, notes=list(notes),
+        expert_parallel=p.expert_parallel,
     )
 
 

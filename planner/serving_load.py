@@ -19,7 +19,7 @@ from costmodel.simulate.serving import Replica, ServingSimulation, highest_rate,
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
-from planner.inference import layouts, plan_inference, serving_model_for
+from planner.inference import expert_models, expert_parallel_fits, layouts, plan_inference, serving_model_for
 from planner.resolve import model_name, resolve_hardware
 
 MAX_LENGTH_ROWS = 100_000
@@ -59,6 +59,7 @@ class LoadReport(BaseModel):
     slo_tpot_ms: float | None = None
     engine: str = Field("generic", description="the engine family priced (hardware/engines.py)")
     quantization: str = Field("none", description="the weights' weight-only quantization")
+    expert_parallel: bool = Field(False, description="whole experts on each TP rank (a mixture of experts)")
     layouts: list[LayoutLoad] = Field(description="best first")
 
     def to_json(self) -> str:
@@ -91,14 +92,17 @@ def read_lengths(path: Path) -> list[tuple[int, int]]:
     return out
 
 
-def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str, quantization: str):
+def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed: dict, engine: str, quantization: str,
+                       expert_parallel: bool):
     cluster = resolve_hardware(hw)
     prompt = round(sum(p for p, _ in lengths) / len(lengths))
     output = round(sum(o for _, o in lengths) / len(lengths))
     sm, _ = serving_model_for(model, cluster, prompt_len=prompt, output_len=output, dtype=dtype, kv_dtype=kv_dtype,
                               engine=engine, quantization=quantization)
+    sm = expert_models(sm, expert_parallel, cluster)[0]
     chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster)
-              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
+              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1
+              and (expert_parallel_fits(sm.w, tp) or not expert_parallel)]
     if not chosen:
         raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {sm.w.name} fits {cluster.spec()}"
                         + (f" with {fixed}" if fixed else ""), "add GPUs, or pin a layout `serve-plan` lists")
@@ -124,13 +128,15 @@ def _check(rates, slo_ttft_ms, slo_tpot_ms) -> None:
 def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[float], lengths_source: str = "fixed",
                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
                 kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
-                top_k: int = 3, engine: str = "generic", quantization: str = "none") -> LoadReport:
+                top_k: int = 3, engine: str = "generic", quantization: str = "none",
+                expert_parallel: bool = False) -> LoadReport:
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
     SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
     else the lowest p99 TTFT at the highest rate given."""
     _check(rates, slo_ttft_ms, slo_tpot_ms)
     fixed = dict(fixed or {})
-    cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine, quantization)
+    cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine, quantization,
+                                             expert_parallel)
     out = []
     for tp, pp in chosen:
         replicas = fixed.get("replicas", cluster.n_gpus // (tp * pp))
@@ -146,7 +152,7 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
-                      quantization=quantization,
+                      quantization=quantization, expert_parallel=expert_parallel,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
 
 
@@ -162,7 +168,7 @@ def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf
     batch = max(1, round(best.at_highest.mean_batch)) * best.replicas  # the simulated operating point
     plan = plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
                           batch=batch, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
-                          quantization=report.quantization,
+                          quantization=report.quantization, expert_parallel=report.expert_parallel,
                           fixed={"tp": best.tp, "pp": best.pp, "replicas": best.replicas})
     simulated = best.at_highest
     note = (f"operating point from serve-load's simulation: {best.highest_rate:.2f} requests/s, p99 TTFT "

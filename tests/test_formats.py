@@ -126,11 +126,11 @@ MEGATRON_PARSER = {
 ENGINE_PARSERS = {
     "vllm": {"--tensor-parallel-size", "--pipeline-parallel-size", "--data-parallel-size", "--max-num-seqs",
              "--max-num-batched-tokens", "--gpu-memory-utilization", "--kv-cache-dtype", "--quantization", "--dtype",
-             "--max-model-len"},
+             "--max-model-len", "--enable-expert-parallel"},
     "sglang": {"--model-path", "--tp-size", "--pp-size", "--dp-size", "--max-running-requests", "--chunked-prefill-size",
-               "--mem-fraction-static", "--kv-cache-dtype", "--quantization", "--dtype", "--context-length"},
+               "--mem-fraction-static", "--kv-cache-dtype", "--quantization", "--dtype", "--context-length", "--ep-size"},
     "trtllm": {"--tp_size", "--pp_size", "--max_batch_size", "--max_num_tokens", "--max_seq_len",
-               "--kv_cache_free_gpu_memory_fraction"},
+               "--kv_cache_free_gpu_memory_fraction", "--ep_size"},
 }
 
 
