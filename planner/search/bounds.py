@@ -194,22 +194,26 @@ def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> boo
 
 
 def rank_costs(data: StageModelData, pp: int, vpp: int) -> list[_RankCost]:
-    """Each pipeline rank's `_RankCost`, for `memory_aware_bound` and `balanced_split`."""
-    return [_RankCost(data, r, pp, pp * vpp) for r in range(pp)]
+    """Each pipeline rank's `_RankCost`, for `memory_aware_bound` and `balanced_split`; their
+    whole-block mixes tabulated together (`_MixTable`)."""
+    fixed = fixed_per_rank(data, pp, vpp)
+    ranks = [_RankCost(data, r, fixed[r]) for r in range(pp)]
+    table = _MixTable(data, ranks)
+    for rank in ranks:
+        rank.table = table
+    return ranks
 
 
 class _RankCost:
     """One pipeline rank's fixed layers and memory, for `memory_aware_bound`; its whole-block
-    mixes are remembered by count (the bottleneck split asks for each count more than once)."""
+    mixes are its row of the layout's `_MixTable`."""
 
-    def __init__(self, data: StageModelData, r: int, pp: int, S: int) -> None:
-        fixed = fixed_per_rank(data, pp, S // pp)[r]
-        self.data, self.rebuild = data, data.rebuild_bytes(r)
+    def __init__(self, data: StageModelData, r: int, fixed) -> None:
+        self.data, self.r, self.rebuild = data, r, data.rebuild_bytes(r)
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
         self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.activation * self.in_flight
-        self._times = np.empty(0)  # whole_blocks_time by count, once asked (`_tabulate`)
-        self._mixes: list[dict[str, int] | None] = []
+        self.table: _MixTable | None = None
 
     def blocks_time(self, n: int) -> float:
         d = self.data
@@ -221,52 +225,71 @@ class _RankCost:
         the transient of a rebuilt block included), over every mix of unrecomputed blocks with a
         leaner policy and a middle one: for each count of the leaner, the fewest middle blocks
         that make room (or all the rest, should the middle be the faster)."""
-        if n >= len(self._mixes):
-            self._tabulate(2 * n + 8)
-        return self._mixes[n]
+        return self.table.mix(self.r, n)
 
     def whole_blocks_time(self, n: int) -> float:
-        if n >= len(self._mixes):
+        return self.table.time(self.r, n)
+
+
+class _MixTable:
+    """`_RankCost.whole_block_mix` of every rank of one layout for every count up to a top,
+    tabulated at once (axes: ranks, counts, leaner blocks among them): the bottleneck split asks
+    for each rank's counts one by one, from a few up to about twice its share, most of them
+    twice."""
+
+    def __init__(self, data: StageModelData, ranks: list[_RankCost]) -> None:
+        self.data = data
+        self.fixed_bytes = np.array([rank.fixed_bytes for rank in ranks], dtype=float)[:, None, None]
+        self.in_flight = np.array([rank.in_flight for rank in ranks], dtype=float)[:, None, None]
+        self.rebuild = np.array([rank.rebuild for rank in ranks], dtype=float)[:, None, None]
+        self.times = np.empty((len(ranks), 0))
+        self.best = np.empty((len(ranks), 0, 3), dtype=int)  # per rank and count: (mix, leaner, middle), -1: none
+
+    def time(self, r: int, n: int) -> float:
+        if n >= self.times.shape[1]:
             self._tabulate(2 * n + 8)
-        return float(self._times[n])
+        return float(self.times[r, n])
+
+    def mix(self, r: int, n: int) -> dict[str, int] | None:
+        if n >= self.times.shape[1]:
+            self._tabulate(2 * n + 8)
+        which, leaner, mid = (int(x) for x in self.best[r, n])
+        return None if which < 0 else _mix_of(n, *MIXES[which], leaner, mid)
 
     def _tabulate(self, top: int) -> None:
-        """`whole_block_mix` of every count up to `top` at once (rows are counts, columns the
-        leaner blocks among them): the bottleneck split asks for a rank's counts one by one,
-        from a few up to about twice its share, most of them twice."""
         block = self.data.block
         act, t = block.activation, block.time
-        n = np.arange(top + 1, dtype=float)[:, None]
-        leaner = np.arange(top + 1, dtype=float)[None, :]
+        n = np.arange(top + 1, dtype=float)[None, :, None]
+        leaner = np.arange(top + 1, dtype=float)[None, None, :]
         rest = n - leaner  # negative where there are more leaner blocks than blocks: no mix
         room = self.data.capacity - self.fixed_bytes - n * block.states
-        rows = np.arange(top + 1)
-        best_time = np.full(top + 1, np.inf)
-        best: list[tuple | None] = [None] * (top + 1)
-        for lean, middle in MIXES:
+        shape = (self.fixed_bytes.shape[0], top + 1)
+        best_time, best = np.full(shape, np.inf), np.full(shape + (3,), -1)
+        for which, (lean, middle) in enumerate(MIXES):
             rebuilt = (leaner > 0) & (lean in REBUILT)
             over = self.in_flight * (n * act["none"] - leaner * (act["none"] - act[lean])) - room
             over = over + np.where(rebuilt, self.rebuild, 0.0)
-            saved_by_middle = self.in_flight * (act["none"] - act[middle])
-            if saved_by_middle > 0:
+            if act["none"] > act[middle]:
                 extra = np.where(~rebuilt & (middle in REBUILT), self.rebuild, 0.0)
+                saved_by_middle = self.in_flight * (act["none"] - act[middle])
                 fewest = np.where(over <= 0, 0.0, np.ceil((over + extra) / saved_by_middle - 1e-9))
                 fits = rest >= 0
             else:
                 fewest = np.zeros_like(over)
                 fits = (over <= 0) & (rest >= 0)
-            for mid in (fewest, rest):
+            for mid in np.broadcast_arrays(fewest, rest):
                 valid = fits & (fewest >= 0) & (fewest <= mid) & (mid <= rest)
                 seconds = np.where(valid, (rest - mid) * t["none"] + mid * t[middle] + leaner * t[lean], np.inf)
-                col = seconds.argmin(axis=1)
-                value = seconds[rows, col]
-                for i in np.flatnonzero(value < best_time):
-                    best_time[i] = value[i]
-                    best[i] = (lean, middle, int(col[i]), int(mid[i, col[i]]))
-        self._times = best_time
-        self._mixes = [None if b is None else self._mix_of(int(count), *b) for count, b in zip(rows, best)]
+                col = seconds.argmin(axis=2)[..., None]
+                value = np.take_along_axis(seconds, col, axis=2)[..., 0]
+                better = value < best_time
+                found = np.concatenate([np.full(shape + (1,), which), col, np.take_along_axis(mid, col, axis=2)],
+                                       axis=2)
+                best_time = np.where(better, value, best_time)
+                best = np.where(better[..., None], found.astype(int), best)
+        self.times, self.best = best_time, best
 
-    @staticmethod
-    def _mix_of(n: int, lean: str, middle: str, leaner: int, mid: int) -> dict[str, int]:
-        return {"none": n - leaner - mid, middle: mid, lean: leaner} | {
-            k: 0 for k in RECOMPUTE if k not in ("none", middle, lean)}
+
+def _mix_of(n: int, lean: str, middle: str, leaner: int, mid: int) -> dict[str, int]:
+    return {"none": n - leaner - mid, middle: mid, lean: leaner} | {
+        k: 0 for k in RECOMPUTE if k not in ("none", middle, lean)}
