@@ -169,6 +169,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
     n = cluster.n_gpus
     facts = facts_of_workload(workload)
     for tp in tp_choices(workload, cluster):
+        # SP's rules read only tp, the sequence and the model: half the layouts, judged once per tp
+        sp_choices = (False, True) if tp > 1 and layout_problem(Layout(tp=tp, sp=True), facts, workload.seq_len) is None \
+            else (False,)
         for pp, cp in _pp_cp(n // tp, workload, fixed):
             dp = n // (tp * pp * cp)
             if global_batch % dp:
@@ -179,7 +182,7 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
                 m = global_batch // (dp * mb)
                 for schedule, vpp in _schedules(pp, m, workload.n_blocks, fixed.get("schedule"), fixed.get("vpp")):
                     for zero, shard in zero_choices(dp, tp, cluster, fixed, cp):
-                        for sp in (False, True) if tp > 1 else (False,):
+                        for sp in sp_choices:
                             for ep in ep_choices(workload, dp * cp, fixed):
                                 recipe = _recipe(fixed)
                                 recipe["tp_overlap"] = recipe["tp_overlap"] and sp  # pinned on: the SP layouts
