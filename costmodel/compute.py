@@ -50,6 +50,7 @@ class Context:
     # over TP; the busiest rank's under their expert parallelism), each expert's weights split `expert_slices` ways
     expert_share: float = 1.0
     expert_slices: int = 1
+    block_gemms: str | None = None  # the dtype a served quantization runs the blocks' GEMMs in (W8A8: int8)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
     gpu = ctx.cluster.gpu
     peak = gpu.peak_flops(ctx.dtype if ctx.dtype != "fp8" else "bf16")  # FP8 runs only the blocks' GEMMs in FP8
-    dtype = gemm_dtype(layer, ctx.dtype)
+    dtype = ctx.block_gemms if ctx.block_gemms and layer.kind == "block" else gemm_dtype(layer, ctx.dtype)
     t = _split(layer, ctx)
     b = ctx.micro_batch
     gemm = 0.0

@@ -43,13 +43,14 @@ Everything comes from the same `Workload` the training cost model prices
   routing), a prefill nearly all of them. TP splits each expert, as the engines' fused MoE
   kernels do, in its weights and in its GEMMs.
 
-* Weight-only quantization (int8, int4: hardware/engines.py's WeightQuantization) is
-  priced in bytes: its packed bits and each group's scale and zero point are what the
-  weights take and what a decode streams; its GEMMs run at the activations' 16-bit rate.
+* Quantization (hardware/engines.py's WeightQuantization) is priced in bytes: its packed bits
+  and each group's scale and zero point are what the weights take and what a decode streams.
+  Weight-only methods (int8, int4) run their GEMMs at the activations' 16-bit rate, W8A8
+  (w8a8) the blocks' at the GPU's INT8 rate.
 
 Not modelled here: speculative decoding, queueing
 beyond Little's law (simulate/serving.py plays requests one by one for
-percentiles), W8A8 int8 GEMMs; the engines' own all-reduce kernels are
+percentiles); the engines' own all-reduce kernels are
 priced as the collective library's, plus whatever a family's fitted overhead holds.
 """
 from __future__ import annotations
@@ -209,7 +210,8 @@ class ServingModel:
                  kv_dtype: str | None = None, engine: ServingEngine | None = None,
                  quantization: WeightQuantization | None = None, expert_parallel: bool = False) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype
-        self.quantization = quantization  # weight-only: fewer bytes streamed, GEMMs still at the 16-bit rate
+        self.quantization = quantization  # fewer bytes streamed; W8A8 runs the blocks' GEMMs in int8
+        self.block_gemms = quantization.gemm_dtype if quantization is not None else None
         self.expert_parallel = expert_parallel  # each TP rank holds whole experts (`costmodel.experts`)
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
         fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
@@ -243,7 +245,7 @@ class ServingModel:
         """Engines run their pointwise chains as fused kernels (vLLM's and SGLang's custom ops,
         TensorRT-LLM's plugins), as the fused training stack does."""
         return Context(cluster=self.cluster, dtype=self.dtype, tp=tp, sp=False, micro_batch=batch,
-                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused")
+                       tp_group=coll.group_of(tp, 1, self.cluster), stack="fused", block_gemms=self.block_gemms)
 
     def pp_inter_node(self, tp: int) -> bool:
         return tp >= self.cluster.gpus_per_node
@@ -282,6 +284,10 @@ class ServingModel:
         pages = -(-(self.prompt_len + self.output_len) // KV_BLOCK_TOKENS)
         room = int(self.kv_token_capacity(tp, pp) // (pages * KV_BLOCK_TOKENS))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
+
+    def _gemm_peak(self, layer: LayerProfile) -> float:
+        """FLOP/s of `layer`'s GEMMs at the peak: the blocks' in a W8A8 method's int8."""
+        return self.cluster.gpu.peak_flops(self.block_gemms) if self.block_gemms and layer.kind == "block" else self.peak
 
     def _load(self, layer: LayerProfile, tp: int, tokens: float) -> ExpertLoad:
         """The busiest TP rank's share of `layer`'s experts for `tokens` routed tokens."""
@@ -343,7 +349,7 @@ class ServingModel:
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
             dense = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
-            flops_t = b * (dense / self.s) / (self.peak * self.cluster.gpu.efficiency.matmul_max)
+            flops_t = b * (dense / self.s) / (self._gemm_peak(layer) * self.cluster.gpu.efficiency.matmul_max)
             flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from hardware.errors import PlanError
@@ -117,8 +119,9 @@ QUANTIZATION_FILE = Path(__file__).parent / "catalog" / "engines" / "weight_quan
 
 
 class WeightQuantization(_Sourced):
-    """A weight-only quantization method an engine serves: the bytes a weight takes, and the GPUs
-    whose kernels run it. The GEMMs still run at the activations' 16-bit rate."""
+    """A quantization method an engine serves: the bytes a weight takes, the activations' bits
+    (16: weight-only, the GEMMs at the 16-bit rate; 8: W8A8, the blocks' GEMMs at the GPU's INT8
+    rate) and the GPUs whose kernels run it."""
 
     unsourced_fields = frozenset({"name", "description"})
     name: str
@@ -127,6 +130,12 @@ class WeightQuantization(_Sourced):
     group_size: int = Field(ge=1, description="weights sharing one scale and zero point")
     group_bytes: float = Field(ge=0, description="bytes of one group's scale and zero point")
     min_cuda_arch: int = Field(description="the oldest NVIDIA compute capability (x10) its kernels run on; AMD: none")
+    activation_bits: Literal[8, 16] = Field(16, description="16: weight-only; 8: INT8 activations and GEMMs")
+
+    @property
+    def gemm_dtype(self) -> str | None:
+        """The dtype the blocks' GEMMs run in, where the method sets one (None: the activations')."""
+        return "int8" if self.activation_bits == 8 else None
 
     @property
     def bytes_per_weight(self) -> float:
@@ -158,4 +167,7 @@ def weight_quantization(name: str, gpu) -> WeightQuantization | None:
         raise PlanError("quantization", f"{name} weights run on NVIDIA GPUs of compute capability "
                         f"{method.min_cuda_arch / 10:.1f} and newer, and {gpu.name} is {arch or 'not one'}",
                         "use none, or fp8 weights (--dtype fp8) where the GPU has FP8")
+    if method.gemm_dtype is not None and method.gemm_dtype not in gpu.peak_tflops:
+        raise PlanError("quantization", f"{name} runs its GEMMs in {method.gemm_dtype}, and {gpu.name}'s profile "
+                        f"states no {method.gemm_dtype} peak", "use a weight-only method (int8, int4), or none")
     return method

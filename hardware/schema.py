@@ -15,7 +15,7 @@ from hardware.errors import HardwareError
 from hardware.limits import MAX_GPUS
 from hardware.untrusted import SafeName
 
-Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8"]
+Dtype = Literal["fp32", "tf32", "bf16", "fp16", "fp8", "int8"]  # int8: tera-operations/s, served W8A8 GEMMs
 Stack = Literal["eager", "compile", "fused"]  # the kernel stack a plan is priced for (layout.axes: the stack axis)
 
 
@@ -173,10 +173,10 @@ class GPU(_Sourced):
         return peaks
 
     def peak_flops(self, dtype: str) -> float:
-        """Dense peak in FLOP/s for `dtype` (fp16 and bf16 fall back to each other; fp8 never
-        falls back: a GPU without an FP8 peak cannot run FP8 GEMMs)."""
-        if dtype == "fp8" and "fp8" not in self.peak_tflops:
-            raise ValueError(f"GPU {self.name} has no fp8 peak")
+        """Dense peak in FLOP/s for `dtype` (fp16 and bf16 fall back to each other; fp8 and int8
+        never fall back: a GPU without such a peak cannot run those GEMMs)."""
+        if dtype in ("fp8", "int8") and dtype not in self.peak_tflops:
+            raise ValueError(f"GPU {self.name} has no {dtype} peak")
         for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype), "fp32"):
             if key in self.peak_tflops:
                 return self.peak_tflops[key] * 1e12

@@ -83,8 +83,9 @@ def serve_plan_command(
     engine: str = typer.Option("generic", "--engine", help="the engine family to price: trtllm, vllm, sglang or "
                                "lmdeploy (its fitted HBM efficiency and per-iteration overhead where fitted for the "
                                "GPU), or generic (the roofline alone)"),
-    quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
-                                     "activations, on GPUs whose kernels run them), or none; fp8 weights: --dtype fp8"),
+    quantization: str = typer.Option("none", "--quantization", help="int8 or int4 weight-only (16-bit "
+                                     "activations), w8a8 (INT8 GEMMs), on GPUs whose kernels run them, or none; fp8 "
+                                     "weights: --dtype fp8"),
     expert_parallel: Optional[bool] = typer.Option(None, "--expert-parallel/--no-expert-parallel", help="a mixture "
                                                    "of experts: pin whole experts on each TP rank (vLLM's "
                                                    "--enable-expert-parallel) or a slice of every expert on each; "

@@ -69,8 +69,9 @@ def serve_load_command(
     kv_dtype: str = typer.Option("auto", "--kv-dtype", help="auto (16-bit), bf16, fp16 or fp8"),
     engine: str = typer.Option("generic", "--engine", help="trtllm, vllm, sglang, lmdeploy (fitted where the GPU "
                                "was) or generic"),
-    quantization: str = typer.Option("none", "--quantization", help="weight-only: int8 or int4 (16-bit "
-                                     "activations), or none"),
+    quantization: str = typer.Option("none", "--quantization", help="int8 or int4 weight-only (16-bit "
+                                     "activations), w8a8 (INT8 GEMMs), on GPUs whose kernels run them, or none; fp8 "
+                                     "weights: --dtype fp8"),
     expert_parallel: bool = typer.Option(False, "--expert-parallel/--no-expert-parallel", help="a mixture of "
                                          "experts: whole experts on each TP rank (vLLM's --enable-expert-parallel)"),
     requests: int = typer.Option(600, "--requests", help="requests simulated per rate (the first tenth warm up)"),

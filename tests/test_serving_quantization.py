@@ -46,7 +46,8 @@ def test_a_plan_states_its_quantization_and_round_trips(llama_70b):
 
 
 @pytest.mark.parametrize("hw, method, words", [("1xmi300x", "int4", "gfx942"), ("1xh100-sxm", "int3", "unknown"),
-                                               ("1xcpu", "int8", "not one")])
+                                               ("1xcpu", "int8", "not one"), ("1xv100-32g", "w8a8", "7.5 and newer"),
+                                               ("1xb200", "w8a8", "no int8 peak")])
 def test_a_method_the_gpu_cannot_run_is_refused_by_name(hw, method, words):
     with pytest.raises(PlanError, match=words) as caught:
         weight_quantization(method, hardware.load(hw).gpu)
@@ -65,3 +66,19 @@ def test_a_plan_file_naming_an_unknown_method_is_refused(llama_70b):
     text = plan.to_json().replace('"quantization": "int8"', '"quantization": "int3"')
     with pytest.raises(ValueError, match="unknown weight quantization 'int3'"):
         InferencePlan.model_validate_json(text)
+
+
+def test_w8a8_runs_the_blocks_gemms_at_the_int8_rate(llama_70b):
+    """W8A8 streams about int8's bytes but computes the blocks' GEMMs on the INT8 tensor cores:
+    a prompt's prefill, bound by its GEMMs, shortens; the LM head stays 16-bit."""
+    int8, w8a8 = _model(llama_70b, "int8"), _model(llama_70b, "w8a8")
+    assert w8a8.weights_per_gpu(2, 1) == pytest.approx(int8.weights_per_gpu(2, 1), rel=0.03)
+    assert w8a8.prefill_latency(2, 1) < 0.75 * int8.prefill_latency(2, 1)
+    head = next(layer for layer in llama_70b.layers if layer.kind == "head")
+    block = next(layer for layer in llama_70b.layers if layer.kind == "block")
+    assert w8a8._gemm_peak(block) == 2 * w8a8._gemm_peak(head)  # A100: 624 int8 TOPS, 312 bf16 TFLOP/s
+
+
+def test_an_int8_peak_never_falls_back_to_another_dtype():
+    with pytest.raises(ValueError, match="no int8 peak"):
+        hardware.load("1xb200").gpu.peak_flops("int8")
