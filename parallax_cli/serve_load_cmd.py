@@ -38,10 +38,19 @@ def render_load(report: LoadReport) -> Table:
             table.add_row(label, "0", *[""] * 9, "missed even at a trickle")
         elif lay.at_highest is not None:
             table.add_row(*_row(label, lay.at_highest, lay.replicas, "highest rate meeting it"))
+        if lay.at_target is not None:
+            t = lay.at_target
+            given = "" if t.fits else f", more than the {_given(report)} given"
+            table.add_row(*_row(f"tp={lay.tp} pp={lay.pp} x{t.replicas}", t.at, t.replicas,
+                                f"target: {t.gpus} GPUs{given}"))
         for sim in lay.points:
             table.add_row(*_row(label, sim, lay.replicas, f"{sim.slo_met_share:.0%}" if sim.slo_met_share is not None
                                 else ""))
     return table
+
+
+def _given(report: LoadReport) -> str:
+    return report.hardware.split("x", 1)[0] if "x" in report.hardware else "GPUs"
 
 
 def _row(label: str, sim, replicas: int, met: str) -> list[str]:
@@ -62,6 +71,8 @@ def serve_load_command(
     slo_ttft_ms: Optional[float] = typer.Option(None, "--slo-ttft-ms", help="find the highest rate with p99 TTFT "
                                                 "at most this"),
     slo_tpot_ms: Optional[float] = typer.Option(None, "--slo-tpot-ms", help="... and p99 TPOT at most this"),
+    target_rate: Optional[float] = typer.Option(None, "--target-rate", help="with SLOs: the fewest GPUs (replicas of "
+                                                "each layout) that take this many requests/s with the p99s met"),
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree of each replica"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline degree of each replica"),
     replicas: Optional[int] = typer.Option(None, "--replicas", help="pin the number of replicas"),
@@ -103,7 +114,7 @@ def serve_load_command(
     report = load_report(model, hw, lengths=mix, rates=_rates(rates), lengths_source=source, slo_ttft_ms=slo_ttft_ms,
                          slo_tpot_ms=slo_tpot_ms, dtype=dtype, kv_dtype=kv_dtype, fixed=fixed, requests=requests,
                          seed=seed, top_k=top, engine=engine, quantization=quantization,
-                         expert_parallel=expert_parallel)
+                         expert_parallel=expert_parallel, target_rate=target_rate)
     if not emit(report, out, as_json):
         console.print(render_load(report))
         best = report.layouts[0]

@@ -2,14 +2,16 @@
 percentiles against the request rate, and the highest rate each layout sustains under p99 SLOs.
 
 `serve-plan` sizes a deployment by closed formulas at a mean operating point. This module answers
-what an operator asks next: what p99 TTFT and TPOT does a given rate bring, and how many requests/s
-can this hardware take while p99 TTFT <= X and p99 TPOT <= Y. Poisson arrivals split evenly over
-the replicas (a split Poisson process is Poisson), each replica simulated on its own.
+what an operator asks next: what p99 TTFT and TPOT does a given rate bring, how many requests/s
+can this hardware take while p99 TTFT <= X and p99 TPOT <= Y, and how few GPUs take a target rate
+under them. Poisson arrivals split evenly over the replicas (a split Poisson process is Poisson),
+each replica simulated on its own.
 """
 from __future__ import annotations
 
 import csv
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +37,16 @@ class EngineLoad(BaseModel):
     kv_cache_tokens: int
 
 
+class TargetLoad(BaseModel):
+    """The fewest replicas of one layout that take a target rate with the p99 SLOs met."""
+
+    model_config = ConfigDict(extra="forbid")
+    replicas: int = Field(ge=1)
+    gpus: int = Field(ge=1)
+    fits: bool = Field(description="within the GPUs the hardware gives")
+    at: ServingSimulation = Field(description="one replica at its share of the rate")
+
+
 class LayoutLoad(BaseModel):
     """One deployment layout under load: the replicas' simulated figures at each total rate."""
 
@@ -46,6 +58,8 @@ class LayoutLoad(BaseModel):
     points: list[ServingSimulation] = Field(description="per replica, at each total rate / replicas")
     highest_rate: float | None = Field(None, description="total requests/s meeting the p99 SLOs (SLO search only)")
     at_highest: ServingSimulation | None = Field(None, description="a replica's figures at that rate")
+    at_target: TargetLoad | None = Field(None, description="the fewest replicas for the target rate (None: even one "
+                                         "request misses the SLOs)")
 
 
 class LoadReport(BaseModel):
@@ -57,6 +71,7 @@ class LoadReport(BaseModel):
     lengths: str = Field(description="fixed, or the file the lengths were drawn from")
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    target_rate: float | None = Field(None, description="total requests/s to serve with the fewest GPUs")
     engine: str = Field("generic", description="the engine family priced (hardware/engines.py)")
     quantization: str = Field("none", description="the weights' weight-only quantization")
     expert_parallel: bool = Field(False, description="whole experts on each TP rank (a mixture of experts)")
@@ -114,9 +129,14 @@ def _engine_load(replica: Replica) -> EngineLoad:
                       block_size=replica.block_size, kv_cache_tokens=replica.kv_blocks * replica.block_size)
 
 
-def _check(rates, slo_ttft_ms, slo_tpot_ms) -> None:
+def _check(rates, slo_ttft_ms, slo_tpot_ms, target_rate) -> None:
     for rate in rates:
         check_positive("rate", rate, "requests per second, e.g. 5")
+    if target_rate is not None:
+        check_positive("target_rate", target_rate, "requests per second, e.g. 20")
+        if slo_ttft_ms is None and slo_tpot_ms is None:
+            raise PlanError("target_rate", "the fewest GPUs for a rate are judged by p99 SLOs, and none is given",
+                            "add --slo-ttft-ms and/or --slo-tpot-ms")
     for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
         if value is not None:
             check_positive(name, value, "milliseconds, e.g. 500")
@@ -129,11 +149,12 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
                 kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
                 top_k: int = 3, engine: str = "generic", quantization: str = "none",
-                expert_parallel: bool = False) -> LoadReport:
+                expert_parallel: bool = False, target_rate: float | None = None) -> LoadReport:
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
-    SLOs, each layout's highest total rate meeting the p99s too. Best first: the highest SLO rate,
+    SLOs, each layout's highest total rate meeting the p99s too, and with a target rate the fewest
+    replicas that take it. Best first: the fewest GPUs for the target, else the highest SLO rate,
     else the lowest p99 TTFT at the highest rate given."""
-    _check(rates, slo_ttft_ms, slo_tpot_ms)
+    _check(rates, slo_ttft_ms, slo_tpot_ms, target_rate)
     fixed = dict(fixed or {})
     cluster, sm, chosen = _model_and_layouts(model, hw, lengths, dtype, kv_dtype, fixed, engine, quantization,
                                              expert_parallel)
@@ -143,36 +164,54 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
         replica = Replica.of(sm, tp, pp)
         points = [simulate_rate(replica, rate / replicas, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
                   for rate in rates]
-        best, at = None, None
+        best, at, target = None, None, None
         if slo_ttft_ms is not None or slo_tpot_ms is not None:
             best, at = highest_rate(replica, lengths, slo_ttft_ms, slo_tpot_ms, requests, seed)
+            if target_rate is not None and best > 0:
+                need = math.ceil(target_rate / best)
+                share = simulate_rate(replica, target_rate / need, lengths, requests, seed, slo_ttft_ms, slo_tpot_ms)
+                target = TargetLoad(replicas=need, gpus=need * tp * pp, fits=need * tp * pp <= cluster.n_gpus, at=share)
             best *= replicas
         out.append(LayoutLoad(tp=tp, pp=pp, replicas=replicas, engine=_engine_load(replica), points=points,
-                              highest_rate=best, at_highest=at))
-    out.sort(key=lambda lay: (-(lay.highest_rate or 0.0), lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
+                              highest_rate=best, at_highest=at, at_target=target))
+    out.sort(key=lambda lay: (lay.at_target.gpus if lay.at_target else math.inf, -(lay.highest_rate or 0.0),
+                              lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
+                      target_rate=target_rate,
                       quantization=quantization, expert_parallel=expert_parallel,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
 
 
 def plan_at_highest_rate(report: LoadReport, model: Any, hw, *, dtype: str = "bf16", kv_dtype: str = "auto",
                          engine: str = "generic"):
-    """The best layout of an SLO search as a serving plan (`planner.inference.InferencePlan`) at the
-    highest rate it sustained: its degrees and replicas pinned, priced at the simulated mean batch
-    and in the report's weight quantization, and stating the rate. That is what `parallax export` turns into an engine's command line.
-    None when no layout met the SLOs."""
+    """The best layout of an SLO search as a serving plan (`planner.inference.InferencePlan`) at its
+    operating point: the target rate on its fewest replicas where the report has a target, else
+    the highest rate it sustained; its degrees and replicas pinned, priced at the simulated mean
+    batch and in the report's quantization, and stating the rate. That is what `parallax export`
+    turns into an engine's command line. None when no layout met the SLOs on the GPUs given."""
     best = report.layouts[0] if report.layouts else None
-    if best is None or not best.highest_rate or best.at_highest is None:
+    point = _operating_point(best, report) if best is not None else None
+    if point is None:
         return None
-    batch = max(1, round(best.at_highest.mean_batch)) * best.replicas  # the simulated operating point
+    replicas, rate, simulated = point
+    batch = max(1, round(simulated.mean_batch)) * replicas  # the simulated operating point
     plan = plan_inference(model, hw, prompt_len=round(report.prompt_len), output_len=round(report.output_len),
                           batch=batch, dtype=dtype, kv_dtype=kv_dtype, engine=engine, top_k=1,
                           quantization=report.quantization, expert_parallel=report.expert_parallel,
-                          fixed={"tp": best.tp, "pp": best.pp, "replicas": best.replicas})
-    simulated = best.at_highest
-    note = (f"operating point from serve-load's simulation: {best.highest_rate:.2f} requests/s, p99 TTFT "
+                          fixed={"tp": best.tp, "pp": best.pp, "replicas": replicas})
+    note = (f"operating point from serve-load's simulation: {rate:.2f} requests/s, p99 TTFT "
             f"{simulated.ttft_ms.p99:,.0f} ms, p99 TPOT {simulated.tpot_ms.p99:.1f} ms (mean batch {simulated.mean_batch:.1f})")
-    return plan.model_copy(update={"batch": None, "request_rate": best.highest_rate, "slo_ttft_ms": report.slo_ttft_ms,
-                                   "slo_tpot_ms": report.slo_tpot_ms, "tokens_per_s": best.highest_rate * report.output_len,
-                                   "capacity_requests_per_s": best.highest_rate, "notes": [*plan.notes, note]})
+    return plan.model_copy(update={"batch": None, "request_rate": rate, "slo_ttft_ms": report.slo_ttft_ms,
+                                   "slo_tpot_ms": report.slo_tpot_ms, "tokens_per_s": rate * report.output_len,
+                                   "capacity_requests_per_s": rate, "notes": [*plan.notes, note]})
+
+
+def _operating_point(best: LayoutLoad, report: LoadReport) -> tuple[int, float, ServingSimulation] | None:
+    """(replicas, total rate, one replica's figures) the plan is priced at."""
+    if report.target_rate is not None:
+        target = best.at_target
+        return None if target is None or not target.fits else (target.replicas, report.target_rate, target.at)
+    if not best.highest_rate or best.at_highest is None:
+        return None
+    return best.replicas, best.highest_rate, best.at_highest

@@ -75,6 +75,27 @@ def test_a_deployment_under_load_is_priced_from_the_serving_model():
     assert settings_of(plan).max_sequences == plan.estimate.max_concurrent_sequences  # bursts admitted, as simulated
 
 
+def test_a_target_rate_takes_the_fewest_replicas_that_meet_the_slos():
+    """Each layout's replicas for the target are the fewest whose highest SLO rate covers it;
+    one replica fewer would not. Layouts rank by the GPUs they need, and the plan written is the
+    target on the first one's replicas."""
+    slo = {"slo_ttft_ms": 500.0, "slo_tpot_ms": 50.0}
+    report = load_report("llama-3-8b", "4xh100-sxm", lengths=[(1024, 128)], rates=[], requests=200,
+                         target_rate=40.0, top_k=8, **slo)
+    gpus = [lay.at_target.gpus for lay in report.layouts if lay.at_target]
+    assert gpus == sorted(gpus) and report.layouts[0].at_target is not None
+    for lay in report.layouts:
+        target, per_replica = lay.at_target, lay.highest_rate / lay.replicas
+        assert target.replicas * per_replica >= 40.0 > (target.replicas - 1) * per_replica
+        assert target.gpus == target.replicas * lay.tp * lay.pp and target.fits == (target.gpus <= 4)
+        assert target.at.ttft_ms.p99 <= 500.0 and target.at.tpot_ms.p99 <= 50.0
+    best = report.layouts[0]
+    plan = plan_at_highest_rate(report, "llama-3-8b", "4xh100-sxm")
+    assert (plan.tp, plan.pp, plan.replicas, plan.request_rate) == (best.tp, best.pp, best.at_target.replicas, 40.0)
+    with pytest.raises(ParallaxError, match="target_rate"):
+        load_report("llama-3-8b", "4xh100-sxm", lengths=[(1024, 128)], rates=[1.0], target_rate=40.0)
+
+
 def test_request_lengths_are_read_from_a_csv(tmp_path):
     good = tmp_path / "lengths.csv"
     good.write_text("isl,osl\n100,20\n300,40\n")
