@@ -75,6 +75,8 @@ def expert_load(layer: LayerProfile, n_experts: int, seq_len: int, tokens: float
     touched = expert_share_read(layer, n_experts, seq_len, tokens)
     if not expert_parallel or tp == 1 or not layer.expert_params:
         return ExpertLoad(weights=touched / tp, work=1.0 / tp, slices=tp)
+    if n_experts % tp:
+        raise ValueError(f"{n_experts} experts do not split evenly over {tp} ranks")
     top_k = routed_top_k(layer, n_experts, seq_len)
     weights, work = _busiest_rank(n_experts, round(top_k, 6), max(1, round(tokens)), tp)
     return ExpertLoad(weights=weights, work=work, slices=1)

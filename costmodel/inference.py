@@ -348,8 +348,8 @@ class ServingModel:
                 weight_bytes = self._read(layer, tp, b) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
-            dense = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
-            flops_t = b * (dense / self.s) / (self._gemm_peak(layer) * self.cluster.gpu.efficiency.matmul_max)
+            gemm_flops = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
+            flops_t = b * (gemm_flops / self.s) / (self._gemm_peak(layer) * self.cluster.gpu.efficiency.matmul_max)
             flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)
