@@ -41,7 +41,7 @@ def render_load(report: LoadReport) -> Table:
         if lay.at_target is not None:
             t = lay.at_target
             given = "" if t.fits else f", more than the {_given(report)} given"
-            table.add_row(*_row(f"tp={lay.tp} pp={lay.pp} x{t.replicas}", t.at, t.replicas,
+            table.add_row(*_row(label.replace(f"x{lay.replicas}", f"x{t.replicas}"), t.at, t.replicas,
                                 f"target: {t.gpus} GPUs{given}"))
         for sim in lay.points:
             table.add_row(*_row(label, sim, lay.replicas, f"{sim.slo_met_share:.0%}" if sim.slo_met_share is not None
