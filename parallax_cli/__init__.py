@@ -10,6 +10,7 @@ stderr and a non-zero exit code, never a traceback.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import typer
 from pydantic import ValidationError
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     2 for wrong input (usage, values, files), 1 for a failed run or an internal error,
     130 for Ctrl-C and 143 for SIGTERM (the shell's codes for those signals)."""
     previous = _on_sigterm(_raise_interrupted)
+    shown, warnings.showwarning = warnings.showwarning, _note
     try:
         _register_commands()  # inside: Ctrl-C while torch imports is an interrupt like any other
         code = app(args=argv, standalone_mode=False, prog_name="parallax")
@@ -87,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     finally:
         _on_sigterm(previous)
+        warnings.showwarning = shown
     return 0
+
+
+def _note(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ARG001 - showwarning's signature
+    """A warning (the tracer's, a library's) as one `note:` line, not Python's file:line form."""
+    _say(f"note: {' '.join(str(message).split())[:300]}")
 
 
 def _say(line: str) -> None:

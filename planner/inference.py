@@ -29,7 +29,7 @@ from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
 from hardware.engines import ServingEngine, quantization_names, resolve_engine, weight_quantization
-from hardware.errors import InfeasibleError, PlanError
+from hardware.errors import InfeasibleError, ModelError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
 from hardware.untrusted import SafeName
@@ -368,11 +368,21 @@ def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_l
         raise PlanError("quantization", f"{quantization} weights with dtype fp8: FP8 is itself the weights' format",
                         "use dtype bf16 or fp16 with it, or quantization none")
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
+    _check_generates(workload)
     served_by, note = resolve_engine(engine, cluster.gpu.name)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                       engine=served_by, quantization=method)
     return sm, note
+
+
+def _check_generates(workload: Workload) -> None:
+    """Serving decodes token by token, each attending to the ones before it: a model whose blocks
+    attend both ways (an encoder) generates nothing to decode."""
+    if any(seg.layer.kind == "block" and seg.layer.attention is not None and seg.layer.attention.mask == "none"
+           for seg in workload.segments):
+        raise ModelError("model", f"{workload.name}'s blocks attend both ways (an encoder, as BERT's): it generates no "
+                         "tokens, so there is no decode to serve", "serve a decoder, such as llama-3-8b")
 
 
 def _distinct(ranked: list[_Point], k: int) -> list[_Point]:

@@ -101,3 +101,31 @@ def test_a_broken_plan_file_names_itself(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: plan:") and str(bad) in err and "\n" not in err
+
+
+def test_a_warning_is_one_note_line_not_pythons_file_and_line(monkeypatch, capsys):
+    """The tracer warns through `warnings` (blocks that differ, an op without a FLOP formula): the
+    CLI shows each as a `note:` line, without the file:line form Python gives them."""
+    import warnings
+
+    import planner.trace.models.catalog as catalog
+
+    listed = catalog.list_models
+
+    def warning_list():
+        warnings.warn("blocks of encoder.block differ structurally", stacklevel=2)
+        return listed()
+
+    monkeypatch.setattr("parallax_cli.models_cmd.list_models", warning_list)
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        assert main(["models"]) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["note: blocks of encoder.block differ structurally"]
+    assert warnings.showwarning.__name__ != "_note"  # put back after the command
+
+
+def test_an_encoder_is_refused_for_serving_by_name(capsys):
+    code = main(["serve-plan", "bert-large", "--hw", "1xa100-80g", "--prompt-len", "128", "--output-len", "16"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "attend both ways" in err[0]
