@@ -73,6 +73,11 @@ def breakdown_table(plan: Plan) -> Table:
     return table
 
 
+def _tflops(value: float) -> str:
+    """Whole TFLOP/s on a GPU; three figures below 100 (a CPU rank's 0.0762, not 0)."""
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def headline(plan: Plan) -> str:
     est = plan.estimate
     guess = plan.cluster().guess_warning()
@@ -81,8 +86,8 @@ def headline(plan: Plan) -> str:
               f"layout: {_layout_line(plan)}"]
     if est:
         lines.append(
-            f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {est.tflops_per_gpu_model:.0f} TFLOP/s per GPU "
-            f"(model), {est.tflops_per_gpu_hw:.0f} with recompute | MFU {est.mfu:.1%} | peak memory "
+            f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {_tflops(est.tflops_per_gpu_model)} TFLOP/s "
+            f"per GPU (model), {_tflops(est.tflops_per_gpu_hw)} with recompute | MFU {est.mfu:.1%} | peak memory "
             f"{est.peak_memory_bytes / GIB:.1f} of {est.memory_capacity_bytes / GIB:.1f} GiB"
         )
         if est.usd_per_million_tokens is not None:
