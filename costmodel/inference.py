@@ -36,7 +36,8 @@ Everything comes from the same `Workload` the training cost model prices
   decode streams at, adds its fitted overhead to each iteration and caps the running
   sequences at its default.
 
-* The KV cache is held in pages of KV_BLOCK_TOKENS tokens: a sequence's last page is held whole.
+* The KV cache is held in pages of the engine's block size (KV_BLOCK_TOKENS where a family
+  states none): a sequence's last page is held whole.
 
 * A mixture-of-experts layer reads only the experts its tokens are routed to: a decode step of
   b sequences the share 1 - (1 - k/E)^b of its expert weights (`costmodel.experts`, even
@@ -76,7 +77,8 @@ __all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_p
 
 
 # The engines page the KV cache in blocks of tokens: vLLM's --block-size defaults to 16 on CUDA (its
-# engine arguments, choices 8, 16 and 32); other engines' pages differ and are priced at vLLM's
+# engine arguments, choices 8, 16 and 32). A family states its own where sourced (hardware/engines.py's
+# kv_block_tokens: TensorRT-LLM 32, LMDeploy 64); the roofline and the others are priced at vLLM's.
 KV_BLOCK_TOKENS = 16
 
 
@@ -215,6 +217,7 @@ class ServingModel:
         self.expert_parallel = expert_parallel  # each TP rank holds whole experts (`costmodel.experts`)
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
         fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
+        self.kv_block_tokens = engine.kv_block_tokens or KV_BLOCK_TOKENS
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
@@ -281,8 +284,8 @@ class ServingModel:
     def max_sequences(self, tp: int, pp: int) -> int:
         """Sequences the KV cache holds, each in whole pages (a partly filled last page is held whole),
         at most the engine's cap."""
-        pages = -(-(self.prompt_len + self.output_len) // KV_BLOCK_TOKENS)
-        room = int(self.kv_token_capacity(tp, pp) // (pages * KV_BLOCK_TOKENS))
+        pages = -(-(self.prompt_len + self.output_len) // self.kv_block_tokens)
+        room = int(self.kv_token_capacity(tp, pp) // (pages * self.kv_block_tokens))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
     def _gemm_peak(self, layer: LayerProfile) -> float:

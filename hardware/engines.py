@@ -44,6 +44,8 @@ class Engine(_Sourced):
     name: str
     max_sequences: int | None = Field(None, ge=1, description="sequences the engine runs at once unless told "
                                       "otherwise (None: as many as the KV cache holds)")
+    kv_block_tokens: int | None = Field(None, ge=1, description="tokens a KV cache page holds by default (None: "
+                                        "not sourced, priced at vLLM's)")
     fits: list[EngineFit]
 
     def fit_on(self, gpu: str) -> EngineFit | None:
@@ -100,6 +102,7 @@ class ServingEngine:
     name: str = "generic"
     fit: EngineFit | None = None
     max_sequences: int | None = None
+    kv_block_tokens: int | None = None  # its default KV page (None: vLLM's, `costmodel.inference.KV_BLOCK_TOKENS`)
 
 
 def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngine, str]:
@@ -108,7 +111,8 @@ def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngi
         return engine, ""
     family = _family(engine)
     fit = family.fit_on(gpu) if family is not None else None
-    resolved = ServingEngine(engine, fit, family.max_sequences if family is not None else None)
+    resolved = ServingEngine(engine, fit, family.max_sequences if family is not None else None,
+                             family.kv_block_tokens if family is not None else None)
     if fit is None and engine != "generic":
         return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "
                           "the generic roofline")

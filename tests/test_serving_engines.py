@@ -69,3 +69,17 @@ def test_each_sequence_holds_its_kv_cache_in_whole_pages(llama_8b):
     odd = ServingModel(llama_8b, cluster, prompt_len=9, output_len=8)
     paged = ServingModel(llama_8b, cluster, prompt_len=16, output_len=16)
     assert KV_BLOCK_TOKENS == 16 and odd.max_sequences(1, 1) == paged.max_sequences(1, 1)
+
+
+def test_an_engine_pages_its_kv_cache_in_its_own_blocks(llama_8b):
+    """40 tokens hold three of vLLM's 16-token pages (the roofline's too) and two of TensorRT-LLM's 32."""
+    from costmodel.simulate.serving import Replica
+
+    cluster = hardware.load("1xh100-sxm")
+    trtllm, _ = resolve_engine("trtllm", "h100-sxm")
+    generic = ServingModel(llama_8b, cluster, prompt_len=20, output_len=20)
+    paged = ServingModel(llama_8b, cluster, prompt_len=20, output_len=20, engine=trtllm)
+    tokens = generic.kv_token_capacity(1, 1)
+    assert trtllm.kv_block_tokens == 32 and tokens == paged.kv_token_capacity(1, 1)
+    assert generic.max_sequences(1, 1) == int(tokens // 48) and paged.max_sequences(1, 1) == int(tokens // 64)
+    assert Replica.of(paged, 1, 1).block_size == 32

@@ -69,9 +69,9 @@ class Replica:
     max_batched_tokens: int = 8192
 
     @classmethod
-    def of(cls, sm: ServingModel, tp: int, pp: int, max_batched_tokens: int | None = None,
-           block_size: int = KV_BLOCK_TOKENS) -> "Replica":
-        tokens = sm.kv_token_capacity(tp, pp)
+    def of(cls, sm: ServingModel, tp: int, pp: int, max_batched_tokens: int | None = None) -> "Replica":
+        """`sm`'s replica at (tp, pp), its KV pages the engine's (`ServingModel.kv_block_tokens`)."""
+        tokens, block_size = sm.kv_token_capacity(tp, pp), sm.kv_block_tokens
         cap = max(1, sm.max_sequences(tp, pp))
         budget = max_batched_tokens or max(sm.prompt_len, 2048)
         decode = (0.0, *(sm.decode_iteration(tp, pp, b)[0] for b in range(1, cap + 1)))
