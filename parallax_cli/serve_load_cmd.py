@@ -40,17 +40,13 @@ def render_load(report: LoadReport) -> Table:
             table.add_row(*_row(label, lay.at_highest, lay.replicas, "highest rate meeting it"))
         if lay.at_target is not None:
             t = lay.at_target
-            given = "" if t.fits else f", more than the {_given(report)} given"
+            given = "" if t.fits else f", more than the {report.gpus_available} given"
             table.add_row(*_row(label.replace(f"x{lay.replicas}", f"x{t.replicas}"), t.at, t.replicas,
                                 f"target: {t.gpus} GPUs{given}"))
         for sim in lay.points:
             table.add_row(*_row(label, sim, lay.replicas, f"{sim.slo_met_share:.0%}" if sim.slo_met_share is not None
                                 else ""))
     return table
-
-
-def _given(report: LoadReport) -> str:
-    return report.hardware.split("x", 1)[0] if "x" in report.hardware else "GPUs"
 
 
 def _row(label: str, sim, replicas: int, met: str) -> list[str]:

@@ -72,6 +72,7 @@ class LoadReport(BaseModel):
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
     target_rate: float | None = Field(None, description="total requests/s to serve with the fewest GPUs")
+    gpus_available: int = Field(ge=1, description="the GPUs the hardware gives")
     engine: str = Field("generic", description="the engine family priced (hardware/engines.py)")
     quantization: str = Field("none", description="the weights' weight-only quantization")
     expert_parallel: bool = Field(False, description="whole experts on each TP rank (a mixture of experts)")
@@ -178,7 +179,7 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
                               lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
                       output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
-                      target_rate=target_rate,
+                      target_rate=target_rate, gpus_available=cluster.n_gpus,
                       quantization=quantization, expert_parallel=expert_parallel,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])
 
