@@ -38,6 +38,12 @@ def test_percentiles_grow_with_the_rate_and_an_overload_queues():
     assert sims[-1].output_tokens_per_s < 2000.0 * 64  # what it delivers is capped below what is offered
 
 
+def test_below_capacity_the_replica_delivers_what_is_offered():
+    """Output tokens/s over the measured completions: the offered rate times the output length."""
+    sim = simulate_rate(_engine(), 40.0, LENGTHS, requests=1500)
+    assert sim.output_tokens_per_s == pytest.approx(40.0 * 64, rel=0.08)
+
+
 def test_the_mean_batch_obeys_littles_law():
     """Decoding sequences = rate x the time each spends decoding (its TPOT x its later tokens), at
     a rate that keeps the engine busy (so the busy-time mean is the mean)."""

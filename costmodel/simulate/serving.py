@@ -49,7 +49,8 @@ class ServingSimulation(BaseModel):
     ttft_ms: Percentiles
     tpot_ms: Percentiles
     e2e_ms: Percentiles
-    output_tokens_per_s: float = Field(description="output tokens/s the replica delivered over the measured requests")
+    output_tokens_per_s: float = Field(description="output tokens/s the replica generated while the load was on (from "
+                                       "the first measured arrival to the last request's first token)")
     goodput_rps: float | None = Field(None, description="requests/s that met both SLOs (None: no SLO given)")
     slo_met_share: float | None = None
     preemptions: int = 0
@@ -189,8 +190,11 @@ def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]],
     ttft = np.array([(r.first_token - r.arrival) * 1e3 for r in measured])
     tpot = np.array([(r.finished - r.first_token) * 1e3 / max(r.output - 1, 1) for r in measured])
     e2e = np.array([(r.finished - r.arrival) * 1e3 for r in measured])
-    span = max(r.finished for r in measured) - min(r.arrival for r in measured)
-    tokens = sum(r.output for r in measured)
+    # while the load is on: from the first measured request's arrival until the last request's first
+    # token (the last arrival below capacity, the queue's end above it); after it the engine drains,
+    # emptier and faster, which counts in neither throughput nor goodput
+    start, end = min(r.arrival for r in measured), max(r.first_token for r in done)
+    span = max(end - start, 1e-9)
     goodput = share = None
     if slo_ttft_ms is not None or slo_tpot_ms is not None:
         ok = np.ones(len(measured), dtype=bool)
@@ -201,8 +205,22 @@ def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]],
         share = float(ok.mean())
         goodput = float(ok.sum()) / span
     return ServingSimulation(rate=rate, requests=requests, ttft_ms=_percentiles(ttft), tpot_ms=_percentiles(tpot),
-                             e2e_ms=_percentiles(e2e), output_tokens_per_s=tokens / span, goodput_rps=goodput,
+                             e2e_ms=_percentiles(e2e), output_tokens_per_s=_tokens_between(done, start, end) / span,
+                             goodput_rps=goodput,
                              slo_met_share=share, preemptions=preemptions, mean_batch=mean_batch)
+
+
+def _tokens_between(done: list[_Request], start: float, end: float) -> float:
+    """Output tokens the requests generated between `start` and `end`: each request's first token
+    at its TTFT, the rest spread evenly up to its last."""
+    tokens = 0.0
+    for r in done:
+        if start <= r.first_token <= end:
+            tokens += 1
+        lo, hi = max(r.first_token, start), min(r.finished, end)
+        if r.output > 1 and hi > lo:
+            tokens += (r.output - 1) * (hi - lo) / (r.finished - r.first_token)
+    return tokens
 
 
 def highest_rate(replica: Replica, lengths: list[tuple[int, int]], slo_ttft_ms: float | None, slo_tpot_ms: float | None,
