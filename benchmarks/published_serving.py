@@ -6,7 +6,8 @@ One measurement per row (issue 32's columns): the model by its dimensions (n_lay
 heads, kv_heads, ffn_hidden, gated_mlp, vocab, n_experts, top_k), the deployment (gpu, n_gpus,
 tp, pp, weights_dtype, kv_dtype), the workload (isl, osl, mode, load, engine) and the
 measurement (metric, value, source). Each row is priced as the deployment stood: its tp, pp
-and n_gpus / (tp x pp) replicas pinned, at its load:
+and n_gpus / (tp x pp) replicas pinned, a mixture of experts' experts split over TP (the
+engines' default) unless an optional `expert_parallel` column says yes, at its load:
 - batch: `load` sequences per replica, a static batch;
 - concurrency: `load` requests in flight over the deployment (closed loop), priced as that many
   concurrent sequences;
@@ -85,7 +86,8 @@ def plan_of(row: dict, engine="generic", workload=None):
         plan = plan_inference(workload if workload is not None else row_workload(row), f"{n_gpus}x{row['gpu'].strip()}",
                               prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
                               dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
-                              fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine)
+                              fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine,
+                              expert_parallel=(row.get("expert_parallel") or "").strip().lower() == "yes")
     except ParallaxError as error:
         return None, " ".join(str(error).split())[:140]
     return plan, ""
