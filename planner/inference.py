@@ -126,11 +126,14 @@ def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms
         raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
 
 
-def layouts(workload: Workload, cluster: Cluster) -> list[tuple[int, int]]:
-    """(tp, pp) pairs: TP dividing the heads, PP at most the blocks, tp*pp dividing the GPU count."""
+def layouts(workload: Workload, cluster: Cluster, expert_parallel: bool = False) -> list[tuple[int, int]]:
+    """(tp, pp) pairs: TP dividing the heads, PP at most the blocks, tp*pp dividing the GPU count;
+    with `expert_parallel`, only the TP degrees the experts split over whole (`expert_parallel_fits`)."""
     n = cluster.n_gpus
     out = []
     for tp in (d for d in divisors(n) if workload.tp_divides(d)):
+        if expert_parallel and not expert_parallel_fits(workload, tp):
+            continue
         for pp in range(1, min(workload.n_blocks, n // tp) + 1):
             if (n // tp) % pp == 0:
                 out.append((tp, pp))
@@ -194,9 +197,7 @@ def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate,
             fixed: dict) -> tuple[list[_Point], list[_Point]]:
     """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
     points, floor = [], []
-    for tp, pp in layouts(workload, cluster):
-        if sm.expert_parallel and not expert_parallel_fits(workload, tp):
-            continue
+    for tp, pp in layouts(workload, cluster, sm.expert_parallel):
         cap = sm.max_sequences(tp, pp)
         pinned_out = fixed.get("tp", tp) != tp or fixed.get("pp", pp) != pp or \
             fixed.get("replicas", 1) > cluster.n_gpus // (tp * pp)
@@ -238,8 +239,7 @@ def expert_models(sm: ServingModel, expert_parallel: bool | None, cluster: Clust
         return [sm, sm.with_expert_parallel(True)] if sm.w.n_experts else [sm]
     if expert_parallel and not sm.w.n_experts:
         raise PlanError("expert_parallel", f"{sm.w.name} has no experts to place", "leave --expert-parallel off")
-    degrees = sorted({tp for tp, _ in layouts(sm.w, cluster) if expert_parallel_fits(sm.w, tp)})
-    if expert_parallel and not degrees:
+    if expert_parallel and not layouts(sm.w, cluster, expert_parallel=True):
         raise PlanError("expert_parallel", f"the {sm.w.n_experts} experts of {sm.w.name} split evenly over no TP "
                         f"degree of 2 or more that {cluster.spec()} offers", "add GPUs, or leave --expert-parallel off")
     return [sm.with_expert_parallel(expert_parallel)]

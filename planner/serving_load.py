@@ -21,7 +21,7 @@ from costmodel.simulate.serving import Replica, ServingSimulation, highest_rate,
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
-from planner.inference import expert_models, expert_parallel_fits, layouts, plan_inference, serving_model_for
+from planner.inference import expert_models, layouts, plan_inference, serving_model_for
 from planner.resolve import model_name, resolve_hardware
 
 MAX_LENGTH_ROWS = 100_000
@@ -116,9 +116,8 @@ def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed
     sm, _ = serving_model_for(model, cluster, prompt_len=prompt, output_len=output, dtype=dtype, kv_dtype=kv_dtype,
                               engine=engine, quantization=quantization)
     sm = expert_models(sm, expert_parallel, cluster)[0]
-    chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster)
-              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1
-              and (expert_parallel_fits(sm.w, tp) or not expert_parallel)]
+    chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster, expert_parallel)
+              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
         raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {sm.w.name} fits {cluster.spec()}"
                         + (f" with {fixed}" if fixed else ""), "add GPUs, or pin a layout `serve-plan` lists")
