@@ -106,7 +106,7 @@ def forward_parts(layer: LayerProfile, ctx: Context) -> tuple[float, float, floa
     """(GEMM, attention core, memory-bound) forward seconds for one micro-batch."""
     gpu = ctx.cluster.gpu
     peak = gpu.peak_flops(ctx.dtype if ctx.dtype != "fp8" else "bf16")  # FP8 runs only the blocks' GEMMs in FP8
-    dtype = ctx.block_gemms if ctx.block_gemms and layer.kind == "block" else gemm_dtype(layer, ctx.dtype)
+    dtype = gemm_dtype(layer, ctx.dtype, ctx.block_gemms)
     t = _split(layer, ctx)
     b = ctx.micro_batch
     gemm = 0.0

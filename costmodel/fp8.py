@@ -55,13 +55,22 @@ CAST_RECIPES = {
 }
 
 
+def low_precision_gemms(layer: LayerProfile) -> bool:
+    """Whether this layer's GEMMs are the ones a low-precision recipe runs low (FP8 training, a
+    served W8A8 method): the blocks', never the head's or the embedding's."""
+    return layer.kind in FP8_LAYER_KINDS and layer.matmul_flops > 0
+
+
 def runs_fp8(layer: LayerProfile, dtype: str) -> bool:
     """Whether this layer's GEMMs run in FP8 under the plan's compute dtype."""
-    return dtype == "fp8" and layer.kind in FP8_LAYER_KINDS and layer.matmul_flops > 0
+    return dtype == "fp8" and low_precision_gemms(layer)
 
 
-def gemm_dtype(layer: LayerProfile, dtype: str) -> str:
-    """The dtype this layer's GEMMs run in: FP8 in the blocks, bf16 elsewhere under FP8."""
+def gemm_dtype(layer: LayerProfile, dtype: str, block_gemms: str | None = None) -> str:
+    """The dtype this layer's GEMMs run in: FP8 in the blocks, bf16 elsewhere under FP8; a served
+    quantization's `block_gemms` (W8A8: int8) in the same layers."""
+    if block_gemms is not None and low_precision_gemms(layer):
+        return block_gemms
     if dtype != "fp8":
         return dtype
     return "fp8" if runs_fp8(layer, dtype) else "bf16"

@@ -68,6 +68,7 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
 from .experts import ExpertLoad, expert_load, weights_read
+from .fp8 import low_precision_gemms
 from .terms import DEFAULT_MEMORY_RESERVE, GIB
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
@@ -290,7 +291,8 @@ class ServingModel:
 
     def _gemm_peak(self, layer: LayerProfile) -> float:
         """FLOP/s of `layer`'s GEMMs at the peak: the blocks' in a W8A8 method's int8."""
-        return self.cluster.gpu.peak_flops(self.block_gemms) if self.block_gemms and layer.kind == "block" else self.peak
+        return self.cluster.gpu.peak_flops(self.block_gemms) if self.block_gemms and low_precision_gemms(layer) \
+            else self.peak
 
     def _load(self, layer: LayerProfile, tp: int, tokens: float) -> ExpertLoad:
         """The busiest TP rank's share of `layer`'s experts for `tokens` routed tokens."""
