@@ -39,8 +39,9 @@ def test_grouped_expert_gemms_backward_twice_their_forward():
         if node["op"].startswith("aten._grouped_mm"):
             flops[node["phase"]] += node["flops"]
     assert not graph.warnings
-    if flops["forward"]:  # transformers' grouped-GEMM experts (a per-expert loop traces plain linears)
-        assert flops["backward"] == pytest.approx(2 * flops["forward"])
+    if not flops["forward"]:  # a per-expert loop traces plain linears: nothing of this test to check
+        pytest.skip("this transformers runs Mixtral's experts as a per-expert loop, not grouped GEMMs")
+    assert flops["backward"] == pytest.approx(2 * flops["forward"])
 
 
 def test_tp_splits_the_attention_but_not_the_experts(mixtral_block):
