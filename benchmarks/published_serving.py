@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from published_runs import row_dims  # noqa: E402
+from published_runs import _yes, row_dims  # noqa: E402
 
 from hardware.errors import ParallaxError  # noqa: E402
 from hardware.engines import engine_names  # noqa: E402
@@ -87,7 +87,7 @@ def plan_of(row: dict, engine="generic", workload=None):
                               prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
                               dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
                               fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine,
-                              expert_parallel=(row.get("expert_parallel") or "").strip().lower() == "yes")
+                              expert_parallel=bool(_yes(row, "expert_parallel")))
     except ParallaxError as error:
         return None, " ".join(str(error).split())[:140]
     return plan, ""
