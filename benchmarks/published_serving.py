@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -46,9 +47,22 @@ def rows(path: Path) -> list[dict]:
 
 
 def engine_family(row: dict) -> str:
-    """The row's engine family (`trtllm-0.16.0` -> trtllm), as hardware/engines.py names them."""
+    """The row's engine family (`trtllm-0.16.0` -> trtllm), as hardware/engines.py names them; a
+    vLLM release before 0.8 (by its version, or a date before 2025-03) ran the V0 engine."""
     name = (row.get("engine") or "").strip().lower()
-    return next((family for family in engine_names() if name.startswith(family)), "generic")
+    family = max((f for f in engine_names() if name.startswith(f)), key=len, default="generic")
+    if family == "vllm" and _before_v1(name):
+        return "vllm-v0"
+    return family
+
+
+def _before_v1(engine: str) -> bool:
+    """Whether a vLLM engine string (`vllm-0.6.7.dev(...)`, `vllm-pr3240(2024-03)`) predates V1."""
+    version = re.match(r"vllm-(\d+)\.(\d+)", engine)
+    if version:
+        return (int(version[1]), int(version[2])) < (0, 8)
+    date = re.search(r"\((\d{4})-(\d{2})\)", engine)
+    return bool(date) and (int(date[1]), int(date[2])) < (2025, 3)
 
 
 def row_workload(row: dict):

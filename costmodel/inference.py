@@ -20,11 +20,15 @@ Everything comes from the same `Workload` the training cost model prices
 * Pipeline decode keeps k = min(pp, B) micro-batches in flight; one decode
   iteration (every sequence gains a token) takes
   max(k * slowest stage, sum of stages + pp hops).
-* Continuous batching: a sequence lives `output_len` iterations, so each
-  iteration also prefills B / output_len prompts on average (chunked prefill
-  spreads them evenly, so the mean is also the p50):
-  TPOT = iteration + (B / output_len) * prefill occupancy;
-  TTFT = prefill latency + half an iteration (the wait to join).
+* Continuous batching: a sequence lives `output_len` iterations, so
+  B / output_len prompts join each iteration on average; TPOT is the mean
+  iteration (`mean_iteration`) and TTFT = prefill latency + half a decode
+  iteration (the wait to join). An engine that batches prompts with the decodes
+  (TensorRT-LLM, vLLM's V1 engine) runs an iteration carrying a prompt as one
+  pass: each layer reads its weights once and takes the longer of the memory
+  traffic and the decode's and the prompt's compute together. One that prefills
+  in passes of its own (vLLM V0, SGLang by default, LMDeploy's TurboMind) pays
+  the prompt's pass beside the decode's (hardware/engines.py, `mixes_prefill`).
 
 * Engines fuse their pointwise chains: the activations' traffic is the fused
   stack's (`compute.elementwise_traffic`).
@@ -219,6 +223,7 @@ class ServingModel:
         engine = engine or ServingEngine()  # an engine family on this GPU (hardware/engines.py), or the roofline
         fit, self.sequence_cap, self.engine_name = engine.fit, engine.max_sequences, engine.name
         self.kv_block_tokens = engine.kv_block_tokens or KV_BLOCK_TOKENS
+        self.mixes_prefill = engine.mixes_prefill  # prompt chunks batched with the decodes, or passes of their own
         self.prompt_len, self.output_len = prompt_len, output_len
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
@@ -230,14 +235,15 @@ class ServingModel:
         self.step_overhead = fit.step_overhead_ms / 1e3 if fit is not None else 0.0
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
-        self._prefill_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._prefill_cache: dict[tuple[int, int], list[float]] = {}
+        self._prompt_cache: dict[tuple[int, int], tuple[float, float]] = {}
 
     def with_expert_parallel(self, on: bool) -> "ServingModel":
         """This model with each TP rank holding whole experts (on) or a slice of every expert."""
         if on == self.expert_parallel:
             return self
         twin = copy.copy(self)
-        twin.expert_parallel, twin._prefill_cache = on, {}
+        twin.expert_parallel, twin._prefill_cache, twin._prompt_cache = on, {}, {}
         return twin
 
     def stages(self, pp: int):
@@ -305,87 +311,125 @@ class ServingModel:
         t = tp if layer.tp_shardable else 1
         return weights_read(layer, _params_on_rank(layer, tp), t, self._load(layer, tp, tokens))
 
-    # prefill
-    def _prefill_layer(self, layer: LayerProfile, count: int, tp: int) -> tuple[float, float]:
-        """(compute-or-weights time, TP comm time) of one prompt through `count` copies of `layer`."""
-        load = self._load(layer, tp, self.prompt_len)
-        ctx = replace(self.ctx(tp), expert_share=load.work, expert_slices=load.slices)
-        gemm, attention, memory = forward_parts(layer, ctx)
-        scale = self.prompt_len / self.s  # trace length = prompt length in the planner; exact either way for GEMMs
-        gemm *= scale
-        attention *= scale * scale
-        memory *= scale
-        if layer.kind == "head":  # logits of the last position only
-            gemm /= self.prompt_len
-            memory /= self.prompt_len
-        weights = self._read(layer, tp, self.prompt_len) * self.weight_bytes / self.hbm if layer.kind != "embedding" else 0.0
-        comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
-        return count * max(gemm + attention + memory, weights), count * comm
+    # one engine iteration: the running sequences' next tokens and prompt chunks, the weights read once
+    def _prompt_token(self, layer: LayerProfile, tp: int) -> tuple[float, float]:
+        """(compute, TP comm) seconds one prompt token costs `layer` beside the weight read: its
+        GEMMs at the prompt's size, its share of the prompt's attention (a chunk attends over the
+        prompt before it, so a token's mean share is half the prompt's), the fused pointwise
+        traffic; the head runs a prompt's last position only."""
+        key = (id(layer), tp)
+        if key not in self._prompt_cache:
+            load = self._load(layer, tp, self.prompt_len)
+            ctx = replace(self.ctx(tp), expert_share=load.work, expert_slices=load.slices)
+            gemm, attention, memory = forward_parts(layer, ctx)
+            scale = self.prompt_len / self.s  # trace length = prompt length in the planner; exact either way for GEMMs
+            gemm, attention, memory = gemm * scale, attention * scale * scale, memory * scale
+            if layer.kind == "head":
+                gemm, memory = gemm / self.prompt_len, memory / self.prompt_len
+            comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
+            self._prompt_cache[key] = ((gemm + attention + memory) / self.prompt_len, comm / self.prompt_len)
+        return self._prompt_cache[key]
 
-    def prefill_stage_times(self, tp: int, pp: int) -> list[float]:
-        key = (tp, pp)
-        if key not in self._prefill_cache:
-            times = []
-            for runs in self.stages(pp):
-                parts = [self._prefill_layer(layer, n, tp) for layer, n in runs]
-                times.append(sum(a + b for a, b in parts))
-            self._prefill_cache[key] = times
-        return self._prefill_cache[key]
-
-    def prefill_latency(self, tp: int, pp: int) -> float:
-        return sum(self.prefill_stage_times(tp, pp)) + (pp - 1) * self.hop(tp, self.prompt_len)
-
-    def prefill_occupancy(self, tp: int, pp: int) -> float:
-        """Replica time one prefill takes from decoding: the slowest stage (stages overlap prompts)."""
-        return max(self.prefill_stage_times(tp, pp)) + (self.hop(tp, self.prompt_len) if pp > 1 else 0.0)
-
-    # decode
-    def decode_stage(self, runs, tp: int, b: float, context: float) -> dict[str, float]:
-        """One decode step of `b` sequences through one stage, by part (roofline per layer)."""
+    def iteration_stage(self, runs, tp: int, b: float, context: float, prompt_tokens: float = 0.0) -> dict[str, float]:
+        """One iteration of one stage, by part: `b` sequences decode a token at mean `context`
+        while `prompt_tokens` of prompts are prefilled beside them. The engines run both as one
+        batch (vLLM's and SGLang's chunked prefill, TensorRT-LLM's in-flight batching), so each
+        layer reads its weights once, for all the iteration's tokens, and takes the longer of its
+        memory traffic and its compute (a roofline per layer)."""
         ctx = self.ctx(tp, b)
         kv_layer = _kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
+        tokens = b + prompt_tokens
         out = {"weights": 0.0, "kv_cache": 0.0, "compute_excess": 0.0, "tp_comm": 0.0}
         for layer, n in runs:
             t = tp if layer.tp_shardable else 1
             if layer.kind == "embedding":
-                weight_bytes = b * (self.w.hidden or 0) * self.weight_bytes / t  # gathers b rows only
+                weight_bytes = tokens * (self.w.hidden or 0) * self.weight_bytes / t  # gathers its tokens' rows only
             else:
-                weight_bytes = self._read(layer, tp, b) * self.weight_bytes
+                weight_bytes = self._read(layer, tp, tokens) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
             gemm_flops = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
             flops_t = b * (gemm_flops / self.s) / (self._gemm_peak(layer) * self.cluster.gpu.efficiency.matmul_max)
             flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
+            prompt_compute, prompt_comm = (x * prompt_tokens for x in self._prompt_token(layer, tp)) if prompt_tokens \
+                else (0.0, 0.0)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)
             out["kv_cache"] += n * mem_kv
-            out["compute_excess"] += n * max(0.0, flops_t - (mem_w + mem_kv + mem_act))
-            if t > 1 and layer.tp_allreduces_fwd:
+            out["compute_excess"] += n * max(0.0, flops_t + prompt_compute - (mem_w + mem_kv + mem_act))
+            out["tp_comm"] += n * prompt_comm
+            if t > 1 and layer.tp_allreduces_fwd and b:
                 one = coll.all_reduce(layer.tp_comm_bytes / self.s * b, ctx.tp_group, self.cluster)
                 out["tp_comm"] += n * layer.tp_allreduces_fwd * one
         return out
 
-    def decode_iteration(self, tp: int, pp: int, batch: float) -> tuple[float, dict[str, float]]:
-        """(seconds for every one of `batch` sequences to gain a token, the slowest stage's parts)."""
+    def prefill_stage_times(self, tp: int, pp: int) -> list[float]:
+        """Each stage's seconds for one prompt prefilled alone."""
+        key = (tp, pp)
+        if key not in self._prefill_cache:
+            self._prefill_cache[key] = [sum(self.iteration_stage(runs, tp, 0.0, 0.0, self.prompt_len).values())
+                                        for runs in self.stages(pp)]
+        return self._prefill_cache[key]
+
+    def prefill_latency(self, tp: int, pp: int) -> float:
+        return sum(self.prefill_stage_times(tp, pp)) + (pp - 1) * self.hop(tp, self.prompt_len)
+
+    def iteration(self, tp: int, pp: int, batch: float, prompt_tokens: float = 0.0) -> tuple[float, dict[str, float]]:
+        """(seconds for every one of `batch` sequences to gain a token while `prompt_tokens` of
+        prompts are prefilled, the slowest stage's parts). An engine that batches prompt chunks
+        with the decodes runs them as one pass; one that does not runs the prompts in a pass of
+        their own (`ServingEngine.mixes_prefill`)."""
+        if prompt_tokens and batch and not self.mixes_prefill:  # the prompts' pass, then the decodes'
+            decode, parts = self._pass(tp, pp, batch, 0.0)
+            prompts, prompt_parts = self._pass(tp, pp, 0.0, prompt_tokens)
+            parts = {key: value + prompt_parts[key] for key, value in parts.items()}
+        else:
+            decode, parts = self._pass(tp, pp, batch, prompt_tokens)
+            prompts = 0.0
+        parts["engine_overhead"] = self.step_overhead
+        return decode + prompts + self.step_overhead, parts
+
+    def _pass(self, tp: int, pp: int, batch: float, prompt_tokens: float) -> tuple[float, dict[str, float]]:
+        """One forward pass of `batch` decoding sequences and `prompt_tokens` of prompts through the
+        stages. A pipeline keeps k = min(pp, sequences and prompts) micro-batches in flight, the
+        prompt tokens spread over them."""
         context = self.prompt_len + self.output_len / 2
-        k = max(1.0, min(float(pp), batch))
-        b = batch / k
-        stage_parts = [self.decode_stage(runs, tp, b, context) for runs in self.stages(pp)]
-        stage_times = [sum(p.values()) for p in stage_parts]
-        hop = self.hop(tp, b) if pp > 1 else 0.0
-        iteration = max(k * max(stage_times), sum(stage_times) + pp * hop) + self.step_overhead
+        k = max(1.0, min(float(pp), batch + prompt_tokens / self.prompt_len))
+        b, p = batch / k, prompt_tokens / k
+        stage_parts = [self.iteration_stage(runs, tp, b, context, p) for runs in self.stages(pp)]
+        stage_times = [sum(parts.values()) for parts in stage_parts]
+        hop = self.hop(tp, b + p) if pp > 1 else 0.0
+        seconds = max(k * max(stage_times), sum(stage_times) + pp * hop)
         slow = stage_parts[stage_times.index(max(stage_times))]
         parts = {key: k * v for key, v in slow.items()}
         parts["pp_comm"] = pp * hop
-        parts["engine_overhead"] = self.step_overhead
-        parts["pipeline_wait"] = max(0.0, iteration - sum(parts.values()))
-        return iteration, parts
+        parts["pipeline_wait"] = max(0.0, seconds - sum(parts.values()))
+        return seconds, parts
+
+    def decode_iteration(self, tp: int, pp: int, batch: float) -> tuple[float, dict[str, float]]:
+        """An iteration of `batch` decoding sequences and no prompt."""
+        return self.iteration(tp, pp, batch)
+
+    def mean_iteration(self, tp: int, pp: int, batch: float) -> float:
+        """The mean iteration of `batch` sequences under continuous batching (their TPOT): a
+        sequence lives `output_len` iterations, so `batch / output_len` prompts join each one. An
+        engine that batches prompts with the decodes takes a whole prompt into one iteration (the
+        exported token budget holds one, formats/serving.py), so that share of iterations carries
+        one; past one a iteration, every iteration carries the prompts' tokens. One that prefills
+        apart adds a prompt's own pass per joining prompt."""
+        joining = batch / self.output_len
+        decode = self.iteration(tp, pp, batch)[0]
+        if not self.mixes_prefill:
+            return decode + joining * self._pass(tp, pp, 0.0, self.prompt_len)[0]
+        if joining >= 1:
+            return self.iteration(tp, pp, batch, joining * self.prompt_len)[0]
+        return joining * self.iteration(tp, pp, batch, self.prompt_len)[0] + (1 - joining) * decode
 
     # the whole picture
     def estimate(self, tp: int, pp: int, batch: float) -> ServingEstimate:
         iteration, parts = self.decode_iteration(tp, pp, batch)
         prefill = self.prefill_latency(tp, pp)
-        tpot = iteration + batch / self.output_len * self.prefill_occupancy(tp, pp)
+        tpot = self.mean_iteration(tp, pp, batch)
         ttft = prefill + 0.5 * iteration
         per_replica = batch / tpot
         gpus = tp * pp

@@ -38,7 +38,8 @@ class EngineFit(_Sourced):
 
 
 class Engine(_Sourced):
-    """An engine family: its default cap on running sequences, and its fits per GPU type."""
+    """An engine family: its default cap on running sequences, its KV page, how it schedules
+    prompts beside decodes, and its fits per GPU type."""
 
     unsourced_fields = frozenset({"name", "fits"})
     name: str
@@ -46,6 +47,8 @@ class Engine(_Sourced):
                                       "otherwise (None: as many as the KV cache holds)")
     kv_block_tokens: int | None = Field(None, ge=1, description="tokens a KV cache page holds by default (None: "
                                         "not sourced, priced at vLLM's)")
+    mixes_prefill: bool = Field(description="whether the engine runs prompt chunks in one batch with the decoding "
+                                "sequences by default (one weight read an iteration), or prefills in passes of their own")
     fits: list[EngineFit]
 
     def fit_on(self, gpu: str) -> EngineFit | None:
@@ -96,13 +99,15 @@ def engine_fit(name: str, gpu: str) -> EngineFit | None:
 
 @dataclass(frozen=True)
 class ServingEngine:
-    """An engine family as one GPU type runs it: its fit there (None: the generic roofline) and
-    its cap on running sequences (None: as many as the KV cache holds)."""
+    """An engine family as one GPU type runs it: its fit there (None: the generic roofline), its
+    cap on running sequences (None: as many as the KV cache holds), its KV page and whether it
+    batches prompt chunks with the decodes."""
 
     name: str = "generic"
     fit: EngineFit | None = None
     max_sequences: int | None = None
     kv_block_tokens: int | None = None  # its default KV page (None: vLLM's, `costmodel.inference.KV_BLOCK_TOKENS`)
+    mixes_prefill: bool = True  # prompt chunks batched with the decodes (the roofline: as current vLLM and TensorRT-LLM)
 
 
 def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngine, str]:
@@ -111,8 +116,8 @@ def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngi
         return engine, ""
     family = _family(engine)
     fit = family.fit_on(gpu) if family is not None else None
-    resolved = ServingEngine(engine, fit, family.max_sequences if family is not None else None,
-                             family.kv_block_tokens if family is not None else None)
+    resolved = ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill) \
+        if family is not None else ServingEngine(engine)
     if fit is None and engine != "generic":
         return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "
                           "the generic roofline")

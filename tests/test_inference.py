@@ -193,3 +193,34 @@ def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "int4 weights are not priced" in out and "request lengths are not stated" in out
     assert "MAPE:" in out and "over 1 rows (2 not predicted)" in out.splitlines()[-1]
+
+
+def test_prompt_tokens_share_the_iteration_s_weight_read(llama2_70b):
+    """Decoding sequences and prompt chunks run as one batch: alone, each is what it was priced
+    at before; together they cost less than apart (one weight read, not two) and at least the
+    longer of the two; and the continuous-batching TPOT is that mixed iteration."""
+    sm = ServingModel(llama2_70b, hardware.load("8xh100-sxm"), prompt_len=2048, output_len=256)
+    decode = sm.iteration(8, 1, 64)[0]
+    assert decode == sm.decode_iteration(8, 1, 64)[0]
+    prompt = sm.iteration(8, 1, 0, 2048)[0]
+    assert prompt == pytest.approx(sm.prefill_latency(8, 1))
+    mixed = sm.iteration(8, 1, 64, 2048)[0]
+    weights = sm.iteration_stage(sm.stages(1)[0], 8, 0, 0)["weights"]
+    assert max(decode, prompt) <= mixed < decode + prompt
+    assert mixed == pytest.approx(decode + prompt - weights, rel=0.05)  # compute-bound: the prompt hides the read
+    joining = 64 / 256  # a quarter of the iterations carry a prompt
+    assert sm.estimate(8, 1, 64).tpot_s == pytest.approx(joining * mixed + (1 - joining) * decode)
+
+
+def test_an_engine_that_prefills_apart_pays_both_passes(llama2_70b):
+    """vLLM's V0 engine runs prompts in passes of their own: the prompt's pass adds to the decode's,
+    weights read twice, and TPOT adds a prompt's pass per joining prompt."""
+    from hardware.engines import resolve_engine
+
+    cluster = hardware.load("8xh100-sxm")
+    apart = ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256,
+                         engine=resolve_engine("vllm-v0", "h100-sxm")[0])
+    assert not apart.mixes_prefill
+    decode, prompt = apart.iteration(8, 1, 64)[0], apart.iteration(8, 1, 0, 2048)[0]
+    assert apart.iteration(8, 1, 64, 2048)[0] == pytest.approx(decode + prompt)
+    assert apart.estimate(8, 1, 64).tpot_s == pytest.approx(decode + 64 / 256 * prompt)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from costmodel.simulate.serving import Replica, highest_rate, poisson_requests, run_engine, simulate_rate
+from costmodel.simulate.serving import PROMPT_GRID, Replica, highest_rate, poisson_requests, run_engine, simulate_rate
 from hardware.errors import ParallaxError
 from parallax_cli import main
 from planner.serving_load import load_report, plan_at_highest_rate, read_lengths
@@ -14,9 +14,11 @@ LENGTHS = [(512, 64)]
 
 def _engine(kv_blocks: int = 100_000, max_sequences: int = 256) -> Replica:
     """10 ms a decode iteration plus 0.1 ms per sequence; 20 us a prompt token."""
-    decode = (0.0, *(0.010 + 1e-4 * b for b in range(1, max_sequences + 1)))
-    return Replica(decode_s=decode, prefill_s_per_token=20e-6, kv_blocks=kv_blocks, max_sequences=max_sequences,
-                  max_batched_tokens=2048)
+    step = 2048 / PROMPT_GRID
+    table = tuple(tuple((0.010 + 1e-4 * b if b else 0.0) + 20e-6 * k * step for k in range(PROMPT_GRID + 1))
+                  for b in range(max_sequences + 1))
+    return Replica(iteration_table=table, prompt_step=step, kv_blocks=kv_blocks, max_sequences=max_sequences,
+                   max_batched_tokens=2048)
 
 
 def test_a_trickle_sees_the_bare_prefill_and_decode():

@@ -59,7 +59,7 @@ def test_decode_steps_grow_with_the_batch_until_every_expert_is_read(mixtral):
     part of a step then grows with the experts touched, up to all of them."""
     model = ServingModel(mixtral, hardware.load("1xh100-sxm"), prompt_len=128, output_len=64)
     stages = model.stages(1)
-    weights = [model.decode_stage(stages[0], 1, b, 160)["weights"] for b in (1, 2, 8, 64, 512)]
+    weights = [model.iteration_stage(stages[0], 1, b, 160)["weights"] for b in (1, 2, 8, 64, 512)]
     assert weights == sorted(weights) and weights[0] < weights[-1]
     block = _block(mixtral)
     read = sum(n * (layer.params - layer.expert_params * (1 - TOP_K / EXPERTS))

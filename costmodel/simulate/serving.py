@@ -12,8 +12,9 @@ engine loop is the one vLLM, SGLang and TensorRT-LLM share:
   page the cache has no room for, the most recently admitted sequence is evicted. It returns to
   the head of the queue and prefills its prompt and what it had generated again.
 
-An iteration takes the replica's decode iteration at its batch (`ServingModel.decode_iteration`)
-plus its prompt tokens at the prefill rate (`ServingModel.prefill_occupancy` per prompt token).
+An iteration takes what the serving model prices for its decoding sequences and prompt tokens run
+as one batch (`ServingModel.iteration`: each layer's weights read once), tabulated at every batch
+and at `PROMPT_GRID` steps of the token budget, linear between them.
 A request's TTFT runs from its arrival to the end of the iteration that finishes its prompt; its
 TPOT is the mean gap between its later tokens.
 """
@@ -57,13 +58,16 @@ class ServingSimulation(BaseModel):
     mean_batch: float = Field(description="mean decoding sequences while the engine is busy")
 
 
+PROMPT_GRID = 8  # steps of the token budget an iteration's cost is tabulated at (linear between: its roofline is)
+
+
 @dataclass(frozen=True)
 class Replica:
     """One replica as its engine's scheduler runs it: the settings, and the costs of an iteration
     (from a `ServingModel` at one layout)."""
 
-    decode_s: tuple[float, ...]  # decode iteration seconds by batch (index = running sequences)
-    prefill_s_per_token: float
+    iteration_table: tuple[tuple[float, ...], ...]  # [decoding sequences][k]: seconds with k * prompt_step prompt tokens
+    prompt_step: float
     kv_blocks: int
     block_size: int = KV_BLOCK_TOKENS
     max_sequences: int = 256
@@ -75,13 +79,22 @@ class Replica:
         tokens, block_size = sm.kv_token_capacity(tp, pp), sm.kv_block_tokens
         cap = max(1, sm.max_sequences(tp, pp))
         budget = max_batched_tokens or max(sm.prompt_len, 2048)
-        decode = (0.0, *(sm.decode_iteration(tp, pp, b)[0] for b in range(1, cap + 1)))
-        return cls(decode_s=decode, prefill_s_per_token=sm.prefill_occupancy(tp, pp) / sm.prompt_len,
-                   kv_blocks=int(tokens // block_size), block_size=block_size, max_sequences=cap,
-                   max_batched_tokens=budget)
+        step = budget / PROMPT_GRID
+        table = tuple(tuple(sm.iteration(tp, pp, b, k * step)[0] if b or k else 0.0 for k in range(PROMPT_GRID + 1))
+                      for b in range(cap + 1))
+        return cls(iteration_table=table, prompt_step=step, kv_blocks=int(tokens // block_size),
+                   block_size=block_size, max_sequences=cap, max_batched_tokens=budget)
+
+    @property
+    def decode_s(self) -> tuple[float, ...]:
+        """Seconds of an iteration with no prompt tokens, by decoding sequences."""
+        return tuple(row[0] for row in self.iteration_table)
 
     def iteration_s(self, decoding: int, prompt_tokens: int) -> float:
-        return self.decode_s[min(decoding, len(self.decode_s) - 1)] + prompt_tokens * self.prefill_s_per_token
+        row = self.iteration_table[min(decoding, len(self.iteration_table) - 1)]
+        x = prompt_tokens / self.prompt_step
+        k = min(int(x), len(row) - 2)
+        return row[k] + (row[k + 1] - row[k]) * (x - k)
 
 
 @dataclass
