@@ -22,8 +22,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from hardware.catalog_io import gpu_entry
 from hardware.errors import PlanError
-from hardware.schema import _Sourced
+from hardware.schema import GPU, _Sourced
 
 ENGINES_FILE = Path(__file__).parent / "catalog" / "engines" / "serving_engines.json"
 
@@ -54,6 +55,11 @@ class Engine(_Sourced):
     def fit_on(self, gpu: str) -> EngineFit | None:
         """The family's fit on GPU type `gpu` (None: the fit did not cover it)."""
         return next((fit for fit in self.fits if fit.gpu == gpu), None)
+
+    def fit_of_arch(self, arch: str | None) -> EngineFit | None:
+        """The family's fit on a catalog GPU of architecture `arch` (an H200 runs the H100's sm90
+        kernels; None: no fit on that architecture)."""
+        return next((fit for fit in self.fits if arch and gpu_entry(fit.gpu).gpu.arch == arch), None)
 
 
 class EngineCatalog(BaseModel):
@@ -110,18 +116,24 @@ class ServingEngine:
     mixes_prefill: bool = True  # prompt chunks batched with the decodes (the roofline: as current vLLM and TensorRT-LLM)
 
 
-def resolve_engine(engine: "str | ServingEngine", gpu: str) -> tuple[ServingEngine, str]:
-    """The engine family `engine` names, on `gpu`; a note when it has no fit for that GPU."""
+def resolve_engine(engine: "str | ServingEngine", gpu: "str | GPU") -> tuple[ServingEngine, str]:
+    """The engine family `engine` names, on `gpu` (a catalog name or a profile's GPU): its fit
+    there, else its fit on a GPU of the same architecture (the engine runs the same kernels; its
+    per-iteration overhead is host work), with a note saying so; a note too when it has none."""
     if isinstance(engine, ServingEngine):
         return engine, ""
+    name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
     family = _family(engine)
-    fit = family.fit_on(gpu) if family is not None else None
-    resolved = ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill) \
-        if family is not None else ServingEngine(engine)
-    if fit is None and engine != "generic":
-        return resolved, (f"{engine} has no fit on {gpu} (hardware/catalog/engines/serving_engines.json): priced by "
-                          "the generic roofline")
-    return resolved, ""
+    if family is None:
+        return ServingEngine(engine), ""
+    fit, note = family.fit_on(name), ""
+    if fit is None:
+        fit = family.fit_of_arch(arch)
+        where = "hardware/catalog/engines/serving_engines.json"
+        note = (f"{engine} has no fit on {name} ({where}): priced with its fit on {fit.gpu}, the same {arch} "
+                "architecture" if fit is not None else
+                f"{engine} has no fit on {name} or its architecture ({where}): priced by the generic roofline")
+    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill), note
 
 
 QUANTIZATION_FILE = Path(__file__).parent / "catalog" / "engines" / "weight_quantization.json"

@@ -369,7 +369,7 @@ def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_l
                         "use dtype bf16 or fp16 with it, or quantization none")
     workload = resolve_workload(model, seq_len=prompt_len, dtype=dtype, cluster=cluster)
     _check_generates(workload)
-    served_by, note = resolve_engine(engine, cluster.gpu.name)
+    served_by, note = resolve_engine(engine, cluster.gpu)
     sm = ServingModel(workload, cluster, prompt_len=prompt_len, output_len=output_len, dtype=dtype,
                       memory_reserve=memory_reserve, kv_dtype=None if kv_dtype == "auto" else kv_dtype,
                       engine=served_by, quantization=method)
