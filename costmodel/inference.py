@@ -130,6 +130,13 @@ class ServingLayout:
         return self.tp * self.pp
 
 
+def batched_tokens(prompt_len: int, max_sequences: int) -> int:
+    """Tokens one engine step may take (vLLM's --max-num-batched-tokens, SGLang's chunked-prefill
+    size, TensorRT-LLM's max_num_tokens): a whole prompt beside every running sequence's next
+    token, as `ServingModel.mean_iteration` prices an iteration that takes a prompt."""
+    return prompt_len + max_sequences
+
+
 # --- dimensions -----------------------------------------------------------------
 
 def _dims(workload: Workload) -> tuple[int, int, int]:
@@ -414,7 +421,7 @@ class ServingModel:
         """The mean iteration of `batch` sequences under continuous batching (their TPOT): a
         sequence lives `output_len` iterations, so `batch / output_len` prompts join each one. An
         engine that batches prompts with the decodes takes a whole prompt into one iteration (the
-        exported token budget holds one, formats/serving.py), so that share of iterations carries
+        engine's token budget holds one, `batched_tokens`), so that share of iterations carries
         one; past one a iteration, every iteration carries the prompts' tokens. One that prefills
         apart adds a prompt's own pass per joining prompt."""
         joining = batch / self.output_len

@@ -15,6 +15,7 @@ import shlex
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from costmodel.inference import batched_tokens
 from hardware.errors import FormatError
 
 from . import argv
@@ -43,7 +44,8 @@ class EngineSettings(BaseModel):
     pp: int = Field(ge=1)
     replicas: int = Field(ge=1)
     max_sequences: int = Field(ge=1, description="concurrent sequences per replica: the batch the plan priced")
-    max_batched_tokens: int = Field(ge=1, description="tokens per scheduler step: one prompt, as the plan prices prefill")
+    max_batched_tokens: int = Field(ge=1, description="tokens per scheduler step: a prompt beside every running "
+                                    "sequence's next token, as the plan prices an iteration (costmodel.inference.batched_tokens)")
     memory_fraction: float = Field(gt=0, le=1, description="share of each GPU's memory the engine may hold")
     kv_dtype: str = Field("auto", description="auto: the activations' 16-bit type; bf16, fp16 or fp8")
     quantization: str | None = Field(None, description="fp8 weights, or None: vLLM and SGLang read a weight-only "
@@ -63,7 +65,7 @@ def settings_of(plan) -> EngineSettings:
     wanted = room if plan.request_rate is not None else math.ceil(plan.batch_per_replica)
     max_sequences = max(1, min(room, wanted))
     return EngineSettings(model=plan.model, tp=plan.tp, pp=plan.pp, replicas=plan.replicas,
-                          max_sequences=max_sequences, max_batched_tokens=max(plan.prompt_len, max_sequences),
+                          max_sequences=max_sequences, max_batched_tokens=batched_tokens(plan.prompt_len, max_sequences),
                           memory_fraction=round(1 - plan.memory_reserve, 4), kv_dtype=plan.kv_dtype,
                           quantization="fp8" if plan.dtype == "fp8" else None,
                           dtype="bf16" if plan.dtype == "fp8" else plan.dtype,

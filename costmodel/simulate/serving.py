@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from costmodel.inference import KV_BLOCK_TOKENS, ServingModel
+from costmodel.inference import KV_BLOCK_TOKENS, ServingModel, batched_tokens
 
 PERCENTILES = (50, 90, 99)
 WARMUP_SHARE = 0.1  # the first requests meet an empty engine: left out of the statistics
@@ -78,7 +78,7 @@ class Replica:
         """`sm`'s replica at (tp, pp), its KV pages the engine's (`ServingModel.kv_block_tokens`)."""
         tokens, block_size = sm.kv_token_capacity(tp, pp), sm.kv_block_tokens
         cap = max(1, sm.max_sequences(tp, pp))
-        budget = max_batched_tokens or max(sm.prompt_len, 2048)
+        budget = max_batched_tokens or batched_tokens(sm.prompt_len, cap)
         step = budget / PROMPT_GRID
         table = tuple(tuple(sm.iteration(tp, pp, b, k * step)[0] if b or k else 0.0 for k in range(PROMPT_GRID + 1))
                       for b in range(cap + 1))
