@@ -23,7 +23,8 @@ Everything comes from the same `Workload` the training cost model prices
 * Continuous batching: a sequence lives `output_len` iterations, so
   B / output_len prompts join each iteration on average; TPOT is the mean
   iteration (`mean_iteration`) and TTFT = prefill latency + half a decode
-  iteration (the wait to join). An engine that batches prompts with the decodes
+  iteration (the wait to join), plus, where the prompt shares its iteration
+  with the other sequences' decodes, what they add to it. An engine that batches prompts with the decodes
   (TensorRT-LLM, vLLM's V1 engine) runs an iteration carrying a prompt as one
   pass: each layer reads its weights once and takes the longer of the memory
   traffic and the decode's and the prompt's compute together. One that prefills
@@ -432,12 +433,24 @@ class ServingModel:
             return self.iteration(tp, pp, batch, joining * self.prompt_len)[0]
         return joining * self.iteration(tp, pp, batch, self.prompt_len)[0] + (1 - joining) * decode
 
+    def time_to_first_token(self, tp: int, pp: int, batch: float) -> float:
+        """A new prompt's wait to join (half a decode iteration) and its prefill. An engine that
+        batches prompts with the decodes runs it in an iteration beside the other `batch - 1`
+        sequences' next tokens, which that iteration pays too; one that prefills apart runs it
+        alone (vLLM V0 schedules prefills first)."""
+        wait = 0.5 * self.decode_iteration(tp, pp, batch)[0]
+        alone = self.prefill_latency(tp, pp)
+        if not self.mixes_prefill or batch <= 1:
+            return alone + wait
+        beside = self.iteration(tp, pp, batch - 1, self.prompt_len)[0] - self.iteration(tp, pp, 0, self.prompt_len)[0]
+        return alone + beside + wait
+
     # the whole picture
     def estimate(self, tp: int, pp: int, batch: float) -> ServingEstimate:
         iteration, parts = self.decode_iteration(tp, pp, batch)
         prefill = self.prefill_latency(tp, pp)
         tpot = self.mean_iteration(tp, pp, batch)
-        ttft = prefill + 0.5 * iteration
+        ttft = self.time_to_first_token(tp, pp, batch)
         per_replica = batch / tpot
         gpus = tp * pp
         price = self.cluster.price_per_gpu_hour

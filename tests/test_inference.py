@@ -224,3 +224,20 @@ def test_an_engine_that_prefills_apart_pays_both_passes(llama2_70b):
     decode, prompt = apart.iteration(8, 1, 64)[0], apart.iteration(8, 1, 0, 2048)[0]
     assert apart.iteration(8, 1, 64, 2048)[0] == pytest.approx(decode + prompt)
     assert apart.estimate(8, 1, 64).tpot_s == pytest.approx(decode + 64 / 256 * prompt)
+
+
+def test_a_prompt_batched_with_decodes_waits_for_them_too(llama2_70b):
+    """TTFT under continuous batching: the prefill, half a decode iteration to join, and (an
+    engine that batches prompts with the decodes) what the other sequences' tokens add to the
+    prompt's iteration; alone (batch 1) or prefilled apart, the prefill alone."""
+    from hardware.engines import resolve_engine
+
+    cluster = hardware.load("8xh100-sxm")
+    mixed = ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256)
+    apart = ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256,
+                         engine=resolve_engine("vllm-v0", "h100-sxm")[0])
+    for sm in (mixed, apart):
+        assert sm.estimate(8, 1, 1).ttft_s == pytest.approx(sm.prefill_latency(8, 1) + 0.5 * sm.decode_iteration(8, 1, 1)[0])
+    alone = apart.prefill_latency(8, 1) + 0.5 * apart.decode_iteration(8, 1, 128)[0]
+    assert apart.estimate(8, 1, 128).ttft_s == pytest.approx(alone)
+    assert mixed.estimate(8, 1, 128).ttft_s > alone
