@@ -171,29 +171,26 @@ def kv_dtype_of(value: str) -> str:
     return "fp8" if value in FP8_KV else {"bfloat16": "bf16", "float16": "fp16"}.get(value, value)
 
 
-def engine_kv_dtype(text: str, engine: str) -> str:
-    """The KV cache dtype an engine's command line asks for, in the plan's terms (auto if unset)."""
-    _, flags = FLAGS[engine]
-    if "kv_dtype" not in flags or not any(w.startswith("--") for w in argv.split(text, engine)):
-        return "auto"
-    return kv_dtype_of(argv.read(text, engine).get(flags["kv_dtype"], "auto"))
+class EnginePins(BaseModel):
+    """What an engine's command line pins of a serving plan: a flag left out is the engine's
+    default (one of each degree, an auto KV cache dtype, no expert parallelism)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    degrees: dict[str, int]
+    kv_dtype: str = "auto"
+    expert_parallel: bool = False
 
 
-def engine_expert_parallel(text: str, engine: str) -> bool:
-    """Whether an engine's command line holds whole experts on each TP rank (off if unset)."""
-    _, flags = FLAGS[engine]
-    if not any(w.startswith("--") for w in argv.split(text, engine)):
-        return False
-    found = argv.read(text, engine)
-    return flags["expert_parallel"] in found and _expert_parallel(found, flags["expert_parallel"], engine,
-                                                                   degrees(text, engine)["tp"])
-
-
-def degrees(text: str, engine: str) -> dict[str, int]:
-    """tp, pp and replicas of an engine's command line as the engine reads them: a flag left out is 1."""
+def engine_pins(text: str, engine: str) -> EnginePins:
+    """tp, pp and replicas, the KV cache dtype and expert parallelism of an engine's command line,
+    read once, as the engine reads them."""
     _, flags = FLAGS[engine]
     found = argv.read(text, engine) if any(w.startswith("--") for w in argv.split(text, engine)) else {}
-    return {key: argv.whole(found, flags[key], engine) or 1 if key in flags else 1 for key in ("tp", "pp", "replicas")}
+    degrees = {key: argv.whole(found, flags[key], engine) or 1 if key in flags else 1 for key in ("tp", "pp", "replicas")}
+    kv_dtype = kv_dtype_of(found[flags["kv_dtype"]]) if flags.get("kv_dtype") in found else "auto"
+    ep_flag = flags.get("expert_parallel")
+    expert_parallel = ep_flag in found and _expert_parallel(found, ep_flag, engine, degrees["tp"])
+    return EnginePins(degrees=degrees, kv_dtype=kv_dtype, expert_parallel=expert_parallel)
 
 
 def _positional(text: str, program: str) -> str | None:

@@ -50,7 +50,7 @@ def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str, bool
     """tp, pp and replicas of an engine's command line, its KV cache dtype and whether it holds
     whole experts on each rank, the engine told from --from-format or the flags."""
     from formats import SERVING, check_format
-    from formats.serving import degrees, engine_expert_parallel, engine_kv_dtype
+    from formats.serving import engine_pins
     from hardware.errors import FormatError
     from hardware.untrusted import read_text
 
@@ -63,7 +63,8 @@ def _engine_pins(path: Path, fmt: str | None) -> tuple[dict[str, int], str, bool
             raise FormatError("--from", f"cannot tell which engine {path.name} is for", "name it with --from-format "
                               f"({', '.join(SERVING)})")
     engine = check_format(fmt, "--from-format", SERVING)
-    return degrees(text, engine), engine_kv_dtype(text, engine), engine_expert_parallel(text, engine)
+    pins = engine_pins(text, engine)
+    return pins.degrees, pins.kv_dtype, pins.expert_parallel
 
 
 @app.command("serve-plan")

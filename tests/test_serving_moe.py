@@ -122,14 +122,14 @@ def test_the_planner_prices_both_placements_and_honours_a_pin():
 @pytest.mark.parametrize("engine, line", [("vllm", "--enable-expert-parallel"), ("sglang", "--ep-size 2"),
                                           ("trtllm", "--ep_size 2")])
 def test_each_engine_states_expert_parallelism_and_reads_it_back(engine, line):
-    from formats.serving import engine_expert_parallel, export
+    from formats.serving import engine_pins, export
     from planner.inference import plan_inference
 
     plan = plan_inference(CONFIG, "2xh100-sxm", prompt_len=128, output_len=64, batch=8, expert_parallel=True)
     text = export(plan, engine, lossy=True).text
-    assert line in text.splitlines() and engine_expert_parallel(text, engine)
+    assert line in text.splitlines() and engine_pins(text, engine).expert_parallel
     split = export(plan.model_copy(update={"expert_parallel": False}), engine, lossy=True).text
-    assert not engine_expert_parallel(split, engine)
+    assert not engine_pins(split, engine).expert_parallel
     if engine != "vllm":
         with pytest.raises(FormatError, match="as wide as TP"):
-            engine_expert_parallel(text.replace(line, line[:-1] + "3"), engine)
+            engine_pins(text.replace(line, line[:-1] + "3"), engine)
