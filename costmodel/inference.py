@@ -35,7 +35,7 @@ Everything comes from the same `Workload` the training cost model prices
   stack's (`compute.elementwise_traffic`).
 * The KV cache's dtype is a dimension (`kv_dtype`: 16-bit, or fp8 at 1 byte).
 * A closed loop of more requests than the KV cache holds queues the rest
-  (planner.inference._queued): the batch is what fits, the wait is in TTFT.
+  (planner.serving_points.queued): the batch is what fits, the wait is in TTFT.
 
 * An engine family (hardware/engines.py), where named, sets the HBM efficiency a
   decode streams at, adds its fitted overhead to each iteration and caps the running

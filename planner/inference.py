@@ -19,7 +19,6 @@ the best achievable TPOT and TTFT; when nothing fits in memory at all an
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -37,6 +36,7 @@ from hardware.untrusted import SafeName
 from layout.plan import DTYPES
 from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
+from planner.serving_points import Point, distinct, layouts, priced_points, rank_key, slo_ratio, total_tps
 
 GIB = 2**30
 SCHEMA_VERSION = 5  # 2: kv_dtype; 3: engine; 4: quantization; 5: expert_parallel
@@ -97,17 +97,6 @@ class InferencePlan(BaseModel):
         return cls.model_validate_json(text)
 
 
-@dataclass
-class _Point:
-    tp: int
-    pp: int
-    replicas: int
-    est: ServingEstimate
-    feasible: bool
-    why: str = ""
-    expert_parallel: bool = False
-
-
 def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms, objective, dtype) -> None:
     for name, value in (("prompt_len", prompt_len), ("output_len", output_len)):
         check_count(name, value, MAX_SEQ_LEN, hint="e.g. 2048")
@@ -124,113 +113,6 @@ def _check(prompt_len, output_len, batch, request_rate, slo_tpot_ms, slo_ttft_ms
         raise PlanError("objective", f"unknown objective {objective!r}", "use 'throughput' or 'cost'")
     if dtype not in DTYPES:
         raise PlanError("dtype", f"unknown dtype {dtype!r}", f"use one of {', '.join(DTYPES)}")
-
-
-def layouts(workload: Workload, cluster: Cluster, expert_parallel: bool = False) -> list[tuple[int, int]]:
-    """(tp, pp) pairs: TP dividing the heads, PP at most the blocks, tp*pp dividing the GPU count;
-    with `expert_parallel`, only the TP degrees the experts split over whole (`expert_parallel_fits`)."""
-    n = cluster.n_gpus
-    out = []
-    for tp in (d for d in divisors(n) if workload.tp_divides(d)):
-        if expert_parallel and not expert_parallel_fits(workload, tp):
-            continue
-        for pp in range(1, min(workload.n_blocks, n // tp) + 1):
-            if (n // tp) % pp == 0:
-                out.append((tp, pp))
-    return out
-
-
-def _meets(est: ServingEstimate, tpot_ms, ttft_ms) -> str:
-    why = []
-    if tpot_ms is not None and est.tpot_s * 1e3 > tpot_ms * (1 + 1e-9):
-        why.append(f"TPOT {est.tpot_s * 1e3:.1f} ms > {tpot_ms:g}")
-    if ttft_ms is not None and est.ttft_s * 1e3 > ttft_ms * (1 + 1e-9):
-        why.append(f"TTFT {est.ttft_s * 1e3:.1f} ms > {ttft_ms:g}")
-    return "; ".join(why)
-
-
-def _largest_batch(sm: ServingModel, tp: int, pp: int, cap: int, tpot_ms, ttft_ms) -> int:
-    """Largest batch <= cap meeting the SLO (TPOT and TTFT grow with the batch); 0 if even 1 fails."""
-    if _meets(sm.estimate(tp, pp, 1), tpot_ms, ttft_ms):
-        return 0
-    lo, hi = 1, cap
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if _meets(sm.estimate(tp, pp, mid), tpot_ms, ttft_ms):
-            hi = mid - 1
-        else:
-            lo = mid
-    return lo
-
-
-def _little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float | None:
-    """Mean concurrency B with B = rate * (TTFT + N * TPOT); None when the replica is overloaded."""
-    def excess(b: float) -> float:
-        e = sm.estimate(tp, pp, b)
-        return rate * (e.ttft_s + sm.output_len * e.tpot_s) - b
-    if cap < 1 or excess(cap) > 0:
-        return None
-    lo, hi = 1e-6, float(cap)
-    if excess(lo) <= 0:
-        return lo
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if excess(mid) > 0 else (lo, mid)
-    return hi
-
-
-def _queued(sm: ServingModel, tp: int, pp: int, concurrency: int, cap: int) -> ServingEstimate:
-    """A replica serving `concurrency` requests in a closed loop: an engine admits as many as
-    their KV cache fits (`cap`) and queues the rest, so the batch is the smaller of the two and
-    a queued request waits, by Little's law, (concurrency / cap - 1) request lifetimes (its
-    TTFT plus output_len TPOTs) before its own prefill."""
-    running = min(concurrency, cap)
-    est = sm.estimate(tp, pp, running)
-    if concurrency <= cap:
-        return est
-    lifetime = est.ttft_s + sm.output_len * est.tpot_s
-    wait = (concurrency / cap - 1) * lifetime
-    return est.model_copy(update={"ttft_s": est.ttft_s + wait, "queued_sequences": float(concurrency - cap)})
-
-
-def _points(sm: ServingModel, workload: Workload, cluster: Cluster, batch, rate, tpot_ms, ttft_ms,
-            fixed: dict) -> tuple[list[_Point], list[_Point]]:
-    """(every priced point, the points at batch 1 per replica for the best-achievable figures)."""
-    points, floor = [], []
-    for tp, pp in layouts(workload, cluster, sm.expert_parallel):
-        cap = sm.max_sequences(tp, pp)
-        pinned_out = fixed.get("tp", tp) != tp or fixed.get("pp", pp) != pp or \
-            fixed.get("replicas", 1) > cluster.n_gpus // (tp * pp)
-        if cap < 1 or pinned_out:
-            continue
-        floor.append(_Point(tp, pp, 1, sm.estimate(tp, pp, 1), True))
-        max_replicas = min(cluster.n_gpus // (tp * pp), fixed.get("replicas", cluster.n_gpus))
-        if batch is None and rate is None:
-            b = _largest_batch(sm, tp, pp, cap, tpot_ms, ttft_ms)
-            est = sm.estimate(tp, pp, max(b, 1))
-            points.append(_Point(tp, pp, max_replicas, est, b >= 1, "" if b else _meets(est, tpot_ms, ttft_ms)))
-            continue
-        for r in range(fixed.get("replicas", 1), max_replicas + 1):
-            if batch is not None:
-                if r > batch:
-                    break
-                est = _queued(sm, tp, pp, -(-batch // r), cap)
-                why = _meets(est, tpot_ms, ttft_ms)
-            else:
-                b = _little(sm, tp, pp, rate / r, cap)
-                if b is None:
-                    continue
-                est = sm.estimate(tp, pp, b)
-                why = _meets(est, tpot_ms, ttft_ms)
-            points.append(_Point(tp, pp, r, est, not why, why))
-    for point in points + floor:
-        point.expert_parallel = sm.expert_parallel
-    return points, floor
-
-
-def expert_parallel_fits(workload: Workload, tp: int) -> bool:
-    """Expert parallelism over a replica's TP ranks: more than one rank, each holding as many whole experts."""
-    return tp > 1 and workload.n_experts > 0 and workload.n_experts % tp == 0
 
 
 def expert_models(sm: ServingModel, expert_parallel: bool | None, cluster: Cluster) -> list[ServingModel]:
@@ -272,21 +154,6 @@ def _pins_fit_nothing(fixed: dict, workload: Workload, cluster: Cluster) -> Plan
                      f"valid layouts: {valid}")
 
 
-def _total_tps(p: _Point, rate, output_len) -> float:
-    return rate * output_len if rate is not None else p.est.tokens_per_s_replica * p.replicas
-
-
-def _key(p: _Point, objective: str, rate, output_len, price):
-    gpus = p.tp * p.pp * p.replicas
-    tps = _total_tps(p, rate, output_len)
-    if objective == "cost":
-        per_token = gpus / tps  # GPU-seconds per token; times the price when there is one
-        return (per_token * (price or 1.0), -tps, p.est.tpot_s)
-    if rate is not None:
-        return (p.est.tpot_s, gpus)
-    return (-tps, p.est.tpot_s, gpus)
-
-
 def plan_inference(
     model: Any,
     hw: str | Cluster,
@@ -320,7 +187,7 @@ def plan_inference(
     workload = sm.w
     points, floor = [], []
     for model_of in expert_models(sm, expert_parallel, cluster):
-        priced, lowest = _points(model_of, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
+        priced, lowest = priced_points(model_of, workload, cluster, batch, request_rate, slo_tpot_ms, slo_ttft_ms, fixed)
         points, floor = points + priced, floor + lowest
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
@@ -337,18 +204,18 @@ def plan_inference(
                   "ttft_ms": best_ttft.est.ttft_s * 1e3, "ttft_tp": best_ttft.tp, "ttft_pp": best_ttft.pp}
     feasible = [p for p in points if p.feasible]
     if feasible:
-        ranked = sorted(feasible, key=lambda p: _key(p, objective, request_rate, output_len, price))
+        ranked = sorted(feasible, key=lambda p: rank_key(p, objective, request_rate, output_len, price))
     else:
         if not points:
             raise InfeasibleError("request_rate", f"{request_rate:g} requests/s overload every layout on {cluster.spec()}",
                                   "lower the rate or add GPUs", report={"best_achievable": achievable})
-        ranked = sorted(points, key=lambda p: _slo_ratio(p.est, slo_tpot_ms, slo_ttft_ms))
+        ranked = sorted(points, key=lambda p: slo_ratio(p.est, slo_tpot_ms, slo_ttft_ms))
         notes.append("SLO cannot be met: " + ranked[0].why + f"; best achievable TPOT {achievable['tpot_ms']:.1f} ms "
                      f"(tp={best_tpot.tp} pp={best_tpot.pp}, batch 1), TTFT {achievable['ttft_ms']:.1f} ms "
                      f"(tp={best_ttft.tp} pp={best_ttft.pp})")
     name = model_name(model, workload)
     plans = [_to_plan(p, name, cluster, prompt_len, output_len, dtype, objective, batch, request_rate,
-                      slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in _distinct(ranked, top_k)]
+                      slo_tpot_ms, slo_ttft_ms, bool(feasible), achievable, notes) for p in distinct(ranked, top_k)]
     plans = [p.model_copy(update={"memory_reserve": memory_reserve, "kv_dtype": kv_dtype, "engine": sm.engine_name,
                                   "quantization": quantization}) for p in plans]
     return plans[0].model_copy(update={"alternatives": plans[1:]})
@@ -385,31 +252,10 @@ def _check_generates(workload: Workload) -> None:
                          "tokens, so there is no decode to serve", "serve a decoder, such as llama-3-8b")
 
 
-def _distinct(ranked: list[_Point], k: int) -> list[_Point]:
-    """The best point of each of the first k distinct (tp, pp, expert placement) layouts."""
-    seen, out = set(), []
-    for p in ranked:
-        if (p.tp, p.pp, p.expert_parallel) not in seen:
-            seen.add((p.tp, p.pp, p.expert_parallel))
-            out.append(p)
-        if len(out) == k:
-            break
-    return out
-
-
-def _slo_ratio(est: ServingEstimate, tpot_ms, ttft_ms) -> float:
-    ratios = [1.0]
-    if tpot_ms:
-        ratios.append(est.tpot_s * 1e3 / tpot_ms)
-    if ttft_ms:
-        ratios.append(est.ttft_s * 1e3 / ttft_ms)
-    return max(ratios)
-
-
-def _to_plan(p: _Point, name, cluster, prompt_len, output_len, dtype, objective, batch, rate, tpot_ms, ttft_ms,
+def _to_plan(p: Point, name, cluster, prompt_len, output_len, dtype, objective, batch, rate, tpot_ms, ttft_ms,
              feasible, achievable, notes) -> InferencePlan:
     gpus = p.tp * p.pp * p.replicas
-    tps = _total_tps(p, rate, output_len)
+    tps = total_tps(p, rate, output_len)
     price = cluster.price_per_gpu_hour
     return InferencePlan(
         model=name, hardware=cluster.spec(), dtype=dtype, prompt_len=prompt_len, output_len=output_len, tp=p.tp, pp=p.pp,
