@@ -24,12 +24,13 @@ Everything comes from the same `Workload` the training cost model prices
   B / output_len prompts join each iteration on average; TPOT is the mean
   iteration (`mean_iteration`) and TTFT = prefill latency + half a decode
   iteration (the wait to join), plus, where the prompt shares its iteration
-  with the other sequences' decodes, what they add to it. An engine that batches prompts with the decodes
-  (TensorRT-LLM, vLLM's V1 engine) runs an iteration carrying a prompt as one
-  pass: each layer reads its weights once and takes the longer of the memory
-  traffic and the decode's and the prompt's compute together. One that prefills
-  in passes of its own (vLLM V0, SGLang by default, LMDeploy's TurboMind) pays
-  the prompt's pass beside the decode's (hardware/engines.py, `mixes_prefill`).
+  with the other sequences' decodes, what they add to it. An engine that
+  batches prompts with the decodes (TensorRT-LLM, vLLM's V1 engine) runs an
+  iteration carrying a prompt as one pass: each layer reads its weights once
+  and takes the longer of the memory traffic and the decode's and the
+  prompt's compute together. One that prefills in passes of its own (vLLM V0,
+  SGLang by default, LMDeploy's TurboMind) pays the prompt's pass beside the
+  decode's (hardware/engines.py, `mixes_prefill`).
 
 * Engines fuse their pointwise chains: the activations' traffic is the fused
   stack's (`compute.elementwise_traffic`).
@@ -339,11 +340,11 @@ class ServingModel:
         return self._prompt_cache[key]
 
     def iteration_stage(self, runs, tp: int, b: float, context: float, prompt_tokens: float = 0.0) -> dict[str, float]:
-        """One iteration of one stage, by part: `b` sequences decode a token at mean `context`
-        while `prompt_tokens` of prompts are prefilled beside them. The engines run both as one
-        batch (vLLM's and SGLang's chunked prefill, TensorRT-LLM's in-flight batching), so each
-        layer reads its weights once, for all the iteration's tokens, and takes the longer of its
-        memory traffic and its compute (a roofline per layer)."""
+        """One pass of one stage, by part: `b` sequences decode a token at mean `context` while
+        `prompt_tokens` of prompts are prefilled beside them, as one batch (TensorRT-LLM's
+        in-flight batching, vLLM V1's chunked prefill): each layer reads its weights once, for all
+        the pass's tokens, and takes the longer of its memory traffic and its compute (a roofline
+        per layer)."""
         ctx = self.ctx(tp, b)
         kv_layer = _kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
         tokens = b + prompt_tokens
@@ -381,6 +382,11 @@ class ServingModel:
 
     def prefill_latency(self, tp: int, pp: int) -> float:
         return sum(self.prefill_stage_times(tp, pp)) + (pp - 1) * self.hop(tp, self.prompt_len)
+
+    def prefill_occupancy(self, tp: int, pp: int) -> float:
+        """Replica time a prompt's own pass takes from decoding: its slowest stage (a pipeline's
+        stages overlap one prompt with the next)."""
+        return max(self.prefill_stage_times(tp, pp)) + (self.hop(tp, self.prompt_len) if pp > 1 else 0.0)
 
     def iteration(self, tp: int, pp: int, batch: float, prompt_tokens: float = 0.0) -> tuple[float, dict[str, float]]:
         """(seconds for every one of `batch` sequences to gain a token while `prompt_tokens` of
@@ -423,12 +429,13 @@ class ServingModel:
         sequence lives `output_len` iterations, so `batch / output_len` prompts join each one. An
         engine that batches prompts with the decodes takes a whole prompt into one iteration (the
         engine's token budget holds one, `batched_tokens`), so that share of iterations carries
-        one; past one a iteration, every iteration carries the prompts' tokens. One that prefills
-        apart adds a prompt's own pass per joining prompt."""
+        one; past one an iteration, every iteration carries the prompts' tokens. One that prefills
+        apart adds a prompt's own pass per joining prompt, its slowest stage where a pipeline
+        overlaps prompts (`prefill_occupancy`)."""
         joining = batch / self.output_len
         decode = self.iteration(tp, pp, batch)[0]
         if not self.mixes_prefill:
-            return decode + joining * self._pass(tp, pp, 0.0, self.prompt_len)[0]
+            return decode + joining * self.prefill_occupancy(tp, pp)
         if joining >= 1:
             return self.iteration(tp, pp, batch, joining * self.prompt_len)[0]
         return joining * self.iteration(tp, pp, batch, self.prompt_len)[0] + (1 - joining) * decode
