@@ -241,7 +241,7 @@ class ServingModel:
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype, quantization)
         self.hbm = memory_bandwidth(gpu, fit.hbm_efficiency if fit is not None else None)
-        self.step_overhead = fit.step_overhead_ms / 1e3 if fit is not None else 0.0
+        self.step_overhead = engine.step_overhead_ms / 1e3
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], list[float]] = {}

@@ -14,6 +14,7 @@ kernels run them.
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -114,26 +115,39 @@ class ServingEngine:
     max_sequences: int | None = None
     kv_block_tokens: int | None = None  # its default KV page (None: vLLM's, `costmodel.inference.KV_BLOCK_TOKENS`)
     mixes_prefill: bool = True  # prompt chunks batched with the decodes (the roofline: as current vLLM and TensorRT-LLM)
+    host_overhead_ms: float = 0.0  # per iteration where `fit` is None: the family's fitted overhead, host work
+
+    @property
+    def step_overhead_ms(self) -> float:
+        """What an iteration spends beyond the roofline: the fit's, else the family's host work."""
+        return self.fit.step_overhead_ms if self.fit is not None else self.host_overhead_ms
 
 
 def resolve_engine(engine: "str | ServingEngine", gpu: "str | GPU") -> tuple[ServingEngine, str]:
     """The engine family `engine` names, on `gpu` (a catalog name or a profile's GPU): its fit
-    there, else its fit on a GPU of the same architecture (the engine runs the same kernels; its
-    per-iteration overhead is host work), with a note saying so; a note too when it has none."""
+    there, else its fit on a GPU of the same architecture (the engine runs the same kernels),
+    else the roofline with the family's per-iteration overhead (the median of its fits': host
+    work, scheduling and sampling, whatever the GPU); a note says which."""
     if isinstance(engine, ServingEngine):
         return engine, ""
     name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
     family = _family(engine)
     if family is None:
         return ServingEngine(engine), ""
-    fit, note = family.fit_on(name), ""
+    fit, note, host = family.fit_on(name), "", 0.0
     if fit is None:
         fit = family.fit_of_arch(arch)
         where = "hardware/catalog/engines/serving_engines.json"
-        note = (f"{engine} has no fit on {name} ({where}): priced with its fit on {fit.gpu}, the same {arch} "
-                "architecture" if fit is not None else
-                f"{engine} has no fit on {name} or its architecture ({where}): priced by the generic roofline")
-    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill), note
+        note = f"{engine} has no fit on {name} ({where}): priced with its fit on {fit.gpu}, the same {arch} " \
+            "architecture" if fit is not None else ""
+    if fit is None and family.fits:
+        host = statistics.median(f.step_overhead_ms for f in family.fits)
+        note = (f"{engine} has no fit on {name} or its architecture ({where}): priced by the generic roofline "
+                f"and the family's {host:g} ms per iteration of host work (fitted on "
+                f"{', '.join(f.gpu for f in family.fits)})")
+    elif fit is None:
+        note = f"{engine} has no fit ({where}): priced by the generic roofline"
+    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host), note
 
 
 QUANTIZATION_FILE = Path(__file__).parent / "catalog" / "engines" / "weight_quantization.json"

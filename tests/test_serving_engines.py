@@ -87,9 +87,13 @@ def test_an_engine_pages_its_kv_cache_in_its_own_blocks(llama_8b):
 
 def test_a_gpu_without_a_fit_takes_its_architectures_and_says_so():
     """An H200 runs the H100's sm90 kernels: TensorRT-LLM's H100 fit prices it, in a note; a B200
-    (sm100) has no fit of that architecture and is priced by the roofline."""
+    (sm100) has no fit of that architecture and is priced by the roofline plus the family's
+    per-iteration host work."""
     h100, quiet = resolve_engine("trtllm", "h100-sxm")
     h200, note = resolve_engine("trtllm", hardware.load("8xh200").gpu)
     assert quiet == "" and h200.fit == h100.fit and "h100-sxm, the same sm90 architecture" in note
     b200, note = resolve_engine("trtllm", "b200")
     assert b200.fit is None and "generic roofline" in note and b200.kv_block_tokens == 32
+    # the family's per-iteration overhead is host work, whatever the GPU: the roofline pays it too
+    assert b200.step_overhead_ms == h100.fit.step_overhead_ms and "host work" in note
+    assert resolve_engine("vllm", "h100-sxm")[0].step_overhead_ms == 0  # a family fitted nowhere
