@@ -302,3 +302,26 @@ def test_a_gpu_hosts_figures_are_measured_for_offload():
     assert set(sources) == set(fields)
     cpu, _ = host_figures("cpu", [{}], copy_bw=10e9, memory_gb=16.0, when="measured")
     assert "host_fresh_page_gbps" not in cpu and cpu["host_link_gbps"] == pytest.approx(10.0)
+
+
+def test_a_pipeline_step_keeps_no_outputs_the_plan_does_not_price():
+    """torch's schedules keep every micro-batch's output on the last stage (and concatenate them)
+    unless told not to: the executor asks only for the losses."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from executor.runtime.train import _pipeline_step
+
+    calls = []
+
+    class Schedule:
+        def step(self, *args, **kwargs):
+            calls.append(kwargs)
+            if "losses" in kwargs:
+                kwargs["losses"].extend([torch.tensor(2.0), torch.tensor(4.0)])
+
+    run, plan = SimpleNamespace(schedule=Schedule()), SimpleNamespace(pp=2)
+    loss = _pipeline_step(run, plan, torch.zeros(2, 4), torch.zeros(2, 4), pp_rank=1)
+    assert _pipeline_step(run, plan, torch.zeros(2, 4), None, pp_rank=0) is None
+    assert float(loss) == 3.0 and all(call["return_outputs"] is False for call in calls)

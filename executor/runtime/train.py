@@ -74,10 +74,13 @@ def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None, repl
 
 
 def _pipeline_step(run: Materialized, plan: Plan, x, y, pp_rank: int) -> torch.Tensor | None:
+    """One step of this rank's pipeline schedule; the last stage's mean loss. The schedule is told
+    not to return outputs: by default its last stage keeps every micro-batch's output (the
+    logits) until the step ends and concatenates them, memory the plan does not price."""
     losses: list[torch.Tensor] = []
     kwargs = {"target": y, "losses": losses} if pp_rank == plan.pp - 1 else {}
     args = (x,) if pp_rank == 0 else ()
-    run.schedule.step(*args, **kwargs)
+    run.schedule.step(*args, return_outputs=False, **kwargs)
     return torch.stack([l.detach() for l in losses]).mean() if losses else None
 
 
