@@ -191,15 +191,24 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
 
     GPipe runs all forwards first; 1F1B holds at most pp - rank; interleaved
     1F1B warms up with 2*(pp-rank-1) + (vpp-1)*pp chunk forwards (Narayanan et
-    al. 2021), each holding 1/vpp of the rank's layers; torch's zero-bubble ZB1P
-    with (pp-rank-1) + (vpp-1)*pp (one hop each, not two: its 1x-memory design).
+    al. 2021), each holding 1/vpp of the rank's layers. torch's zero-bubble ZB1P
+    warms up with (vpp-1)*pp + (pp-rank-1) chunk forwards, then runs a forward and
+    an input-gradient backward (I) each step, each chunk's weight gradients (W)
+    trailing its I by `rank` steps (`costmodel.simulate.schedule.zero_bubble`,
+    torch's own order). Its I keeps the chunk's autograd graph for W
+    (`stage_backward_input` runs with retain_graph), so a chunk's activations are
+    held from its forward to its W: the warm-up plus rank + 1 steps' forwards,
+    pp*vpp chunks once there are pp micro-batches (not the paper's 1x memory).
     """
     m = num_micro_batches
     if schedule == "gpipe":
         return float(m)
-    if schedule in ("interleaved", "zero-bubble"):
-        hops = 2 if schedule == "interleaved" else 1
-        chunks = min(m * vpp, hops * (pp - rank - 1) + (vpp - 1) * pp + 1)
+    if schedule == "zero-bubble":
+        total = m * vpp
+        warmup = min(total, (vpp - 1) * pp + (pp - rank - 1))
+        return (warmup + min(total - warmup, rank + 1)) / vpp
+    if schedule == "interleaved":
+        chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
         return chunks / vpp
     return float(min(m, pp - rank))
 

@@ -59,6 +59,44 @@ def test_in_flight_micro_batches():
     assert in_flight_micro_batches("interleaved", 0, 4, 2, 16) > 4
 
 
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8), (4, 2, 12), (8, 2, 8)])
+def test_zero_bubble_holds_each_chunk_from_its_forward_to_its_weight_gradients(pp, vpp, m):
+    """A zero-bubble rank holds a chunk's activations until its weight gradients (W) run: the
+    priced count is the most chunks forwarded and not yet through W in the schedule's order."""
+    from costmodel.simulate.schedule import zero_bubble
+
+    for rank in range(pp):
+        live = peak = 0
+        for op in zero_bubble(rank, pp, m, vpp):
+            live += {"F": 1, "W": -1}.get(op.phase, 0)
+            peak = max(peak, live)
+        assert in_flight_micro_batches("zero-bubble", rank, pp, vpp, m) == peak / vpp
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8)])
+def test_the_zero_bubble_order_is_torchs(pp, vpp, m):
+    """costmodel.simulate.schedule.zero_bubble is torch's ScheduleInterleavedZeroBubble order,
+    action for action (input-gradient backwards as "B", weight gradients as "W")."""
+    import torch
+    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
+
+    from costmodel.simulate.schedule import zero_bubble
+
+    class Stage:  # what the schedule's constructor reads of its stages
+        def __init__(self, index):
+            self.group_size, self.group_rank, self.stage_index = pp, index % pp, index
+            self.num_stages, self.is_first, self.is_last = pp * vpp, index == 0, index == pp * vpp - 1
+            self.submod = torch.nn.Linear(1, 1)
+
+    names = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for rank in range(pp):
+        schedule = ScheduleInterleavedZeroBubble([Stage(rank + c * pp) for c in range(vpp)], m,
+                                                 loss_fn=lambda out, target: out.sum())
+        theirs = [(names[a.computation_type.name], a.microbatch_index, a.stage_index)
+                  for a in schedule.pipeline_order[rank] if a is not None]
+        assert theirs == [tuple(op) for op in zero_bubble(rank, pp, m, vpp)]
+
+
 @pytest.fixture(scope="module")
 def cluster16():
     return hardware.load("16xa100-80g")

@@ -69,6 +69,9 @@ class Engine:
         self.seq = 0
         self.out = EngineOutput(dp_end=[0.0] * pp, memory_deltas=[[] for _ in range(pp)], ops=[[] for _ in range(pp)])
         self.last_backward = [self._last_backward(order) for order in spec.orders]
+        # a zero-bubble schedule's input gradients (B) keep the chunk's graph for its weight
+        # gradients (W: torch's stage_backward_input retains it): its activations free at W
+        self.split_backward = any(op.phase == "W" for order in spec.orders for op in order)
 
     @staticmethod
     def _last_backward(order: list[Op]) -> set[int]:
@@ -131,6 +134,7 @@ class Engine:
             out.dp_end[r] = max(out.dp_end[r], start + tpl.comm_tail)
         kept, transient = self.s.activation[op.stage]
         if op.phase == "W":  # weight gradients: ready once their input gradients are (`_ready`)
+            out.memory_deltas[r].append((end, -kept))
             self._buckets(r, op, start, last_backward)
         elif op.phase == "F":
             out.memory_deltas[r].append((start, kept))
@@ -140,7 +144,7 @@ class Engine:
                 self._arrive(("B", op.micro_batch, op.stage), end)
         else:
             out.memory_deltas[r].append((start, transient))
-            out.memory_deltas[r].append((end, -kept - transient))
+            out.memory_deltas[r].append((end, -transient if self.split_backward else -kept - transient))
             if op.stage > 0:
                 self._push(end, "send", (r, "B", op.micro_batch, op.stage - 1, self.s.p2p_bwd[op.stage]))
             self.avail[("W", op.micro_batch, op.stage)] = end

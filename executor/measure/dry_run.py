@@ -274,10 +274,11 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
     for action in order:
         kind, index = action.computation_type.name, action.stage_index
         stage = stages[index]
-        # a zero-bubble schedule's input-gradient backward (I) runs here as the whole backward: its
-        # weight gradients (W) then appear at I, not later, and its activations free there
+        # a zero-bubble schedule's input-gradient backward (I) keeps the chunk's autograd graph for
+        # its weight gradients (W: torch's stage_backward_input retains it), so the whole backward
+        # runs here at W, where the chunk's activations free
         step = ("F" if kind in ("FORWARD", "F") else
-                "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD", "BACKWARD_INPUT", "I") else None)
+                "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD", "BACKWARD_WEIGHT", "W") else None)
         if step is None:
             continue
         mb, turn[(index, step)] = turn[(index, step)], turn[(index, step)] + 1
