@@ -22,7 +22,9 @@ without stages) every further micro-batch repeats a state already measured.
 """
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -215,7 +217,8 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) 
         hidden = next(m for m in model.modules() if isinstance(m, torch.nn.Embedding)).embedding_dim
         # Outside the mode the fake parameters still compute fake, while the meshes FSDP2 builds
         # over TP (DeviceMesh._concatenate) stay real tensors, as they must.
-        run = materialize_rank(plan, model, mesh)
+        with _torch_quiet():
+            run = materialize_rank(plan, model, mesh)
         host = OFFLOADED if plan.offload else ()
         peaks, trace = CategoryPeaks(host), AllocationTrace(host)
         with fake, masks_as_in_a_real_run():  # HF builds no causal mask in a real run of unpadded sequences
@@ -238,12 +241,27 @@ def _create_optimizer_state(run) -> None:
     run.optimizer.zero_grad(set_to_none=True)
 
 
+# What torch says of its own fake tensors here (deep-copying a fake module for a second
+# pipeline chunk reads a FakeTensor's data pointer; the module tracker loses a chunk's parent
+# between its forward and the backward a schedule runs much later): about torch, never the
+# user's model, so not passed on as notes.
+TORCH_NOISE = ("Accessing the data pointer of FakeTensor", "The module hierarchy tracking")
+
+
+@contextlib.contextmanager
+def _torch_quiet():
+    with warnings.catch_warnings():
+        for noise in TORCH_NOISE:
+            warnings.filterwarnings("ignore", message=noise)
+        yield
+
+
 def _replay_step(run, plan: Plan, hidden: int) -> None:
     from executor.runtime.train import _plain_step, precision
 
     rows = plan.global_batch // plan.dp
     tokens = torch.zeros(rows, plan.seq_len // plan.cp, dtype=torch.long)
-    with precision(plan, run.device):
+    with precision(plan, run.device), _torch_quiet():
         if run.schedule is None:
             _plain_step(run, plan, tokens, tokens, call=lambda module, x: _MicroBatch(module)(x))
         else:
@@ -264,7 +282,7 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
     order = [a for a in run.schedule.pipeline_order[pp_rank] if a is not None]
     n = plan.num_micro_batches
     micro = tokens.chunk(n)
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    outputs: dict[tuple[int, int], tuple[torch.nn.Module, torch.Tensor]] = {}  # its parent kept for the trackers
     for stage in stages.values():
         _defer_fsdp(stage.submod, True)
     backwards_left = {i: n for i in stages}
@@ -284,9 +302,10 @@ def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None
         mb, turn[(index, step)] = turn[(index, step)], turn[(index, step)] + 1
         if step == "F":
             x = micro[mb] if stage.is_first else _hidden_stand_in(micro[mb], hidden, plan)
-            outputs[(index, mb)] = _MicroBatch(stage.submod)(x)
+            parent = _MicroBatch(stage.submod)
+            outputs[(index, mb)] = parent, parent(x)
         else:
-            out = outputs.pop((index, mb))
+            _, out = outputs.pop((index, mb))
             backwards_left[index] -= 1
             if backwards_left[index] == 0:
                 _defer_fsdp(stage.submod, False)
