@@ -221,8 +221,9 @@ def test_an_engine_that_prefills_apart_pays_both_passes(llama2_70b):
     apart = ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256,
                          engine=resolve_engine("vllm-v0", "h100-sxm")[0])
     assert not apart.mixes_prefill
-    decode, prompt = apart.iteration(8, 1, 64)[0], apart.iteration(8, 1, 0, 2048)[0]
-    assert apart.iteration(8, 1, 64, 2048)[0] == pytest.approx(decode + prompt)
+    decode, prompt = apart.iteration(8, 1, 64)[0], apart.prefill_occupancy(8, 1)  # the prompt's pass, no overhead
+    assert apart.iteration(8, 1, 0, 2048)[0] == pytest.approx(prompt + apart.step_overhead)
+    assert apart.iteration(8, 1, 64, 2048)[0] == pytest.approx(decode + prompt)  # one iteration's overhead
     assert apart.estimate(8, 1, 64).tpot_s == pytest.approx(decode + 64 / 256 * prompt)
 
 
