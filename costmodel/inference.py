@@ -424,40 +424,38 @@ class ServingModel:
         """An iteration of `batch` decoding sequences and no prompt."""
         return self.iteration(tp, pp, batch)
 
-    def mean_iteration(self, tp: int, pp: int, batch: float) -> float:
-        """The mean iteration of `batch` sequences under continuous batching (their TPOT): a
-        sequence lives `output_len` iterations, so `batch / output_len` prompts join each one. An
-        engine that batches prompts with the decodes takes a whole prompt into one iteration (the
-        engine's token budget holds one, `batched_tokens`), so that share of iterations carries
-        one; past one an iteration, every iteration carries the prompts' tokens. One that prefills
-        apart adds a prompt's own pass per joining prompt, its slowest stage where a pipeline
-        overlaps prompts (`prefill_occupancy`)."""
+    def mean_iteration(self, tp: int, pp: int, batch: float, decode: float) -> float:
+        """The mean iteration of `batch` sequences under continuous batching (their TPOT), `decode`
+        their iteration without a prompt: a sequence lives `output_len` iterations, so
+        `batch / output_len` prompts join each one. An engine that batches prompts with the decodes
+        takes a whole prompt into one iteration (the engine's token budget holds one,
+        `batched_tokens`), so that share of iterations carries one; past one an iteration, every
+        iteration carries the prompts' tokens. One that prefills apart adds a prompt's own pass per
+        joining prompt, its slowest stage where a pipeline overlaps prompts (`prefill_occupancy`)."""
         joining = batch / self.output_len
-        decode = self.iteration(tp, pp, batch)[0]
         if not self.mixes_prefill:
             return decode + joining * self.prefill_occupancy(tp, pp)
         if joining >= 1:
             return self.iteration(tp, pp, batch, joining * self.prompt_len)[0]
         return joining * self.iteration(tp, pp, batch, self.prompt_len)[0] + (1 - joining) * decode
 
-    def time_to_first_token(self, tp: int, pp: int, batch: float) -> float:
-        """A new prompt's wait to join (half a decode iteration) and its prefill. An engine that
-        batches prompts with the decodes runs it in an iteration beside the other `batch - 1`
-        sequences' next tokens, which that iteration pays too; one that prefills apart runs it
-        alone (vLLM V0 schedules prefills first)."""
-        wait = 0.5 * self.decode_iteration(tp, pp, batch)[0]
+    def time_to_first_token(self, tp: int, pp: int, batch: float, decode: float) -> float:
+        """A new prompt's wait to join (half of `decode`, the batch's iteration without a prompt)
+        and its prefill. An engine that batches prompts with the decodes runs it in an iteration
+        beside the other `batch - 1` sequences' next tokens, which that iteration pays too; one that
+        prefills apart runs it alone (vLLM V0 schedules prefills first)."""
         alone = self.prefill_latency(tp, pp)
         if not self.mixes_prefill or batch <= 1:
-            return alone + wait
+            return alone + 0.5 * decode
         beside = self.iteration(tp, pp, batch - 1, self.prompt_len)[0] - self.iteration(tp, pp, 0, self.prompt_len)[0]
-        return alone + beside + wait
+        return alone + beside + 0.5 * decode
 
     # the whole picture
     def estimate(self, tp: int, pp: int, batch: float) -> ServingEstimate:
         iteration, parts = self.decode_iteration(tp, pp, batch)
         prefill = self.prefill_latency(tp, pp)
-        tpot = self.mean_iteration(tp, pp, batch)
-        ttft = self.time_to_first_token(tp, pp, batch)
+        tpot = self.mean_iteration(tp, pp, batch, iteration)
+        ttft = self.time_to_first_token(tp, pp, batch, iteration)
         per_replica = batch / tpot
         gpus = tp * pp
         price = self.cluster.price_per_gpu_hour

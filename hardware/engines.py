@@ -130,24 +130,30 @@ def resolve_engine(engine: "str | ServingEngine", gpu: "str | GPU") -> tuple[Ser
     work, scheduling and sampling, whatever the GPU); a note says which."""
     if isinstance(engine, ServingEngine):
         return engine, ""
-    name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
     family = _family(engine)
     if family is None:
         return ServingEngine(engine), ""
-    fit, note, host = family.fit_on(name), "", 0.0
-    if fit is None:
-        fit = family.fit_of_arch(arch)
-        where = "hardware/catalog/engines/serving_engines.json"
-        note = f"{engine} has no fit on {name} ({where}): priced with its fit on {fit.gpu}, the same {arch} " \
-            "architecture" if fit is not None else ""
-    if fit is None and family.fits:
-        host = statistics.median(f.step_overhead_ms for f in family.fits)
-        note = (f"{engine} has no fit on {name} or its architecture ({where}): priced by the generic roofline "
-                f"and the family's {host:g} ms per iteration of host work (fitted on "
-                f"{', '.join(f.gpu for f in family.fits)})")
-    elif fit is None:
-        note = f"{engine} has no fit ({where}): priced by the generic roofline"
+    name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
+    fit, host, note = _priced_by(family, name, arch)
     return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host), note
+
+
+def _priced_by(family: Engine, gpu: str, arch: str | None) -> tuple[EngineFit | None, float, str]:
+    """(fit, host overhead ms where there is no fit, note) of `family` on GPU type `gpu`."""
+    own = family.fit_on(gpu)
+    if own is not None:
+        return own, 0.0, ""
+    where = "hardware/catalog/engines/serving_engines.json"
+    kin = family.fit_of_arch(arch)
+    if kin is not None:
+        return kin, 0.0, (f"{family.name} has no fit on {gpu} ({where}): priced with its fit on {kin.gpu}, the same "
+                          f"{arch} architecture")
+    if not family.fits:
+        return None, 0.0, f"{family.name} has no fit ({where}): priced by the generic roofline"
+    host = statistics.median(f.step_overhead_ms for f in family.fits)
+    return None, host, (f"{family.name} has no fit on {gpu} or its architecture ({where}): priced by the generic "
+                        f"roofline and the family's {host:g} ms per iteration of host work (fitted on "
+                        f"{', '.join(f.gpu for f in family.fits)})")
 
 
 QUANTIZATION_FILE = Path(__file__).parent / "catalog" / "engines" / "weight_quantization.json"
