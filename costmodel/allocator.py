@@ -24,7 +24,10 @@ The mechanisms and constants are torch's, not a GPU's (c10/cuda/CUDACachingAlloc
   fails (out of memory);
 - with `expandable_segments:True` each (pool, stream) has one segment that maps pages on
   demand (2 MiB small, 20 MiB large), splits any remainder of at least 512 B, and so leaves
-  no slack between segments.
+  no slack between segments. Under pressure every whole page inside a free block is unmapped
+  (`release_blocks` -> `unmap_block`), not only the segment's free tail; a request that later
+  takes such a block maps again what it needs (modelled per block: which of its pages were
+  unmapped is not tracked, only how many).
 """
 from __future__ import annotations
 
@@ -84,6 +87,7 @@ class Block:
     size: int
     pool: tuple[bool, str]  # (small pool?, stream)
     free: bool = True
+    unmapped: int = 0  # expandable: bytes of this free block whose pages went back to the driver
     prev: Block | None = None
     next: Block | None = None
 
@@ -120,6 +124,8 @@ class CachingAllocator:
         rounded = round_size(nbytes)
         pool = (is_small(rounded), stream)
         block = self._take_cached(pool, rounded) or self._grow(pool, rounded)
+        if block.unmapped:
+            self._remap(block, rounded)
         block = self._split(block, rounded)
         block.free = False
         self._live[key] = (block, nbytes)
@@ -163,7 +169,9 @@ class CachingAllocator:
         remaining = block.size - rounded
         if not splits(rounded, remaining, self.expandable_segments):
             return block
-        rest = Block(block.segment, block.offset + rounded, remaining, block.pool, prev=block, next=block.next)
+        rest = Block(block.segment, block.offset + rounded, remaining, block.pool, unmapped=block.unmapped,
+                     prev=block, next=block.next)
+        block.unmapped = 0
         if block.next is not None:
             block.next.prev = rest
         block.next, block.size = rest, rounded
@@ -175,6 +183,7 @@ class CachingAllocator:
     def _merge(self, block: Block, neighbour: Block) -> Block:
         first, second = (neighbour, block) if neighbour.next is block else (block, neighbour)
         first.size += second.size
+        first.unmapped += second.unmapped
         first.next = second.next
         if second.next is not None:
             second.next.prev = first
@@ -200,11 +209,13 @@ class CachingAllocator:
         if self._over(added):
             self._release_cached()
             added = self._pages_needed(pool, rounded)
-        self._reserve(added, rounded, release=False)
         tail = self._tails.get(pool)
+        remap = tail.unmapped if tail is not None and tail.free else 0  # a merged-in block's unmapped pages
+        self._reserve(added + remap, rounded, release=False)
         if tail is not None and tail.free:
             self._unlist(tail)
             tail.size += added
+            tail.unmapped = 0
             return tail
         offset = tail.offset + tail.size if tail is not None else 0
         block = Block(-1, offset, added, pool, prev=tail)
@@ -213,9 +224,17 @@ class CachingAllocator:
         self._tails[pool] = block
         return block
 
+    def _remap(self, block: Block, rounded: int) -> None:
+        """Map again the pages of `block` that a request of `rounded` bytes needs beyond its mapped part."""
+        page = page_size(rounded)
+        short = max(0, rounded - (block.size - block.unmapped))
+        needed = min(block.unmapped, math.ceil(short / page) * page)
+        self._reserve(needed, rounded)
+        block.unmapped -= needed
+
     def _pages_needed(self, pool, rounded: int) -> int:
         tail = self._tails.get(pool)
-        have = tail.size if tail is not None and tail.free else 0
+        have = tail.size - tail.unmapped if tail is not None and tail.free else 0
         page = page_size(rounded)
         return math.ceil((rounded - have) / page) * page
 
@@ -231,16 +250,19 @@ class CachingAllocator:
         self.stats.peak_reserved = max(self.stats.peak_reserved, self.stats.reserved)
 
     def _release_cached(self) -> None:
-        """Give every wholly free segment back to the driver (an expandable pool: its free tail)."""
+        """Give every wholly free segment back to the driver (an expandable pool: the whole pages
+        of every free block, its free tail's included)."""
         self.stats.retries += 1
         if self.expandable_segments:
+            self._unmap_free_pages()
             for pool, tail in self._tails.items():
                 page = SMALL_BUFFER if pool[0] else LARGE_BUFFER
                 if tail.free and tail.size >= page:
                     self._unlist(tail)
                     released = tail.size // page * page
                     tail.size -= released
-                    self.stats.reserved -= released
+                    self.stats.reserved -= max(0, released - tail.unmapped)  # some may be unmapped already
+                    tail.unmapped = max(0, tail.unmapped - released)
                     if tail.size:
                         self._list(tail)
             return
@@ -249,6 +271,20 @@ class CachingAllocator:
                 self._unlist(block)
                 self.stats.reserved -= block.size
                 del self._segments[segment]
+
+    def _unmap_free_pages(self) -> None:
+        """Unmap the whole pages inside each free block short of its pool's tail (which gives its
+        pages back by shrinking)."""
+        for pool, blocks in self._free.items():
+            page = SMALL_BUFFER if pool[0] else LARGE_BUFFER
+            for _, _, block in blocks:
+                if self._tails.get(pool) is block:
+                    continue
+                first, last = -(-block.offset // page), (block.offset + block.size) // page
+                inside = max(0, last - first) * page
+                released = max(0, inside - block.unmapped)
+                block.unmapped += released
+                self.stats.reserved -= released
 
 
 def replay(events, *, expandable_segments: bool = False, capacity: int | None = None) -> Stats:

@@ -45,11 +45,23 @@ def dry_run_command(
     typer.echo(f"peak memory: {worst.measured_peak / GIB:.2f} GiB measured on fake tensors, predicted "
                f"{worst.predicted_peak / GIB:.2f} GiB (error {worst.error:+.1%})")
     if worst.allocator:
-        reserved = worst.allocator["reserved_expandable"]
-        typer.echo(f"reserved: {reserved / GIB:.2f} GiB by the caching allocator's replay with expandable segments "
-                   f"({reserved / worst.allocator['allocated'] - 1:+.1%} over allocated; "
-                   f"{worst.allocator['reserved'] / GIB:.2f} without), "
-                   f"{sum(worst.runtime.values()) / GIB:.2f} GiB more for the CUDA context, workspaces and NCCL")
+        typer.echo(_reserved_line(worst))
+
+
+def _reserved_line(rank) -> str:
+    replayed = rank.allocator
+    reserved = replayed.get("reserved_on_device", replayed["reserved_expandable"])
+    where = " on this GPU" if "reserved_on_device" in replayed else ""
+    line = (f"reserved: {reserved / GIB:.2f} GiB{where} by the caching allocator's replay with expandable segments "
+            f"({reserved / replayed['allocated'] - 1:+.1%} over allocated)")
+    if where:
+        line += f"; with no memory pressure {replayed['reserved_expandable'] / GIB:.2f}"
+    line += (f" ({replayed['reserved'] / GIB:.2f} without expandable segments); "
+             f"{sum(rank.runtime.values()) / GIB:.2f} GiB more for the CUDA context, workspaces and NCCL")
+    retries = replayed.get("allocation_retries", 0.0)
+    if retries and not replayed.get("out_of_memory"):
+        line += f"; to fit, the allocator gives its cache back {retries:.0f} time(s) a step, each a device synchronisation"
+    return line
 
 
 def _table(rank) -> Table:
@@ -76,9 +88,11 @@ def _allocator_table(rank) -> Table:
     table.add_column("what", justify="left")
     table.add_column("GiB", justify="right")
     replayed = rank.allocator
-    rows = [("max_memory_allocated", replayed["allocated"]),
-            ("max_memory_reserved (expandable_segments, as run)", replayed["reserved_expandable"]),
-            ("  without expandable_segments", replayed["reserved"])]
+    rows = [("max_memory_allocated", replayed["allocated"])]
+    if "reserved_on_device" in replayed:
+        rows.append(("max_memory_reserved (expandable_segments, as run on this GPU)", replayed["reserved_on_device"]))
+    rows += [("max_memory_reserved with no memory pressure", replayed["reserved_expandable"]),
+             ("  without expandable_segments", replayed["reserved"])]
     rows += [(f"+ {name.replace('_', ' ')}", nbytes) for name, nbytes in rank.runtime.items()]
     if rank.device_total is not None:
         rows.append(("device total", rank.device_total))
@@ -90,6 +104,11 @@ def _allocator_table(rank) -> Table:
 
 
 def _does_not_fit(rank) -> str:
+    if rank.allocator.get("out_of_memory"):
+        return (f"rank {rank.rank} would not fit: out of memory in the caching allocator's replay with "
+                f"{rank.allocator['reserved_on_device'] / GIB:.1f} GiB reserved of the "
+                f"{(rank.gpu_bytes - sum(rank.runtime.values())) / GIB:.1f} GiB the runtime leaves, its cache given "
+                f"back ({rank.measured_peak / GIB:.1f} GiB of live tensors at the peak)")
     if rank.device_total is not None and rank.gpu_bytes is not None:
         return (f"rank {rank.rank} would not fit: {rank.device_total / GIB:.1f} GiB reserved and held by the runtime > "
                 f"{rank.gpu_bytes / GIB:.1f} GiB on the GPU")

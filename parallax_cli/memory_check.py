@@ -20,8 +20,12 @@ MARGIN = 0.005  # of the GPU: a pick that lands exactly on the replay's figure i
 
 def fragmentation_share(rank) -> float:
     """The replay's reservation over its tensors (with expandable segments, as `parallax run` sets
-    the allocator), as a share of the GPU: the search's reserve."""
-    return max(0.0, rank.allocator["reserved_expandable"] - rank.allocator["allocated"]) / rank.gpu_bytes
+    the allocator), as a share of the GPU: the search's reserve. On the device, where the pick
+    fits there; with no memory pressure where it does not (what a smaller pick needs)."""
+    replayed = rank.allocator
+    fits_there = "reserved_on_device" in replayed and not replayed.get("out_of_memory")
+    reserved = replayed["reserved_on_device"] if fits_there else replayed["reserved_expandable"]
+    return max(0.0, reserved - replayed["allocated"]) / rank.gpu_bytes
 
 
 def checked_plan(first: Plan, model: str, replan) -> tuple[Plan, list[str]]:
@@ -61,6 +65,6 @@ def _same(a: Plan, b: Plan) -> bool:
 def _line(pick: Plan, rank, share: float) -> str:
     verdict = "fits" if rank.fits else "does not fit"
     return (f"memory check of {pick.layout_tag}: {rank.allocator['allocated'] / GIB:.1f} GiB allocated, "
-            f"{rank.allocator['reserved_expandable'] / GIB:.1f} GiB reserved by the caching allocator's replay "
+            f"{(rank.device_total - sum(rank.runtime.values())) / GIB:.1f} GiB reserved by the caching allocator's replay "
             f"(fragmentation {share:.1%} of the GPU), {sum(rank.runtime.values()) / GIB:.2f} GiB runtime: "
             f"{rank.device_total / GIB:.1f} of {rank.gpu_bytes / GIB:.0f} GiB, {verdict}")

@@ -114,3 +114,26 @@ def test_an_expandable_pool_counts_its_pages_again_after_a_release():
     with pytest.raises(OutOfMemory):
         a.malloc("big", 50 * MiB)
     assert a.stats.reserved == 0
+
+
+def test_under_pressure_an_expandable_pool_unmaps_the_pages_of_every_free_block():
+    """torch's `release_blocks` unmaps the whole pages inside each free block of an expandable
+    segment (`unmap_block`), not only its tail: a 60 MiB hole below live blocks goes back to the
+    driver, so 100 MiB more fits a 200 MiB device; a later request that takes the hole maps again
+    only the pages it needs, and what the live tensors cannot fit still fails."""
+    a = CachingAllocator(expandable_segments=True, capacity=200 * MiB)
+    for key, nbytes in (("a", 60), ("b", 60), ("c", 20)):
+        a.malloc(key, nbytes * MiB)
+    a.free("a")
+    a.malloc("d", 100 * MiB)
+    assert (a.stats.reserved, a.stats.retries, a.stats.peak_reserved) == (180 * MiB, 1, 180 * MiB)
+    a.malloc("e", 15 * MiB)  # into the unmapped hole: one 20 MiB page mapped again
+    assert a.stats.reserved == 200 * MiB and a._live["e"][0].offset == 0
+    with pytest.raises(OutOfMemory):
+        a.malloc("f", 30 * MiB)  # 195 MiB live: no release makes 30 MiB more fit
+    without = CachingAllocator(expandable_segments=True)
+    for key, nbytes in (("a", 60), ("b", 60), ("c", 20)):
+        without.malloc(key, nbytes * MiB)
+    without.free("a")
+    without.malloc("d", 100 * MiB)
+    assert without.stats.peak_reserved == 240 * MiB  # with no device to fit, nothing is given back

@@ -83,12 +83,50 @@ def test_the_dry_run_replays_the_allocator_and_judges_the_whole_gpu(tmp_path, ca
     # every tensor rounded up to 512 B, packed into segments no smaller than 2 MiB
     assert rank.measured_peak <= replayed["allocated"] <= rank.measured_peak * 1.05 + 64 * 1024
     assert min(replayed["reserved"], replayed["reserved_expandable"]) >= max(replayed["allocated"], 2 * MIB)
-    # judged as `parallax run` sets torch's allocator: expandable segments
-    assert rank.device_total == pytest.approx(replayed["reserved_expandable"] + sum(rank.runtime.values()))
-    assert rank.fits and rank.gpu_bytes == 80 * GIB
+    # judged as `parallax run` sets torch's allocator (expandable segments), on the GPU less the runtime's memory:
+    # far from full, nothing is given back and the replay on the device reads as the one with no pressure
+    assert replayed["reserved_on_device"] == replayed["reserved_expandable"] and replayed["allocation_retries"] == 0
+    assert rank.device_total == pytest.approx(replayed["reserved_on_device"] + sum(rank.runtime.values()))
+    assert rank.fits and not replayed["out_of_memory"] and rank.gpu_bytes == 80 * GIB
     assert main(["dry-run", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "max_memory_reserved (expandable_segments, as run)" in out and "without expandable" in out and "+ nccl" in out
+    assert "max_memory_reserved (expandable_segments, as run on this GPU)" in out and "without expandable" in out
+    assert "+ nccl" in out
+
+
+class _Trace:
+    """An allocation sequence: a 60 MiB hole below live blocks, then 100 MiB more."""
+
+    def device_events(self) -> list[tuple]:
+        return [("malloc", "a", 60 * MIB, "default"), ("malloc", "b", 60 * MIB, "default"),
+                ("malloc", "c", 20 * MIB, "default"), ("free", "a"), ("malloc", "d", 100 * MIB, "default")]
+
+
+def _judged(room_mib: int):
+    from executor.measure.dry_run import RankMemory
+    from executor.measure.dry_run_trackers import CategoryPeaks, replay_allocator
+
+    peaks = CategoryPeaks()
+    replay_allocator(peaks, _Trace(), room=room_mib * MIB)
+    return RankMemory(rank=0, pp_rank=0, measured={}, measured_peak=180 * MIB, at_peak={}, predicted={},
+                      predicted_peak=180 * MIB, capacity=room_mib * MIB, allocator=peaks.allocator,
+                      runtime={"cuda_context": 20 * MIB}, gpu_bytes=(room_mib + 20) * MIB)
+
+
+def test_a_rank_fits_when_its_live_tensors_do_once_the_cache_is_given_back():
+    """240 MiB reserved with no memory pressure, on a GPU leaving the allocator 200: torch gives
+    the hole's pages back and retries, so the rank fits (it used to be refused on the 240); with
+    150 MiB the live tensors themselves do not fit, and the line says out of memory."""
+    from parallax_cli.dry_run_cmd import _does_not_fit, _reserved_line
+
+    roomy = _judged(200)
+    assert roomy.allocator["reserved_expandable"] == 240 * MIB
+    assert (roomy.allocator["reserved_on_device"], roomy.allocator["allocation_retries"]) == (180 * MIB, 1)
+    assert roomy.fits and roomy.device_total == 200 * MIB
+    assert "gives its cache back 1 time(s)" in _reserved_line(roomy)
+    tight = _judged(150)
+    assert tight.allocator["out_of_memory"] == 1 and not tight.fits
+    assert "out of memory in the caching allocator's replay" in _does_not_fit(tight)
 
 
 def test_cuda_ranks_run_the_allocator_the_dry_run_replays(monkeypatch):

@@ -60,17 +60,19 @@ class RankMemory:
     @property
     def device_total(self) -> float | None:
         """What the GPU would hold at the peak: the replayed allocator's reservation with expandable
-        segments (as `parallax run` sets it: executor.runtime.mesh.ALLOCATOR_SETTINGS) and the
-        runtime's memory."""
-        if "reserved_expandable" not in self.allocator:
-            return None
-        return self.allocator["reserved_expandable"] + sum(self.runtime.values())
+        segments (as `parallax run` sets it: executor.runtime.mesh.ALLOCATOR_SETTINGS), on the
+        device where its room is known (the cache given back under pressure), and the runtime's memory."""
+        reserved = self.allocator.get("reserved_on_device", self.allocator.get("reserved_expandable"))
+        return None if reserved is None else reserved + sum(self.runtime.values())
 
     @property
     def fits(self) -> bool:
         """Judged on device memory only (what an offloaded plan holds on the host is not the GPU's):
-        the replayed reservation and the runtime's memory against the whole GPU where both are
-        known, else the tensors' peak against the plan's usable memory."""
+        by the allocator's replay on the device where it ran there (out of memory only when the live
+        tensors do not fit once the cache is given back), else the tensors' peak against the plan's
+        usable memory."""
+        if "out_of_memory" in self.allocator:
+            return not self.allocator["out_of_memory"]
         if self.device_total is not None and self.gpu_bytes is not None:
             return self.device_total <= self.gpu_bytes
         return self.measured_peak <= self.capacity
@@ -134,7 +136,8 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
-        measured, predicted = _measure_isolated(short, name, rank, trust_module), _predicted_stage(plan, pp_rank)
+        measured = _measure_isolated(short, name, rank, trust_module, _device_room(plan, cluster))
+        predicted = _predicted_stage(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak, allocator=measured.allocator,
                               runtime=dict(plan.estimate.runtime_memory_bytes), gpu_bytes=_gpu_bytes(plan, cluster),
@@ -153,6 +156,13 @@ def _gpu_bytes(plan: Plan, cluster) -> float | None:
     if plan.groups:
         return None
     return (cluster or plan.cluster()).gpu.hbm_gb * 2**30
+
+
+def _device_room(plan: Plan, cluster) -> float | None:
+    """What the caching allocator can take from the GPU: its memory less the runtime's (the CUDA
+    context, workspaces, NCCL buffers), which torch's allocator never sees."""
+    gpu = _gpu_bytes(plan, cluster)
+    return None if gpu is None else gpu - sum(plan.estimate.runtime_memory_bytes.values())
 
 
 def _host_per_gpu(plan: Plan, cluster) -> float | None:
@@ -184,20 +194,22 @@ def _shortened(plan: Plan, micro_batches: int) -> Plan:
     return plan.model_copy(update={"global_batch": per_micro_batch * micro_batches})
 
 
-def _measure_isolated(plan: Plan, name: str, rank: int, trust_module: bool = False) -> CategoryPeaks:
+def _measure_isolated(plan: Plan, name: str, rank: int, trust_module: bool = False,
+                      room: float | None = None) -> CategoryPeaks:
     """`_measure_rank`, in a fresh process where the plan has TP and pipeline roles: torch's
     DTensor keeps sub-meshes of an earlier process group (by equal mesh) that a re-initialised
     fake world no longer knows."""
     if plan.pp == 1 or plan.tp == 1:
-        return _measure_rank(plan, name, rank)
+        return _measure_rank(plan, name, rank, trust_module, room)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_rank, plan, name, rank, trust_module).result()
+        return pool.submit(_measure_rank, plan, name, rank, trust_module, room).result()
 
 
-def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) -> CategoryPeaks:
+def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False,
+                  room: float | None = None) -> CategoryPeaks:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -225,7 +237,7 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False) 
             _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
             with tracker_for(run, peaks, trace):
                 _replay_step(run, plan, hidden)
-        replay_allocator(peaks, trace)
+        replay_allocator(peaks, trace, room)
         return peaks
     finally:
         dist.destroy_process_group()

@@ -144,15 +144,29 @@ class _FSDPRecording(_recording(FSDPMemTracker)):
 _Recording = _recording(MemTracker)
 
 
-def replay_allocator(peaks: CategoryPeaks, trace: AllocationTrace) -> None:
+def replay_allocator(peaks: CategoryPeaks, trace: AllocationTrace, room: float | None = None) -> None:
     """The device's allocation sequence through torch's caching allocator, with and without
-    expandable segments: what `max_memory_allocated` and `max_memory_reserved` would read."""
-    from costmodel.allocator import replay
+    expandable segments: what `max_memory_allocated` and `max_memory_reserved` would read with
+    no memory pressure. With `room` (the GPU's bytes less the runtime's), the expandable replay
+    again as it runs on that device: torch gives cached pages back and retries a request that
+    would pass the device (`reserved_on_device`, `allocation_retries`), and fails only when the
+    live tensors themselves do not fit (`out_of_memory`, 1.0)."""
+    from costmodel.allocator import OutOfMemory, replay
 
     events = trace.device_events()
     plain, expandable = replay(events), replay(events, expandable_segments=True)
     peaks.allocator = {"allocated": plain.peak_allocated, "reserved": plain.peak_reserved,
                        "reserved_expandable": expandable.peak_reserved}
+    if room is None:
+        return
+    try:
+        bounded = replay(events, expandable_segments=True, capacity=int(room))
+    except OutOfMemory as error:
+        peaks.allocator.update(reserved_on_device=float(error.reserved), allocation_retries=float("nan"),
+                               out_of_memory=1.0)
+        return
+    peaks.allocator.update(reserved_on_device=float(bounded.peak_reserved), allocation_retries=float(bounded.retries),
+                           out_of_memory=0.0)
 
 
 def torch_optimizers(optimizer) -> list[torch.optim.Optimizer]:
