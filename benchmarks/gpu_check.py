@@ -6,10 +6,10 @@
 It calibrates the device (`parallax calibrate` at one rank), plans a single-rank
 layout of a 1B-class Llama under each recompute policy and once offloaded, runs
 each with torchrun as `parallax run` does, and prints measured `max_memory_allocated`, `max_memory_reserved` and step time
-beside the prediction. Reserved memory is what a GPU runs out of; the cost model
-predicts tensors (allocated), so the reserved column says how much the caching
-allocator adds on this device. A run that does not fit says so and the loop
-goes on. Every run is bounded by --timeout.
+beside the prediction. Reserved memory is what a GPU runs out of: the cost model
+predicts both the tensors (allocated) and what the caching allocator holds beside
+them (costmodel/reserved.py); on CPU ranks reserved reads the tensors' peak. A run
+that does not fit says so and the loop goes on. Every run is bounded by --timeout.
 
 ZeRO-3 over one rank shards nothing, and the executor wraps nothing there: bf16
 runs under autocast on the fp32 weights (costmodel/autocast.py prices the copies
@@ -73,9 +73,11 @@ def row(name: str, plan, profile, steps: int, timeout: float, reports: Path | No
         (reports / f"{stem}.report.json").write_text(report.model_dump_json(indent=2))
     allocated, reserved = max(report.peak_memory_bytes), max(report.peak_reserved_bytes or report.peak_memory_bytes)
     predicted_peak = report.predicted_peak_memory_bytes or float("nan")
+    predicted_reserved = report.predicted_peak_reserved_bytes or float("nan")
     predicted_step = report.predicted_step_time_s or float("nan")
     return (f"{name:16} {allocated / MIB:10,.0f} {reserved / MIB:10,.0f} {predicted_peak / MIB:10,.0f} "
-            f"{allocated / predicted_peak - 1:+8.1%} {report.step_time_s * 1e3:9,.1f} {predicted_step * 1e3:9,.1f} "
+            f"{predicted_reserved / MIB:10,.0f} {allocated / predicted_peak - 1:+8.1%} "
+            f"{reserved / predicted_reserved - 1:+8.1%} {report.step_time_s * 1e3:9,.1f} {predicted_step * 1e3:9,.1f} "
             f"{report.step_time_s / predicted_step - 1:+8.1%}")
 
 
@@ -107,7 +109,8 @@ def main(argv=None) -> int:
     print(f"{device}: {profile.gpu.name}, {how}; {model}, "
           f"{global_batch} x {seq_len} tokens, micro-batch {micro_batch}, one rank (ZeRO-3 over one rank: "
           f"unwrapped, FSDP2 when offloaded)")
-    print(f"{'recompute':16} {'alloc MiB':>10} {'resv MiB':>10} {'pred MiB':>10} {'mem err':>8} "
+    print(f"{'recompute':16} {'alloc MiB':>10} {'resv MiB':>10} {'pred MiB':>10} {'pred resv':>10} {'mem err':>8} "
+          f"{'resv err':>8} "
           f"{'step ms':>9} {'pred ms':>9} {'time err':>8}")
     wanted = tuple(p.strip() for p in args.plans.split(","))
     unknown = [p for p in wanted if p not in (*RECOMPUTE, "offloaded")]

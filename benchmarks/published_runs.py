@@ -39,9 +39,12 @@ stack is priced with its own efficiencies where the GPU's profile has them
 (`Efficiency.stacks`, fitted by `fit_efficiency.py --stack`). An optional peak_memory_gib
 (published peak per GPU) is compared with the predicted peak: its error prints
 beside the time error and a memory MAPE line follows the time MAPE; a row with
-a peak and no metric is a memory row alone (`memory_runs.csv`), and its
-optional `memory_figure` says which counter the source read (allocated,
-reserved, nvidia-smi, unstated). Optional master_dtype and optimizer_dtype (fp32, bf16), reduce_dtype
+a peak and no metric is a memory row alone (`memory_runs.csv`). Its optional
+`memory_figure` says which counter the source read, and the prediction is of that
+counter: `allocated` (max_memory_allocated) the tensors' peak; `reserved`
+(max_memory_reserved, what torchtitan logs) and `unstated` what torch's caching
+allocator holds (costmodel/reserved.py); `nvidia-smi` that and the runtime's memory
+(CUDA context, workspaces, NCCL buffers). Optional master_dtype and optimizer_dtype (fp32, bf16), reduce_dtype
 (fp32, bf16) and accumulation (reduce_each, hold_unsharded) state the run's recipe; blank is the
 stack's default (fp32 weights and moments, each stack's reduction, a reduce-scatter per
 micro-batch); tied_embeddings (yes/no, blank: no for gated rows) ties a Llama-era head to its embedding.
@@ -209,7 +212,21 @@ def predict(row: dict, door: str = "traced") -> tuple[float | None, float, str, 
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
     layout = f"{plan.layout_tag} {dtype}" if dtype not in ("bf16", "fp8") else plan.layout_tag  # the tag names fp8
-    return value, est.peak_memory_bytes / 2 ** 30, layout, mechanism(plan, row_stack(row)), plan.notes
+    return value, peak_as_read(est, row) / 2 ** 30, layout, mechanism(plan, row_stack(row)), plan.notes
+
+
+FIGURES = ("allocated", "reserved", "nvidia-smi", "unstated")
+
+
+def peak_as_read(est, row: dict) -> float:
+    """The predicted peak per GPU in the counter the row's source read (`memory_figure`)."""
+    figure = (row.get("memory_figure") or "unstated").strip().lower()
+    if figure not in FIGURES:
+        raise ValueError(f"unknown memory_figure {figure!r} (use one of {', '.join(FIGURES)})")
+    if figure == "allocated":
+        return est.peak_memory_bytes
+    reserved = est.peak_reserved_bytes or est.peak_memory_bytes
+    return reserved + (sum(est.runtime_memory_bytes.values()) if figure == "nvidia-smi" else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

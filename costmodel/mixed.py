@@ -25,7 +25,7 @@ from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from .data_parallel import exposed_dp, host_copy_seconds, optimizer_time, weight_gather_time
-from .terms import (estimate_uniform, p2p_time, pipeline_time, rank_memory, stage_time, step_breakdown, throughput,
+from .terms import (estimate_uniform, p2p_time, peak_moments, pipeline_time, stage_time, step_breakdown, throughput,
                        usable_memory_bytes)
 from .layout import RankTime, layout_of
 from .offload import host_memory_per_node, states_on_host
@@ -165,8 +165,9 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     breakdown = step_breakdown(max(ranks, key=lambda r: r.per_micro_batch), m, pipe, dp, opt)
     stages, memory = [], []
     for r, rank in enumerate(ranks):
-        memory.append(rank_memory(plan, workload, r, rank, clusters[owner[r]]))
-        stages += [est.model_copy(update={"memory_bytes": memory[r]}) for est in rank.stage_estimates]
+        peak, _, reserved = peak_moments(plan, workload, r, rank, clusters[owner[r]])
+        memory.append(peak)
+        stages += [est.model_copy(update={"memory_bytes": peak, "reserved_bytes": reserved}) for est in rank.stage_estimates]
     stages.sort(key=lambda s: s.index)
     rows = []
     for i, share in enumerate(plan.groups):

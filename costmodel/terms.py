@@ -31,6 +31,7 @@ from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gather
                      transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
+from .reserved import all_gather_pool_bytes, allocator_slack_bytes, peak_reserved_bytes, root_hole_bytes
 from .runtime_memory import runtime_memory_bytes
 from layout.axes import REBUILT
 from layout.plan import Plan
@@ -135,11 +136,6 @@ def pipeline_time(ranks: list[RankTime], m: int, vpp: int, schedule: str = "1f1b
     return pipeline_seconds(max(totals), sum(totals), m, vpp, fill)
 
 
-def rank_memory(plan: Plan, workload: Workload, rank_index: int, rank: RankTime, cluster: Cluster) -> dict[str, float]:
-    """Memory by category at the rank's peak (`peak_moments`, the largest of its four moments)."""
-    return peak_moments(plan, workload, rank_index, rank, cluster)[0]
-
-
 def device_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> dict[str, float]:
     """The model states of a rank's `params` parameters on its device, by category: expert
     states shard over the ranks holding the same experts; offloaded ones are on the host."""
@@ -164,7 +160,7 @@ def owned_shares(plan: Plan) -> tuple[float, float]:
 
 
 def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
-                 cluster: Cluster) -> tuple[dict, float]:
+                 cluster: Cluster) -> tuple[dict, float, float]:
     """The rank's memory by category at the largest of its four candidate peaks, as the dry
     run measures them:
     - the loss, computed outside every FSDP2 unit between forward and backward: every
@@ -183,8 +179,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
     (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
     FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`); held unsharded
-    (`held_gradient_bytes`), they sit beside the gather buffers instead. Returns the peak's categories and every
-    in-flight micro-batch's saved activations (`activations` less them: that moment's transient)."""
+    (`held_gradient_bytes`), they sit beside the gather buffers instead. Returns the peak's categories, every
+    in-flight micro-batch's saved activations (`activations` less them: that moment's transient), and what
+    the caching allocator reserves at its largest (`reserved.peak_reserved_bytes`)."""
     states = device_states(rank.params, rank.expert_params, plan, cluster)
     stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
@@ -194,7 +191,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         states["gradients"] = 0.0
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
-    biggest, root, cast = 0.0, 0.0, 0.0
+    biggest, root, cast, block_slack, end_slack = 0.0, 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):
             kept = activation_bytes(layer, policy, **kw)
@@ -202,9 +199,11 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
             cast += cast_params_on_rank(layer, plan.tp, plan.ep) * count
             if layer.kind == "block":
                 block_temporaries = max(block_temporaries, transient_bytes(layer, **kw))
+                block_slack = max(block_slack, allocator_slack_bytes(layer, **kw))
                 biggest = max(biggest, layer_params_on_rank(layer, plan.tp, plan.ep))
             else:
                 end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
+                end_slack = max(end_slack, allocator_slack_bytes(layer, **kw))
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
                 head_saved += kept * count if layer.kind == "head" else 0.0
             if policy in REBUILT:
@@ -228,9 +227,13 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     if sharded and root:  # the backward's end: every gradient but the root's, which FSDP2 copies for its reduce-scatter
         closing = {**stepping, "buffers": WEIGHT_BYTES[plan.dtype] * root, "activations": reduce_bytes(plan) * root}
         stepping = max(stepping, closing, key=lambda m: sum(m.values()))
+    hole = root_hole_bytes(plan, root, end_temporaries, sharded)
+    reserved = peak_reserved_bytes([sum(states.values()) + sum(m.values()) for m in moments],
+                                   [end_slack + hole, 0.0, block_slack], sum(stepping.values()),
+                                   all_gather_pool_bytes(plan, root, biggest))
     if sum(stepping.values()) > sum(peak.values()):
-        return stepping, stepping["activations"]  # nothing saved then: no transient beside the ops
-    return peak, saved
+        return stepping, stepping["activations"], reserved  # nothing saved then: no transient beside the ops
+    return peak, saved, reserved
 
 
 def activation_moments(saved: float, end_temporaries: float, head_saved: float, block_work: float,
@@ -351,9 +354,9 @@ def _assemble(workload, plan, cluster, lay, ranks, memory_reserve) -> Estimate:
     breakdown = step_breakdown(crit, m, pipe, dp, opt)
     stages = []
     for r, rank in enumerate(ranks):
-        memory = rank_memory(plan, workload, r, rank, cluster)
+        memory, _, reserved = peak_moments(plan, workload, r, rank, cluster)
         for est in rank.stage_estimates:
-            stages.append(est.model_copy(update={"memory_bytes": memory}))
+            stages.append(est.model_copy(update={"memory_bytes": memory, "reserved_bytes": reserved}))
     stages.sort(key=lambda s: s.index)
     est = throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
     if not plan.offload:
@@ -384,6 +387,7 @@ def throughput(workload, plan, cluster, step, breakdown, stages, memory_reserve)
         tflops_per_gpu_hw=(model_flops + extra) / step / n / 1e12,
         mfu=per_gpu_model / cluster.gpu.peak_flops(plan.dtype),
         peak_memory_bytes=max(s.peak_bytes for s in stages),
+        peak_reserved_bytes=max(s.reserved_bytes or s.peak_bytes for s in stages),
         memory_capacity_bytes=usable_memory_bytes(cluster, memory_reserve, plan, workload),
         runtime_memory_bytes=runtime_memory_bytes(plan, cluster, tied_across_stages(workload)),
         stages=stages,

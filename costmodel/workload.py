@@ -59,6 +59,11 @@ class LayerProfile(BaseModel):
                                  "beside its saved activations (a loss's fp32 logits and their gradients)")
     act_transient_tp: Literal["S", "R", "whole"] = Field(
         "R", description="the TP state of what sets act_transient: split, replicated (split by SP), or whole")
+    act_allocator_slack: float = Field(0.0, ge=0, description="bytes per sequence torch's caching allocator reserves "
+                                       "beyond the layer's live tensors at their peak: blocks it freed that its "
+                                       "later requests are too large to reuse (the 16-bit logits beside the loss's "
+                                       "fp32 ones), from a replay of its traced allocations (planner/trace/"
+                                       "allocations.py); TP splits it as act_transient")
     elementwise_fused_bytes: float | None = Field(
         None, ge=0, description="the same traffic with each chain of pointwise ops fused into one kernel, as the "
                                 "compile and fused stacks run it (None: elementwise_bytes, already counted fused)")

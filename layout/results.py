@@ -20,6 +20,8 @@ class StageEstimate(BaseModel):
     forward_s: float = Field(description="forward time of one micro-batch")
     backward_s: float = Field(description="backward (with recomputation) of one micro-batch")
     memory_bytes: dict[str, float] = Field(description="peak memory by category on this stage's ranks")
+    reserved_bytes: float | None = Field(None, description="what torch's caching allocator reserves at its largest on "
+                                         "this stage's ranks (costmodel.reserved), beside the tensors' peak")
 
     @property
     def peak_bytes(self) -> float:
@@ -37,7 +39,9 @@ class Estimate(BaseModel):
     tflops_per_gpu_model: float
     tflops_per_gpu_hw: float = Field(description="includes recomputed forwards")
     mfu: float = Field(ge=0)
-    peak_memory_bytes: float = Field(ge=0)
+    peak_memory_bytes: float = Field(ge=0, description="the tensors' peak on the worst rank: max_memory_allocated()")
+    peak_reserved_bytes: float | None = Field(None, description="what torch's caching allocator reserves at its largest "
+                                              "on the worst rank, with expandable segments: max_memory_reserved()")
     memory_capacity_bytes: float = Field(description="what the plan's tensors may take: the GPU's memory less the "
                                          "runtime's (runtime_memory_bytes) and the allocator's reserve")
     runtime_memory_bytes: dict[str, float] = Field(

@@ -56,6 +56,8 @@ def _reserved_line(rank) -> str:
             f"({reserved / replayed['allocated'] - 1:+.1%} over allocated)")
     if where:
         line += f"; with no memory pressure {replayed['reserved_expandable'] / GIB:.2f}"
+    if rank.predicted_reserved:
+        line += f", predicted {rank.predicted_reserved / GIB:.2f} ({rank.predicted_reserved / replayed['reserved_expandable'] - 1:+.1%})"
     line += (f" ({replayed['reserved'] / GIB:.2f} without expandable segments); "
              f"{sum(rank.runtime.values()) / GIB:.2f} GiB more for the CUDA context, workspaces and NCCL")
     retries = replayed.get("allocation_retries", 0.0)
@@ -93,6 +95,8 @@ def _allocator_table(rank) -> Table:
         rows.append(("max_memory_reserved (expandable_segments, as run on this GPU)", replayed["reserved_on_device"]))
     rows += [("max_memory_reserved with no memory pressure", replayed["reserved_expandable"]),
              ("  without expandable_segments", replayed["reserved"])]
+    if rank.predicted_reserved is not None:
+        rows.append(("  predicted (costmodel/reserved.py)", rank.predicted_reserved))
     rows += [(f"+ {name.replace('_', ' ')}", nbytes) for name, nbytes in rank.runtime.items()]
     if rank.device_total is not None:
         rows.append(("device total", rank.device_total))

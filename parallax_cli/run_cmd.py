@@ -87,6 +87,8 @@ def run_command(
     typer.echo(f"losses: {', '.join(f'{l:.4f}' for l in report.losses)}")
     typer.echo(f"step time: {report.step_time_s * 1e3:.1f} ms" + _vs(report.predicted_step_time_s, report.step_time_error, 1e3, "ms"))
     reserved = f", reserved {max(report.peak_reserved_bytes) / 2**20:.1f} MiB" if report.device == "cuda" else ""
+    if reserved and report.predicted_peak_reserved_bytes:
+        reserved += f" (predicted {report.predicted_peak_reserved_bytes / 2**20:.1f} MiB)"
     typer.echo(f"peak memory: {max(report.peak_memory_bytes) / 2**20:.1f} MiB allocated{reserved}"
                + _vs(report.predicted_peak_memory_bytes, report.memory_error, 2 ** -20, "MiB"))
     for note in report.notes:

@@ -78,6 +78,13 @@ def _tflops(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
+def _reserved(est) -> str:
+    """What the caching allocator holds at most beside the tensors' peak (max_memory_reserved)."""
+    if est.peak_reserved_bytes is None or est.peak_reserved_bytes <= est.peak_memory_bytes:
+        return ""
+    return f" ({est.peak_reserved_bytes / GIB:.1f} reserved by torch's allocator)"
+
+
 def headline(plan: Plan) -> str:
     est = plan.estimate
     guess = plan.cluster().guess_warning()
@@ -88,7 +95,7 @@ def headline(plan: Plan) -> str:
         lines.append(
             f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {_tflops(est.tflops_per_gpu_model)} TFLOP/s "
             f"per GPU (model), {_tflops(est.tflops_per_gpu_hw)} with recompute | MFU {est.mfu:.1%} | peak memory "
-            f"{est.peak_memory_bytes / GIB:.1f} of {est.memory_capacity_bytes / GIB:.1f} GiB"
+            f"{est.peak_memory_bytes / GIB:.1f} of {est.memory_capacity_bytes / GIB:.1f} GiB{_reserved(est)}"
         )
         if est.usd_per_million_tokens is not None:
             lines.append(f"cost ${est.usd_per_hour:,.2f}/hour, ${est.usd_per_million_tokens:.3f} per 1M tokens")

@@ -20,4 +20,4 @@ def test_the_gpu_check_runs_a_recomputed_and_an_offloaded_plan_on_cpu(capsys):
     assert [r.split()[0] for r in rows] == ["op", "none,"], out
     for line in rows:
         numbers = re.findall(r"[+-]?[\d,]+\.?\d*%?", line.split(" ", 1)[1] if "offloaded" not in line else line.split("offloaded")[1])
-        assert len(numbers) == 7 and "did not run" not in line, line
+        assert len(numbers) == 9 and "did not run" not in line, line

@@ -11,7 +11,9 @@ DDP plans cannot be dry-run (refused by name), and pipelined plans are checked s
 test_dry_run.py; what they miss is stated in the README.
 
 Tolerances are the product's: the peak within 5%, each category at the peak within 10% (or 1%
-of the peak, for a category that is nearly empty at that moment).
+of the peak, for a category that is nearly empty at that moment), and what torch's caching
+allocator reserves (costmodel/reserved.py against the replay of the same allocations,
+costmodel/allocator.py) within 5%.
 """
 from __future__ import annotations
 
@@ -70,6 +72,9 @@ def test_the_analytic_peak_and_categories_match_the_dry_run(draws):
             print(f"{seq_len} {plan.layout_tag} rc={policy}: peak {rank.error:+.2%}, worst category {worst} "
                   f"{rank.at_peak[worst] / 2 ** 30:.2f} measured, {rank.predicted.get(worst, 0.0) / 2 ** 30:.2f} predicted")
             assert abs(rank.error) <= 0.05, (plan.layout_tag, policy, rank.measured_peak, rank.predicted_peak)
+            replayed = rank.allocator["reserved_expandable"]
+            print(f"  reserved: {rank.predicted_reserved / 2 ** 30:.2f} GiB predicted, {replayed / 2 ** 30:.2f} replayed")
+            assert abs(rank.predicted_reserved / replayed - 1) <= 0.05, (plan.layout_tag, policy, replayed)
             for name, measured in rank.at_peak.items():
                 predicted = rank.predicted.get(name, 0.0)
                 assert abs(predicted - measured) <= max(0.10 * measured, 0.01 * rank.measured_peak), \
@@ -88,3 +93,4 @@ def test_a_hybrid_sharded_layout_matches_the_dry_run():
     assert plan.hsdp_label
     (rank,) = dry_run(plan).ranks
     assert abs(rank.error) <= 0.05, (rank.measured_peak, rank.predicted_peak)
+    assert abs(rank.predicted_reserved / rank.allocator["reserved_expandable"] - 1) <= 0.05

@@ -93,11 +93,11 @@ def play(workload: Workload, plan: Plan, clusters: list[Cluster], lays: list, ra
     per_rank = [pricers[id(lay)] for lay in lays]
     peaks = [peak_moments(plan, workload, r, rank_times[r], clusters[r]) for r in range(plan.pp)]
     # each rank's transient at its peak moment (a rebuilt block, the loss's temporaries), while its ops run
-    transients = [max(0.0, memory["activations"] - saved) for memory, saved in peaks]
+    transients = [max(0.0, memory["activations"] - saved) for memory, saved, _ in peaks]
     sends = send_lays or [lays[s % plan.pp] for s in range(plan.n_virtual_stages)]
     spec = _engine_input(plan, per_rank, sends, bucket_bytes, transients)
     out = Engine(spec).run()
-    return _assemble(plan, workload, clusters, lays, rank_times, spec, out, [memory for memory, _ in peaks])
+    return _assemble(plan, workload, clusters, lays, rank_times, spec, out, [memory for memory, _, _ in peaks])
 
 
 def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: float,

@@ -52,6 +52,7 @@ class RankMemory:
     allocator: dict[str, float] = field(default_factory=dict)  # the allocation trace replayed: allocated, reserved
     runtime: dict[str, float] = field(default_factory=dict)  # the estimate's CUDA context, workspaces, NCCL buffers
     gpu_bytes: float | None = None  # the GPU's whole memory (None: a mixed cluster's, judged on capacity)
+    predicted_reserved: float | None = None  # the estimate's max_memory_reserved with no memory pressure
 
     @property
     def error(self) -> float:
@@ -113,6 +114,10 @@ def _predicted_stage(plan: Plan, pp_rank: int) -> dict[str, float]:
     return dict(stage.memory_bytes)
 
 
+def _predicted_reserved(plan: Plan, pp_rank: int) -> float | None:
+    return next(s for s in plan.estimate.stages if s.index % plan.pp == pp_rank).reserved_bytes
+
+
 def with_estimate(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> Plan:
     """`plan` with a fresh estimate, priced through the run report's door (`executor.runtime.predict`)."""
     from executor.runtime.predict import estimate_of
@@ -137,12 +142,13 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
         measured = _measure_isolated(short, name, rank, trust_module, _device_room(plan, cluster))
-        predicted = _predicted_stage(plan, pp_rank)
+        predicted, reserved = _predicted_stage(plan, pp_rank), _predicted_reserved(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak, allocator=measured.allocator,
                               runtime=dict(plan.estimate.runtime_memory_bytes), gpu_bytes=_gpu_bytes(plan, cluster),
                               predicted=predicted, predicted_peak=sum(predicted.values()),
-                              capacity=capacity_of(plan, pp_rank), predicted_host=_host_per_gpu(plan, cluster)))
+                              capacity=capacity_of(plan, pp_rank), predicted_host=_host_per_gpu(plan, cluster),
+                              predicted_reserved=reserved))
     notes = [] if replay == plan.num_micro_batches else [
         f"replayed {replay} of {plan.num_micro_batches} micro-batches: later ones repeat states already measured"]
     if plan.offload:

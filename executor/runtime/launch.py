@@ -132,11 +132,11 @@ def run(plan: Plan, config: RunConfig = RunConfig(), *, nproc: int | None = None
         report = report.model_copy(update={"notes": [replanned, *report.notes]})
     ran = Plan.model_validate(report.plan)  # the workers' own re-plan when nodes were lost
     report = report.model_copy(update={"notes": [*report.notes, *executed_dtype_notes(ran, report.device)]})
-    step, peak, note = predict(ran, model, cluster, config.trust.module)
+    step, peak, reserved, note = predict(ran, model, cluster, config.trust.module)
     peak, measured_eagerly = _memory_as_measured(ran, report.device, peak, model, cluster, config)
     if measured_eagerly:
         report = report.model_copy(update={"notes": [*report.notes, measured_eagerly]})
-    return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster))
+    return report.with_prediction(step, peak, note or _elsewhere(ran, report.device, cluster), reserved)
 
 
 def _memory_as_measured(plan: Plan, device: str, peak, model: str, cluster, config: RunConfig):
@@ -144,7 +144,7 @@ def _memory_as_measured(plan: Plan, device: str, peak, model: str, cluster, conf
     a CPU (executor.measure.memory), so there it is held to the eager price of the same layout."""
     if plan.stack != "compile" or device != "cpu" or peak is None:
         return peak, ""
-    _, eager, _ = predict(plan.model_copy(update={"stack": "eager"}), model, cluster, config.trust.module)
+    eager = predict(plan.model_copy(update={"stack": "eager"}), model, cluster, config.trust.module).peak_bytes
     if eager is None:
         return peak, ""
     return eager, (f"compile: the CPU's memory steps ran eagerly, so memory is held to the eager price "
@@ -157,7 +157,7 @@ def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, conf
     with more memory kept free; any other failure as it was."""
     if "DoesNotFit" not in error.problem:
         return error
-    _, peak, _ = predict(plan, model, cluster, config.trust.module)
+    peak = predict(plan, model, cluster, config.trust.module).peak_bytes
     predicted = f"; predicted {peak / 2**20:,.1f} MiB at the plan's peak rank" if peak else ""
     from costmodel.terms import DEFAULT_MEMORY_RESERVE
     from hardware import loads_back

@@ -7,6 +7,8 @@ catalog entry or module that the workers build, on the plan's own hardware
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from layout.plan import Plan
@@ -51,10 +53,18 @@ def estimate_of(plan: Plan, model_name: str, cluster=None, trust_module: bool = 
     return estimate(model, plan, cluster, example_inputs=inputs)
 
 
-def predict(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> tuple[float | None, float | None, str]:
-    """(step time s, peak bytes, note); Nones with the reason when no prediction is possible."""
+class Prediction(NamedTuple):
+    step_time_s: float | None
+    peak_bytes: float | None  # the tensors' peak: max_memory_allocated
+    reserved_bytes: float | None  # what the caching allocator holds at most: max_memory_reserved
+    note: str
+
+
+def predict(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> Prediction:
+    """The plan's step time and peak memory (allocated and reserved); Nones with the reason when no
+    prediction is possible."""
     try:
         result = estimate_of(plan, model_name, cluster, trust_module)
     except ParallaxError as error:
-        return None, None, f"no prediction: {error}"
-    return result.step_time_s, result.peak_memory_bytes, ""
+        return Prediction(None, None, None, f"no prediction: {error}")
+    return Prediction(result.step_time_s, result.peak_memory_bytes, result.peak_reserved_bytes, "")

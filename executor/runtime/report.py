@@ -23,13 +23,17 @@ class RunReport(BaseModel):
     tp_replicated: list[str] = Field(default_factory=list, description="modules TP left replicated")
     predicted_step_time_s: float | None = None
     predicted_peak_memory_bytes: float | None = None
+    predicted_peak_reserved_bytes: float | None = Field(None, description="the estimate's max_memory_reserved "
+                                                        "(costmodel.reserved), held to peak_reserved_bytes on a GPU")
     step_time_error: float | None = Field(None, description="(measured - predicted) / predicted")
     memory_error: float | None = Field(None, description="(max measured - predicted) / predicted")
     notes: list[str] = Field(default_factory=list)
 
-    def with_prediction(self, step_time_s: float | None, peak_bytes: float | None, note: str = "") -> "RunReport":
+    def with_prediction(self, step_time_s: float | None, peak_bytes: float | None, note: str = "",
+                        reserved_bytes: float | None = None) -> "RunReport":
         """A copy with predictions and relative errors filled in."""
-        update: dict = {"predicted_step_time_s": step_time_s, "predicted_peak_memory_bytes": peak_bytes}
+        update: dict = {"predicted_step_time_s": step_time_s, "predicted_peak_memory_bytes": peak_bytes,
+                        "predicted_peak_reserved_bytes": reserved_bytes}
         if step_time_s:
             update["step_time_error"] = (self.step_time_s - step_time_s) / step_time_s
         if peak_bytes:

@@ -21,9 +21,9 @@ from costmodel.workload import Workload
 CACHE_DIR = Path.home() / ".cache" / "parallax" / "workloads"
 _ROOT = Path(__file__).resolve().parents[2]
 # the code whose output a cached workload is: this package (tracers, graph -> workload, the model
-# catalog), the declaration of what TP splits, the Workload schema
+# catalog), the declaration of what TP splits, the Workload schema, the allocator a layer's slack is replayed on
 _SOURCES = ("planner/trace/*.py", "planner/trace/models/*.py", "planner/executable.py", "layout/rules.py",
-            "costmodel/workload.py")
+            "costmodel/workload.py", "costmodel/allocator.py")
 
 
 def fingerprinted_files() -> list[Path]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from hardware.errors import ModelError
 from costmodel.workload import AttentionCall, LayerProfile, Segment, Workload
+from planner.trace.allocations import allocator_slack
 from planner.trace.fusion import fused_elementwise_bytes
 from planner.trace.graph import OpGraph
 from planner.trace.partition import compiled_saved_bytes
@@ -99,6 +100,7 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         act_input=max(inputs, default=0.0) / b,
         **{name: value / b for name, value in op_policy(nodes).items()}, act_sp_whole=sp_whole / b, act_sp_dropped=sp_dropped / b,
         act_transient=temporaries / b, act_transient_tp=temporaries_tp,
+        act_allocator_slack=allocator_slack(og, layer, nbytes) / b,
         tp_shardable=kind != "block" or bool(reduces),
         tp_allreduces_fwd=len(reduces), tp_comm_bytes=(sum(comm) / len(comm) / b) if comm else 0.0,
         tp_allreduces_bwd=len(colwise), tied_params=_tied_params(og, nodes, layer),

@@ -1,0 +1,58 @@
+"""What torch's caching allocator reserves at a rank's peak beyond the tensors the peak holds:
+the figure `torch.cuda.max_memory_reserved()` reads, and the one a run dies on.
+
+Why: the estimate's moments (`terms.peak_moments`) count live tensors, which is what
+`max_memory_allocated()` reads. The allocator keeps every block it frees, and a block serves
+only requests no larger than itself, on its own stream. The dry run's replay of llama-3-8b's
+allocations (executor.measure.dry_run through costmodel.allocator, expandable segments) shows
+what lies reserved and free at the peak, the loss; three mechanisms account for it:
+- **A layer's own slack** (`LayerProfile.act_allocator_slack`, replayed from its traced ops):
+  the loss frees its 16-bit logits once it has upcast them, and the fp32 tensors that follow
+  are too large for that block.
+- **The root unit's gathered weights** under ZeRO-3: gathered at the forward's start, below
+  every activation, and freed when the root's forward ends, just before the loss. The loss's
+  tensors, larger, cannot take that block.
+- **FSDP2's all-gather stream**: each unit's all-gather output is allocated on a stream of its
+  own and freed after its copy-out, and what that stream frees serves no other stream. Its pool
+  holds the largest two outputs alive at once: the root's and the first block's prefetched
+  beside it (or two blocks').
+Reserved memory never shrinks without memory pressure, so the peak reservation is the largest,
+over the moments, of each moment's tensors and the blocks then cached.
+"""
+from __future__ import annotations
+
+from layout.plan import Plan
+
+from .memory import WEIGHT_BYTES
+from .workload import LayerProfile
+
+
+def allocator_slack_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
+                          **_) -> float:
+    """The layer's own slack on one TP rank, split as its temporaries are (`memory.transient_bytes`)."""
+    t = tp if layer.tp_shardable else 1
+    kind = layer.act_transient_tp
+    split = t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
+    return layer.act_allocator_slack / split * micro_batch
+
+
+def all_gather_pool_bytes(plan: Plan, root_params: float, block_params: float) -> float:
+    """FSDP2's all-gather stream's reservation: the root unit's output beside the first block's
+    (or two blocks'), in the compute dtype; nothing where FSDP2 gathers nothing."""
+    if not plan.gathers_weights:
+        return 0.0
+    return WEIGHT_BYTES[plan.dtype] * (max(root_params, block_params) + block_params)
+
+
+def root_hole_bytes(plan: Plan, root_params: float, loss_temporaries: float, sharded: bool) -> float:
+    """The root unit's gathered weights, freed before the loss under ZeRO-3: a hole the loss's
+    temporaries are too large to fill (none where they are smaller: they would reuse it)."""
+    hole = WEIGHT_BYTES[plan.dtype] * root_params if sharded else 0.0
+    return hole if loss_temporaries >= hole else 0.0
+
+
+def peak_reserved_bytes(totals: list[float], slacks: list[float], stepping: float, pool: float) -> float:
+    """The largest, over the moments (`totals`, each with the `slacks` cached beside it, and the
+    optimizer step's `stepping`), of what the default stream's pool holds, with the all-gather
+    stream's `pool` beside every one."""
+    return max(max(t + s for t, s in zip(totals, slacks)), stepping) + pool
