@@ -6,8 +6,9 @@
 Each row is a run of benchmarks/gpu_check.py on one H200, with the calibration of that machine
 (benchmarks/data/h200_calibrated_run*.json). The plan is rebuilt from the row by gpu_check's own
 `single_rank_plan` and priced on that profile; the memory columns compare the predicted tensors with
-`max_memory_allocated` and, with --dry-run, the dry run on fake tensors with `max_memory_allocated`
-and its caching-allocator replay with `max_memory_reserved`.
+`max_memory_allocated`, the predicted reservation (costmodel/reserved.py) with `max_memory_reserved`
+and, with --dry-run, the dry run on fake tensors with `max_memory_allocated` and its
+caching-allocator replay with `max_memory_reserved`.
 """
 from __future__ import annotations
 
@@ -48,17 +49,21 @@ def main(argv=None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="also dry-run each plan (about 20 s each)")
     args = parser.parse_args(argv)
     workload, _ = workload_for(MODEL, seq_len=SEQ_LEN, dtype="bf16")
-    print(f"{'run':13} {'step ms':>8} {'pred':>8} {'err':>7} {'alloc MiB':>10} {'pred':>8} {'err':>7}"
-          + (f" {'dry':>8} {'err':>7} {'resv MiB':>9} {'replay':>8} {'err':>7}" if args.dry_run else ""))
-    errors = {"time": [], "memory": [], "dry": [], "reserved": []}
+    print(f"{'run':13} {'step ms':>8} {'pred':>8} {'err':>7} {'alloc MiB':>10} {'pred':>8} {'err':>7} "
+          f"{'resv MiB':>9} {'pred':>8} {'err':>7}"
+          + (f" {'dry':>8} {'err':>7} {'replay':>8} {'err':>7}" if args.dry_run else ""))
+    errors = {"time": [], "memory": [], "reserved": [], "dry": [], "replayed": []}
     for row in rows(Path(args.csv)):
         plan, profile = plan_of(row, workload)
         priced = estimate(workload, plan, profile)
         step, allocated = float(row["step_ms"]) / 1e3, float(row["allocated_mib"]) * MIB
+        reserved = float(row["reserved_mib"]) * MIB
         errors["time"].append(priced.step_time_s / step - 1)
         errors["memory"].append(priced.peak_memory_bytes / allocated - 1)
+        errors["reserved"].append(priced.peak_reserved_bytes / reserved - 1)
         line = (f"{row['name']:13} {step * 1e3:8.1f} {priced.step_time_s * 1e3:8.1f} {errors['time'][-1]:+7.1%} "
-                f"{allocated / MIB:10,.0f} {priced.peak_memory_bytes / MIB:8,.0f} {errors['memory'][-1]:+7.1%}")
+                f"{allocated / MIB:10,.0f} {priced.peak_memory_bytes / MIB:8,.0f} {errors['memory'][-1]:+7.1%} "
+                f"{reserved / MIB:9,.0f} {priced.peak_reserved_bytes / MIB:8,.0f} {errors['reserved'][-1]:+7.1%}")
         if args.dry_run:
             line += dry_run_columns(plan, row, errors)
         print(line, flush=True)
@@ -75,9 +80,8 @@ def dry_run_columns(plan, row: dict, errors: dict) -> str:
     allocated, reserved = float(row["allocated_mib"]) * MIB, float(row["reserved_mib"]) * MIB
     replayed = rank.allocator.get("reserved_expandable", float("nan"))
     errors["dry"].append(rank.measured_peak / allocated - 1)
-    errors["reserved"].append(replayed / reserved - 1)
-    return (f" {rank.measured_peak / MIB:8,.0f} {errors['dry'][-1]:+7.1%} {reserved / MIB:9,.0f} "
-            f"{replayed / MIB:8,.0f} {errors['reserved'][-1]:+7.1%}")
+    errors["replayed"].append(replayed / reserved - 1)
+    return f" {rank.measured_peak / MIB:8,.0f} {errors['dry'][-1]:+7.1%} {replayed / MIB:8,.0f} {errors['replayed'][-1]:+7.1%}"
 
 
 if __name__ == "__main__":

@@ -75,9 +75,15 @@ from . import collectives as coll
 from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
 from .experts import ExpertLoad, expert_load, weights_read
 from .fp8 import low_precision_gemms
-from .terms import DEFAULT_MEMORY_RESERVE, GIB
+from .terms import GIB
+
 from layout.plan import uniform_stages
 from .workload import LayerProfile, Workload
+
+# The share of each GPU a serving engine leaves out of its weights and KV cache: vLLM's
+# `gpu_memory_utilization` defaults to 0.9 (vLLM engine arguments), the setting the plan exports
+# (formats/serving.py: memory_fraction).
+SERVING_MEMORY_RESERVE = 0.10
 
 __all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu",
            "weight_bytes_per_gpu", "serving_model", "ServingModel"]
@@ -222,7 +228,7 @@ class ServingModel:
     """Prices (tp, pp, batch) layouts of one workload on one cluster."""
 
     def __init__(self, workload: Workload, cluster: Cluster, *, prompt_len: int, output_len: int,
-                 dtype: str = "bf16", memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+                 dtype: str = "bf16", memory_reserve: float = SERVING_MEMORY_RESERVE,
                  kv_dtype: str | None = None, engine: ServingEngine | None = None,
                  quantization: WeightQuantization | None = None, expert_parallel: bool = False) -> None:
         self.w, self.cluster, self.dtype, self.kv_dtype = workload, cluster, dtype, kv_dtype

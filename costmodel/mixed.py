@@ -112,19 +112,20 @@ def _data_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     for share, m, est in per_group:
         busy = sum(v for k, v in est.breakdown_s.items() if k not in ("bubble", "dp_comm", "optimizer"))
         rows.append(_row(plan, share, len(share.replicas), m, _blocks(workload, plan, share.stages), busy / m,
-                         busy, step, est.peak_memory_bytes, est.memory_capacity_bytes))
+                         busy, step, (est.peak_memory_bytes, est.peak_reserved_bytes), est.memory_capacity_bytes))
     crit = max(range(len(per_group)), key=lambda i: per_group[i][2].step_time_s)
     slowest = per_group[crit][2]
     est = throughput(workload, plan, clusters[crit], step, slowest.breakdown_s, slowest.stages, reserve)
     return _mixed_throughput(workload, plan, mixed, est, rows)
 
 
-def _row(plan, share: GroupShare, replicas, m, blocks, per_mb, busy, step, peak, capacity) -> GroupEstimate:
+def _row(plan, share: GroupShare, replicas, m, blocks, per_mb, busy, step, peaks, capacity) -> GroupEstimate:
+    """`peaks`: the group's (tensors' peak, reservation) on its worst rank."""
     ranks = ranks_of(share, plan.dp, plan.tp)
     return GroupEstimate(group=share.hardware, gpus=len(ranks), ranks=rank_ranges(sorted(ranks)), stages=share.stages,
                          replicas=replicas, micro_batches=m, blocks_per_stage=blocks, per_micro_batch_s=per_mb,
-                         busy_s=busy, idle_fraction=max(0.0, 1 - busy / step), peak_memory_bytes=peak,
-                         memory_capacity_bytes=capacity)
+                         busy_s=busy, idle_fraction=max(0.0, 1 - busy / step), peak_memory_bytes=peaks[0],
+                         peak_reserved_bytes=peaks[1], memory_capacity_bytes=capacity)
 
 
 def pipeline_ranks(workload, plan, mixed, clusters):
@@ -163,10 +164,11 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
     opt = max(optimizer_time([rank], plan, clusters[owner[r]]) for r, rank in enumerate(ranks))
     step = pipe + dp + opt
     breakdown = step_breakdown(max(ranks, key=lambda r: r.per_micro_batch), m, pipe, dp, opt)
-    stages, memory = [], []
+    stages, memory, held = [], [], []
     for r, rank in enumerate(ranks):
         peak, _, reserved = peak_moments(plan, workload, r, rank, clusters[owner[r]])
         memory.append(peak)
+        held.append(reserved)
         stages += [est.model_copy(update={"memory_bytes": peak, "reserved_bytes": reserved}) for est in rank.stage_estimates]
     stages.sort(key=lambda s: s.index)
     rows = []
@@ -174,7 +176,8 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
         mine = [r for r in range(plan.pp) if owner[r] == i]
         per_mb = max(ranks[r].per_micro_batch for r in mine)
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
-                         max(sum(memory[r].values()) for r in mine), usable_memory_bytes(clusters[i], reserve, plan, workload)))
+                         (max(sum(memory[r].values()) for r in mine), max(held[r] for r in mine)),
+                         usable_memory_bytes(clusters[i], reserve, plan, workload)))
     est = throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
     if plan.offload:
         est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))
@@ -203,9 +206,9 @@ def _mixed_throughput(workload, plan, mixed, est: Estimate, rows: list[GroupEsti
     peak = mixed.peak_flops(plan.dtype)
     prices = [g.price_per_gpu_hour for g in mixed.groups]
     usd = sum(p * g.n_gpus for p, g in zip(prices, mixed.groups)) if None not in prices else None
-    tightest = max(rows, key=lambda g: g.peak_memory_bytes / g.memory_capacity_bytes)
+    tightest = max(rows, key=lambda g: g.held_bytes / g.memory_capacity_bytes)
     tokens = plan.global_batch * plan.seq_len
     return est.model_copy(update={
         "mfu": model_flops / step / peak, "peak_memory_bytes": tightest.peak_memory_bytes,
-        "memory_capacity_bytes": tightest.memory_capacity_bytes, "groups": rows,
+        "peak_reserved_bytes": tightest.peak_reserved_bytes, "memory_capacity_bytes": tightest.memory_capacity_bytes, "groups": rows,
         "usd_per_hour": usd, "usd_per_million_tokens": usd * step / 3600 / tokens * 1e6 if usd is not None else None})

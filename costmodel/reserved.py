@@ -17,10 +17,15 @@ what lies reserved and free at the peak, the loss; three mechanisms account for 
   holds the largest two outputs alive at once: the root's and the first block's prefetched
   beside it (or two blocks').
 Reserved memory never shrinks without memory pressure, so the peak reservation is the largest,
-over the moments, of each moment's tensors and the blocks then cached.
+over the moments, of each moment's tensors and the blocks then cached. CPU ranks have no caching
+allocator: there it is the tensors' peak.
+
+The search holds this reservation, not the tensors' peak, to the GPU's memory less the runtime's
+(`terms.usable_memory_bytes`): the headroom is the fragmentation predicted, not a flat share.
 """
 from __future__ import annotations
 
+from hardware import Cluster
 from layout.plan import Plan
 
 from .memory import WEIGHT_BYTES
@@ -49,6 +54,18 @@ def root_hole_bytes(plan: Plan, root_params: float, loss_temporaries: float, sha
     temporaries are too large to fill (none where they are smaller: they would reuse it)."""
     hole = WEIGHT_BYTES[plan.dtype] * root_params if sharded else 0.0
     return hole if loss_temporaries >= hole else 0.0
+
+
+def caches_blocks(cluster: Cluster) -> bool:
+    """Whether the ranks allocate through torch's CUDA caching allocator (not a CPU's malloc)."""
+    return cluster.gpu.device_type == "cuda"
+
+
+def moment_slacks(end_slack: float, block_slack: float, hole: float) -> list[float]:
+    """What lies cached beside each of `memory.activation_moments`' moments, in its order (the loss,
+    the root unit's backward, a block's backward): the last layers' own slack and the root's hole
+    at the loss (both reused by the backward after it), a block's own slack at its backward."""
+    return [end_slack + hole, 0.0, block_slack]
 
 
 def peak_reserved_bytes(totals: list[float], slacks: list[float], stepping: float, pool: float) -> float:

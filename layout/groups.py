@@ -95,9 +95,16 @@ class GroupEstimate(BaseModel):
     per_micro_batch_s: float = Field(description="its slowest stage, one micro-batch forward and backward")
     busy_s: float = Field(description="its busiest rank's compute and communication in a step")
     idle_fraction: float
-    peak_memory_bytes: float
+    peak_memory_bytes: float = Field(description="the tensors' peak on its worst rank")
+    peak_reserved_bytes: float | None = Field(None, description="what torch's caching allocator reserves at most on its "
+                                              "worst rank (costmodel.reserved): what its capacity is held to")
     memory_capacity_bytes: float
 
     @property
+    def held_bytes(self) -> float:
+        """What is held to `memory_capacity_bytes`: the reservation where it is priced, else the tensors' peak."""
+        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.peak_memory_bytes <= self.memory_capacity_bytes
+        return self.held_bytes <= self.memory_capacity_bytes

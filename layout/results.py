@@ -42,8 +42,8 @@ class Estimate(BaseModel):
     peak_memory_bytes: float = Field(ge=0, description="the tensors' peak on the worst rank: max_memory_allocated()")
     peak_reserved_bytes: float | None = Field(None, description="what torch's caching allocator reserves at its largest "
                                               "on the worst rank, with expandable segments: max_memory_reserved()")
-    memory_capacity_bytes: float = Field(description="what the plan's tensors may take: the GPU's memory less the "
-                                         "runtime's (runtime_memory_bytes) and the allocator's reserve")
+    memory_capacity_bytes: float = Field(description="what the plan's reservation (peak_reserved_bytes) may take: the "
+                                         "GPU's memory less the runtime's (runtime_memory_bytes) and the user's reserve")
     runtime_memory_bytes: dict[str, float] = Field(
         default_factory=dict, description="per rank, outside the tensors: the CUDA context, cuBLAS workspaces, the "
         "collective library's buffers")
@@ -56,9 +56,14 @@ class Estimate(BaseModel):
     usd_per_million_tokens: float | None = None
 
     @property
+    def held_bytes(self) -> float:
+        """What is held to `memory_capacity_bytes`: the reservation where it is priced, else the tensors' peak."""
+        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
+
+    @property
     def fits(self) -> bool:
         host = self.host_memory_capacity_bytes
-        return (self.peak_memory_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
+        return (self.held_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
                 and all(g.fits for g in self.groups))
 
 

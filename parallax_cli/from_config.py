@@ -70,9 +70,9 @@ def comparison(own: Plan, proposed: Plan) -> str:
     """One line: the user's step against the proposal's."""
     mine, best = own.estimate, proposed.estimate
     if not mine.fits:
-        return (f"your layout ({own.layout_tag}) does not fit as priced: {mine.peak_memory_bytes / GIB:.1f} of "
+        return (f"your layout ({own.layout_tag}) does not fit as priced: {mine.held_bytes / GIB:.1f} of "
                 f"{mine.memory_capacity_bytes / GIB:.1f} GiB a GPU; proposed ({proposed.layout_tag}): "
-                f"{best.step_time_s:.3f} s a step, {best.peak_memory_bytes / GIB:.1f} GiB")
+                f"{best.step_time_s:.3f} s a step, {best.held_bytes / GIB:.1f} GiB")
     if proposed is own:
         return f"your layout ({own.layout_tag}), {mine.step_time_s:.3f} s a step, is the fastest your tool runs: keep it"
     speedup = mine.step_time_s / best.step_time_s

@@ -1,12 +1,11 @@
 """`parallax plan --check-memory`: the pick's memory as the GPU would hold it, and a re-plan
-with the fragmentation that predicts, in place of the search's default reserve.
+keeping free what that reserves beyond the prediction.
 
-Why: the search prices tensors and keeps a share of each GPU free for the caching allocator
-(`costmodel.terms.DEFAULT_MEMORY_RESERVE`); how much the allocator really reserves over its
-tensors depends on the layout (its streams, its tensor sizes, the order they come and go). The
-dry run replays the pick's allocations through a model of torch's allocator
-(`costmodel.allocator`): the reserve becomes what that replay predicts for the pick, and the
-search runs again with it until its pick fits by that measure.
+Why: the search holds each plan's predicted reservation (its tensors and the caching allocator's
+blocks, `costmodel.reserved`) to the GPU. That prediction composes a few mechanisms; the dry run
+replays the pick's own allocations through a model of torch's allocator (`costmodel.allocator`),
+on the GPU less the runtime's memory. What the replay reserves beyond the prediction becomes a
+share of each GPU kept free, and the search runs again with it until its pick fits by that measure.
 """
 from __future__ import annotations
 
@@ -19,13 +18,14 @@ MARGIN = 0.005  # of the GPU: a pick that lands exactly on the replay's figure i
 
 
 def fragmentation_share(rank) -> float:
-    """The replay's reservation over its tensors (with expandable segments, as `parallax run` sets
-    the allocator), as a share of the GPU: the search's reserve. On the device, where the pick
-    fits there; with no memory pressure where it does not (what a smaller pick needs)."""
+    """What the replay reserves (with expandable segments, as `parallax run` sets the allocator)
+    beyond the prediction, as a share of the GPU: the re-plan keeps it free. On the device where
+    the pick fits there; with no memory pressure where it does not (what a smaller pick needs)."""
     replayed = rank.allocator
     fits_there = "reserved_on_device" in replayed and not replayed.get("out_of_memory")
     reserved = replayed["reserved_on_device"] if fits_there else replayed["reserved_expandable"]
-    return max(0.0, reserved - replayed["allocated"]) / rank.gpu_bytes
+    predicted = rank.predicted_reserved if rank.predicted_reserved is not None else replayed["allocated"]
+    return max(0.0, reserved - predicted) / rank.gpu_bytes
 
 
 def checked_plan(first: Plan, model: str, replan) -> tuple[Plan, list[str]]:
@@ -66,5 +66,5 @@ def _line(pick: Plan, rank, share: float) -> str:
     verdict = "fits" if rank.fits else "does not fit"
     return (f"memory check of {pick.layout_tag}: {rank.allocator['allocated'] / GIB:.1f} GiB allocated, "
             f"{(rank.device_total - sum(rank.runtime.values())) / GIB:.1f} GiB reserved by the caching allocator's replay "
-            f"(fragmentation {share:.1%} of the GPU), {sum(rank.runtime.values()) / GIB:.2f} GiB runtime: "
+            f"({share:.1%} of the GPU beyond the prediction), {sum(rank.runtime.values()) / GIB:.2f} GiB runtime: "
             f"{rank.device_total / GIB:.1f} of {rank.gpu_bytes / GIB:.0f} GiB, {verdict}")

@@ -59,13 +59,15 @@ def plan_command(
     gap: float = typer.Option(ASKED["target_gap"].default, "--gap", min=0.0, max=1.0, help="stop once the pick is proven within this fraction of the best"),
     price: Optional[float] = typer.Option(None, "--price-per-gpu-hour"),
     memory_reserve: float = typer.Option(ASKED["memory_reserve"].default, "--memory-reserve",
-                                         help="share of each GPU's memory kept free (allocator, CUDA context, "
-                                              "NCCL buffers); the search packs the rest"),
+                                         help="share of each GPU's memory kept free beyond what the plan is "
+                                              "priced to reserve (its tensors, torch's caching allocator, the CUDA "
+                                              "context, NCCL buffers): the prediction's error band"),
     memory_headroom: float = typer.Option(0.0, "--memory-headroom", min=0.0,
                                           help="GiB of each GPU kept free on top, a margin of your own"),
     check_memory: bool = typer.Option(False, "--check-memory",
                                       help="dry-run the pick, replay its allocations through torch's caching "
-                                           "allocator, and search again with the fragmentation that predicts"),
+                                           "allocator, and search again keeping free what that replay reserves "
+                                           "beyond the prediction"),
     mtbf_hours: Optional[float] = typer.Option(None, "--mtbf-hours", min=0.001,
                                                help="mean time between failures per GPU, hours (default: the "
                                                     "profile's, from the Llama 3 paper's 419 interruptions in 54 days "
@@ -112,8 +114,8 @@ def plan_command(
     if check_memory:
         from parallax_cli.memory_check import checked_plan
 
-        def replan(reserve: float) -> Plan:
-            return plan(workload, cluster, request.model_copy(update={"memory_reserve": reserve}))
+        def replan(reserve: float) -> Plan:  # the replay's excess kept free beside the user's own reserve
+            return plan(workload, cluster, request.model_copy(update={"memory_reserve": request.memory_reserve + reserve}))
 
         with _progress() as progress:
             progress.add_task(f"replaying {result.layout_tag}'s allocations", total=None)

@@ -59,7 +59,7 @@ def fit_plan(plan: Plan, workload, cluster) -> tuple[Plan, list[str]]:
             reason = str(error)
         else:
             if not est.fits:
-                reason = f"it needs {est.peak_memory_bytes / 2**30:.1f} GiB of {est.memory_capacity_bytes / 2**30:.1f} GiB usable"
+                reason = f"it needs {est.held_bytes / 2**30:.1f} GiB of {est.memory_capacity_bytes / 2**30:.1f} GiB usable"
             else:
                 return plan.model_copy(update={"estimate": est}), []
     new = planner.plan(workload, cluster, global_batch=plan.global_batch, seq_len=plan.seq_len, dtype=plan.dtype)

@@ -23,8 +23,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from costmodel.terms import DEFAULT_MEMORY_RESERVE
-from costmodel.inference import KV_DTYPE_BYTES, ServingEstimate, ServingModel
+from costmodel.inference import KV_DTYPE_BYTES, SERVING_MEMORY_RESERVE, ServingEstimate, ServingModel
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
 from hardware.engines import ServingEngine, quantization_names, resolve_engine, weight_quantization
@@ -73,7 +72,7 @@ class InferencePlan(BaseModel):
     slo_tpot_ms: float | None = None
     slo_ttft_ms: float | None = None
     feasible: bool = True
-    memory_reserve: float = Field(DEFAULT_MEMORY_RESERVE, ge=0, lt=1, description="share of GPU memory kept free")
+    memory_reserve: float = Field(SERVING_MEMORY_RESERVE, ge=0, lt=1, description="share of GPU memory kept free")
     estimate: ServingEstimate
     tokens_per_s: float = Field(description="output tokens/s of the whole deployment")
     capacity_requests_per_s: float = Field(description="requests/s the deployment sustains at this operating point")
@@ -168,7 +167,7 @@ def plan_inference(
     dtype: str = "bf16",
     top_k: int = 3,
     price_per_gpu_hour: float | None = None,
-    memory_reserve: float = DEFAULT_MEMORY_RESERVE,
+    memory_reserve: float = SERVING_MEMORY_RESERVE,
     fixed: dict[str, int] | None = None,
     kv_dtype: str = "auto",
     engine: str | ServingEngine = "generic",
@@ -223,7 +222,7 @@ def plan_inference(
 
 def serving_model_for(model: Any, cluster: Cluster, *, prompt_len: int, output_len: int, dtype: str = "bf16",
                       kv_dtype: str = "auto", engine: str | ServingEngine = "generic",
-                      memory_reserve: float = DEFAULT_MEMORY_RESERVE, quantization: str = "none",
+                      memory_reserve: float = SERVING_MEMORY_RESERVE, quantization: str = "none",
                       ) -> tuple[ServingModel, str]:
     """The serving model of `model` on `cluster`, its dtypes checked against the GPU, and a note
     when the named engine family has no fit for it (the one door `plan_inference` and

@@ -32,7 +32,8 @@ class PlanRequest(BaseModel):
     fixed: dict[str, Any] = Field(default_factory=dict, description="pinned axes, e.g. {'tp': 8, 'zero': 1}")
     top_k: int = Field(3, ge=1, le=100, description="the pick and top_k - 1 alternatives")
     time_limit_s: float = Field(2.0, description="the whole search's budget, tracing excluded")
-    memory_reserve: float = Field(DEFAULT_MEMORY_RESERVE, ge=0.0, lt=1.0, description="share of memory kept free")
+    memory_reserve: float = Field(DEFAULT_MEMORY_RESERVE, ge=0.0, lt=1.0, description="share of each GPU kept free beyond the plan's predicted "
+                                "reservation (tensors and the caching allocator's blocks) and the runtime's memory")
     price_per_gpu_hour: Optional[float] = Field(None, description="overrides the profile's price")
     allow_compression: bool = Field(False, description="the solver may pick lossy gradient compression")
     target_gap: float = Field(TARGET_GAP, ge=0.0, le=1.0, description="stop once proven within this of the best")

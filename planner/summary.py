@@ -78,11 +78,13 @@ def _tflops(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
 
 
-def _reserved(est) -> str:
-    """What the caching allocator holds at most beside the tensors' peak (max_memory_reserved)."""
+def _memory(est) -> str:
+    """The tensors' peak (max_memory_allocated) and, where torch's caching allocator holds more, its
+    reservation (max_memory_reserved), the figure held to the GPU's usable memory."""
+    of = f"of {est.memory_capacity_bytes / GIB:.1f} GiB"
     if est.peak_reserved_bytes is None or est.peak_reserved_bytes <= est.peak_memory_bytes:
-        return ""
-    return f" ({est.peak_reserved_bytes / GIB:.1f} reserved by torch's allocator)"
+        return f"{est.peak_memory_bytes / GIB:.1f} {of}"
+    return f"{est.peak_memory_bytes / GIB:.1f} GiB allocated, {est.peak_reserved_bytes / GIB:.1f} reserved {of}"
 
 
 def headline(plan: Plan) -> str:
@@ -95,7 +97,7 @@ def headline(plan: Plan) -> str:
         lines.append(
             f"step {est.step_time_s:.3f} s | {est.tokens_per_s:,.0f} tokens/s | {_tflops(est.tflops_per_gpu_model)} TFLOP/s "
             f"per GPU (model), {_tflops(est.tflops_per_gpu_hw)} with recompute | MFU {est.mfu:.1%} | peak memory "
-            f"{est.peak_memory_bytes / GIB:.1f} of {est.memory_capacity_bytes / GIB:.1f} GiB{_reserved(est)}"
+            f"{_memory(est)}"
         )
         if est.usd_per_million_tokens is not None:
             lines.append(f"cost ${est.usd_per_hour:,.2f}/hour, ${est.usd_per_million_tokens:.3f} per 1M tokens")
@@ -125,13 +127,13 @@ def offload_line(plan: Plan) -> str:
 def alternatives_table(plan: Plan) -> Table:
     table = Table(title="Alternatives")
     mixed = bool(plan.groups)
-    for col in (("on",) if mixed else ()) + ("layout", "step s", "tokens/s", "MFU", "memory GiB"):
+    for col in (("on",) if mixed else ()) + ("layout", "step s", "tokens/s", "MFU", "reserved GiB"):
         table.add_column(col)
     for alt in plan.alternatives:
         e = alt.estimate
         where = (f"{alt.split} split" if alt.split else f"{alt.hardware} alone",) if mixed else ()
         table.add_row(*where, _layout_line(alt), f"{e.step_time_s:.3f}", f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}",
-                      f"{e.peak_memory_bytes / GIB:.1f}")
+                      f"{e.held_bytes / GIB:.1f}")
     return table
 
 
@@ -148,7 +150,7 @@ def groups_table(plan: Plan) -> Table:
     for g in plan.estimate.groups:
         table.add_row(g.group, g.ranks, _span(g.stages), ",".join(map(str, g.blocks_per_stage)),
                       str(g.replicas), str(g.micro_batches), f"{g.per_micro_batch_s * 1e3:.1f}", f"{g.busy_s:.2f}",
-                      f"{g.idle_fraction:.0%}", f"{g.peak_memory_bytes / GIB:.1f}/{g.memory_capacity_bytes / GIB:.0f}")
+                      f"{g.idle_fraction:.0%}", f"{g.held_bytes / GIB:.1f}/{g.memory_capacity_bytes / GIB:.0f}")
     return table
 
 

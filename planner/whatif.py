@@ -79,7 +79,7 @@ class WhatIfRow:
         if not self.feasible:
             return None
         est = self.plan.estimate
-        return 1.0 - est.peak_memory_bytes / est.memory_capacity_bytes
+        return 1.0 - est.held_bytes / est.memory_capacity_bytes
 
     @property
     def usd_per_hour(self) -> float | None:

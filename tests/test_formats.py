@@ -15,7 +15,9 @@ from formats import megatron, serving
 from hardware.errors import ParallaxError
 from parallax_cli import main
 
-PLAN_ARGS = ["llama-3-8b", "--hw", "8xh100-sxm", "--global-batch", "64", "--seq-len", "4096"]
+# accumulation pinned to the recipe every tool's file states (the search may hold gradients unsharded)
+PLAN_ARGS = ["llama-3-8b", "--hw", "8xh100-sxm", "--global-batch", "64", "--seq-len", "4096", "--accumulation",
+             "reduce_each"]
 
 
 @pytest.fixture(scope="module")

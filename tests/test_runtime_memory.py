@@ -67,7 +67,10 @@ def test_runtime_memory_is_the_profiles_and_comes_off_the_usable_memory():
     runtime = plan.estimate.runtime_memory_bytes
     assert runtime["cuda_context"] == 381 * MIB and runtime["cublas_workspace"] == 2 * 32 * MIB
     assert runtime["nccl"] == len(communicators(plan)) * 16 * 2 * 10 * MIB
-    assert plan.estimate.memory_capacity_bytes == pytest.approx(80 * GIB * 0.9 - sum(runtime.values()))
+    # the GPU less the runtime and the prediction's error band: the caching allocator's blocks are priced in the
+    # reservation it is held to
+    assert plan.estimate.memory_capacity_bytes == pytest.approx(80 * GIB * 0.95 - sum(runtime.values()))
+    assert plan.estimate.peak_reserved_bytes >= plan.estimate.peak_memory_bytes
     assert runtime_memory_bytes(plan, hardware.load("4xcpu")) == {}  # CPU ranks: gloo's buffers are the host's
 
 
@@ -157,5 +160,5 @@ def test_plan_checks_its_pick_by_the_allocators_replay(capsys):
     assert main(args + ["--json", "--memory-headroom", "8"]) == 0
     margin = json.loads(capsys.readouterr().out)["estimate"]["memory_capacity_bytes"]
     assert plain - margin == pytest.approx(8 * GIB)
-    assert main(args + ["--memory-headroom", "79"]) == 2
+    assert main(args + ["--memory-headroom", "80"]) == 2
     assert "--memory-headroom" in capsys.readouterr().err

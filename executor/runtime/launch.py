@@ -152,6 +152,9 @@ def _memory_as_measured(plan: Plan, device: str, peak, model: str, cluster, conf
                    "partition recomputes pointwise ops), what a GPU's allocator measures")
 
 
+RETRY_RESERVE = 0.1  # a tenth of each GPU kept free beyond the predicted reservation, for the re-plan
+
+
 def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, config: RunConfig) -> RunError:
     """A rank that ran out of memory: its line with the prediction and the command that re-plans
     with more memory kept free; any other failure as it was."""
@@ -159,12 +162,11 @@ def _said_with_prediction(error: RunError, plan: Plan, model: str, cluster, conf
         return error
     peak = predict(plan, model, cluster, config.trust.module).peak_bytes
     predicted = f"; predicted {peak / 2**20:,.1f} MiB at the plan's peak rank" if peak else ""
-    from costmodel.terms import DEFAULT_MEMORY_RESERVE
     from hardware import loads_back
 
     where = plan.hardware if cluster is None else cluster.spec() if loads_back(cluster) else "PROFILE (the --hardware file)"
     command = (f"parallax plan {model} --hw {where} --global-batch {plan.global_batch} --seq-len {plan.seq_len} "
-               f"--memory-reserve {min(2 * DEFAULT_MEMORY_RESERVE, 0.5):g}")  # twice the default kept free
+               f"--memory-reserve {RETRY_RESERVE:g}")
     return RunError(error.field, error.problem + predicted, f"re-plan with more memory kept free: {command}; {error.hint}")
 
 

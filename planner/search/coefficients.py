@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
 from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
+from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
+                                root_hole_bytes)
 from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
 from costmodel.autocast import autocast_copy_bytes, cast_params_on_rank
@@ -228,25 +230,36 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
     )
-    extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"])
+    caching = caches_blocks(cluster)
+    extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
+                                       caching)
     return replace(data, extra=extra, rebuild=rebuild, step_fixed=_step_fixed(layers[:first], layers[first], layers[last:],
-                                                                              plan, cluster),
+                                                                              plan, cluster, caching),
                    fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))
 
 
 def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
-                cluster: Cluster) -> tuple[float, ...]:
-    """Per pipeline rank, the optimizer step's temporaries that do not scale with its parameters
-    (`costmodel.terms.optimizer_step_temporaries`: on a CPU, those of its largest weight)."""
-    if states_on_host(plan, cluster):
-        return (0.0,) * plan.pp
+                cluster: Cluster, caching: bool) -> tuple[float, ...]:
+    """Per pipeline rank, the optimizer step's memory that does not scale with its parameters
+    (`costmodel.terms.optimizer_step_temporaries`: on a CPU, those of its largest weight), and
+    FSDP2's all-gather pool cached beside it (`costmodel.reserved`)."""
     largest_share, device, S = owned_shares(plan)[1], cluster.gpu.device_type, plan.n_virtual_stages
     fixed = []
     for r in range(plan.pp):
         own = [block] + (prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else [])
+        pool = _pool(own, block, plan) if caching else 0.0
+        if states_on_host(plan, cluster):
+            fixed.append(pool)
+            continue
         largest = max(layer.largest_weight / (plan.tp if layer.tp_shardable else 1) for layer in own)
-        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack, moment_bytes(plan)))
+        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack, moment_bytes(plan)) + pool)
     return tuple(fixed)
+
+
+def _pool(own: list[LayerProfile], block: LayerProfile, plan: Plan) -> float:
+    """FSDP2's all-gather stream's pool on a rank holding `own`'s end layers beside its blocks."""
+    return all_gather_pool_bytes(plan, _params([l for l in own if l is not block], plan),
+                                 layer_params_on_rank(block, plan.tp, plan.ep))
 
 
 def with_crossing(data: StageModelData, crossing: list[float], vpp: int) -> StageModelData:
@@ -290,16 +303,17 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
-                      rebuilt: float) -> tuple[tuple, tuple]:
-    """Each pipeline rank's peak besides states and saved activations, as
-    `costmodel.estimate.peak_moments` holds it, without and with a fully recomputed block
+                      rebuilt: float, caching: bool = True) -> tuple[tuple, tuple]:
+    """Each pipeline rank's peak reservation besides states and saved activations, as
+    `costmodel.terms.peak_moments` holds it, without and with a fully recomputed block
     (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
     unit's backward (ZeRO-3's gathered embedding and head, the head's saved activations
     freed) and a block's backward (the block's gather buffers, the accumulation transient,
     the larger of the block's temporaries and the rebuilt block, the head's saved
-    activations freed). Returned as
-    (without, with - without) per rank: a constant and the coefficient of the solver's
-    per-rank full-recompute indicator."""
+    activations freed), each with the caching allocator's blocks cached then, and FSDP2's
+    all-gather pool beside them (`costmodel.reserved`; none on CPU ranks: `caching`).
+    Returned as (without, with - without) per rank: a constant and the coefficient of the
+    solver's per-rank full-recompute indicator."""
     kw = activation_keywords(plan, 0.0)
     S = plan.n_virtual_stages
     ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
@@ -325,12 +339,26 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
                      accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
                      root_buffer=root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0,
                      block_buffer=block_buffer)
-        plain = max(sum(m.values()) for m in activation_moments(0.0, block_work=block_temporaries, **terms))
-        rebuilding = max(sum(m.values()) for m in activation_moments(0.0, block_work=max(block_temporaries, rebuilt), **terms))
+        slacks = _slacks(own, block, plan, kw, terms["end_temporaries"], sharded) if caching else [0.0] * 3
+        pool = _pool(own + [block], block, plan) if caching else 0.0
+
+        def held(work: float) -> float:
+            return max(sum(m.values()) + slack for m, slack in zip(activation_moments(0.0, block_work=work, **terms),
+                                                                     slacks)) + pool
+
+        plain, rebuilding = held(block_temporaries), held(max(block_temporaries, rebuilt))
         without.append(plain)
         growth.append(rebuilding - plain)
         seen[len(own)] = (own, (plain, rebuilding - plain))
     return tuple(without), tuple(growth)
+
+
+def _slacks(own: list[LayerProfile], block: LayerProfile, plan: Plan, kw: dict, end_temporaries: float,
+            sharded: bool) -> list[float]:
+    """The caching allocator's blocks cached at each moment (`costmodel.reserved.moment_slacks`)."""
+    end = max((allocator_slack_bytes(layer, **kw) for layer in own), default=0.0)
+    hole = root_hole_bytes(plan, _params(own, plan), end_temporaries, sharded)
+    return moment_slacks(end, allocator_slack_bytes(block, **kw), hole)
 
 
 def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,
