@@ -180,10 +180,14 @@ def transient_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: floa
     """One layer's temporaries at its worst moment on one TP rank (`LayerProfile.act_transient`):
     split where the tensors setting them are, or are sequence-split; a gathered output's stay
     whole except on the fused stack (Megatron's vocabulary-parallel loss)."""
+    return layer.act_transient / transient_split(layer, tp, sp, stack) * micro_batch
+
+
+def transient_split(layer: LayerProfile, tp: int, sp: bool, stack: str) -> int:
+    """How many TP ranks share the tensors that set a layer's temporaries (`act_transient_tp`)."""
     t = tp if layer.tp_shardable else 1
     kind = layer.act_transient_tp
-    split = t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
-    return layer.act_transient / split * micro_batch
+    return t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
 
 
 def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> float:

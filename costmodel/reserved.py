@@ -28,17 +28,14 @@ from __future__ import annotations
 from hardware import Cluster
 from layout.plan import Plan
 
-from .memory import WEIGHT_BYTES
+from .memory import WEIGHT_BYTES, transient_split
 from .workload import LayerProfile
 
 
 def allocator_slack_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
                           **_) -> float:
     """The layer's own slack on one TP rank, split as its temporaries are (`memory.transient_bytes`)."""
-    t = tp if layer.tp_shardable else 1
-    kind = layer.act_transient_tp
-    split = t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
-    return layer.act_allocator_slack / split * micro_batch
+    return layer.act_allocator_slack / transient_split(layer, tp, sp, stack) * micro_batch
 
 
 def all_gather_pool_bytes(plan: Plan, root_params: float, block_params: float) -> float:
