@@ -212,21 +212,25 @@ def predict(row: dict, door: str = "traced") -> tuple[float | None, float, str, 
         "tokens_per_s_per_gpu": est.tokens_per_s / plan.n_gpus,
     }[metric]
     layout = f"{plan.layout_tag} {dtype}" if dtype not in ("bf16", "fp8") else plan.layout_tag  # the tag names fp8
-    return value, peak_as_read(est, row) / 2 ** 30, layout, mechanism(plan, row_stack(row)), plan.notes
+    return value, peak_as_read(est, row, cluster.gpu.hbm_gb * 2 ** 30) / 2 ** 30, layout, mechanism(plan, row_stack(row)), \
+        plan.notes
 
 
 FIGURES = ("allocated", "reserved", "nvidia-smi", "unstated")
 
 
-def peak_as_read(est, row: dict) -> float:
-    """The predicted peak per GPU in the counter the row's source read (`memory_figure`)."""
+def peak_as_read(est, row: dict, gpu_bytes: float) -> float:
+    """The predicted peak per GPU in the counter the row's source read (`memory_figure`). A
+    reservation past what the runtime leaves of the GPU is read as that: torch's allocator gives
+    its cache back and retries there rather than reserve more (costmodel/allocator.py)."""
     figure = (row.get("memory_figure") or "unstated").strip().lower()
     if figure not in FIGURES:
         raise ValueError(f"unknown memory_figure {figure!r} (use one of {', '.join(FIGURES)})")
     if figure == "allocated":
         return est.peak_memory_bytes
-    reserved = est.peak_reserved_bytes or est.peak_memory_bytes
-    return reserved + (sum(est.runtime_memory_bytes.values()) if figure == "nvidia-smi" else 0.0)
+    runtime = sum(est.runtime_memory_bytes.values())
+    reserved = max(est.peak_memory_bytes, min(est.held_bytes, gpu_bytes - runtime))
+    return reserved + (runtime if figure == "nvidia-smi" else 0.0)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -96,3 +96,23 @@ def test_memory_rows_are_predicted_and_give_a_memory_mape(capsys):
     assert " not predicted: " not in out and f"over {len(rows)} rows with a published peak" in out
     printed = {line.split()[0] for line in out.splitlines() if line.strip()}
     assert all(r["id"] in printed for r in rows)
+
+
+def test_a_peak_is_predicted_in_the_counter_its_source_read():
+    """allocated: the tensors' peak; reserved: the allocator's reservation, read as what the runtime
+    leaves of the GPU where it would pass it (torch gives its cache back there); nvidia-smi: that
+    and the runtime; an unknown counter is refused by name."""
+    import pytest
+
+    from layout.results import Estimate
+
+    GIB = 2 ** 30
+    est = Estimate(step_time_s=1.0, breakdown_s={}, tokens_per_s=1.0, tflops_per_gpu_model=1.0, tflops_per_gpu_hw=1.0,
+                   mfu=0.1, peak_memory_bytes=70 * GIB, peak_reserved_bytes=85 * GIB, memory_capacity_bytes=75 * GIB,
+                   runtime_memory_bytes={"cuda_context": GIB}, stages=[])
+    read = lambda figure: published_runs.peak_as_read(est, {"memory_figure": figure}, 80 * GIB) / GIB  # noqa: E731
+    assert (read("allocated"), read("reserved"), read("unstated"), read("nvidia-smi")) == (70, 79, 79, 80)
+    roomy = est.model_copy(update={"peak_reserved_bytes": 74 * GIB})
+    assert published_runs.peak_as_read(roomy, {"memory_figure": "reserved"}, 80 * GIB) == 74 * GIB
+    with pytest.raises(ValueError, match="memory_figure"):
+        read("smi")
