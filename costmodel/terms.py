@@ -46,9 +46,9 @@ from .workload import LayerProfile, Workload
 # error, not the allocator's fragmentation (priced). On the 10 H200 runs of
 # benchmarks/data/h200_gpu_runs.csv (benchmarks/gpu_runs.py) the prediction fell short of
 # max_memory_allocated by at most 4.7% and of max_memory_reserved by at most 4.6% (MAPE 2.4% and
-# 2.9%); 5% of the GPU covers that band. A prediction short of the GPU's own reservation costs the allocator a
-# release and retry (a device synchronisation), not the run, while the live tensors fit
-# (costmodel.allocator, the dry run's replay on the device). `--memory-reserve` sets it.
+# 2.9%); 5% of the GPU covers that band. A prediction short of the GPU's own reservation costs
+# the allocator a release and retry (a device synchronisation), not the run, while the live
+# tensors fit (costmodel.allocator, the dry run's replay on the device). `--memory-reserve` sets it.
 DEFAULT_MEMORY_RESERVE = 0.05
 GIB = 2**30
 
