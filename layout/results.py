@@ -61,6 +61,15 @@ class Estimate(BaseModel):
         return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
 
     @property
+    def fits_with_retries(self) -> bool:
+        """Whether the tensors fit once torch's caching allocator gives its cache back: a plan that
+        does not `fit` but does this runs, its allocator releasing and retrying (a device
+        synchronisation) each step."""
+        host = self.host_memory_capacity_bytes
+        return (self.peak_memory_bytes <= self.memory_capacity_bytes
+                and (host is None or self.host_memory_bytes <= host) and not self.groups)
+
+    @property
     def fits(self) -> bool:
         host = self.host_memory_capacity_bytes
         return (self.held_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)

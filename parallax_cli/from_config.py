@@ -68,11 +68,12 @@ def _expressible(candidate: Plan, fmt: str) -> bool:
 
 def comparison(own: Plan, proposed: Plan) -> str:
     """One line: the user's step against the proposal's."""
+    from planner.search.pinned import memory_note
+
     mine, best = own.estimate, proposed.estimate
     if not mine.fits:
-        return (f"your layout ({own.layout_tag}) does not fit as priced: {mine.held_bytes / GIB:.1f} of "
-                f"{mine.memory_capacity_bytes / GIB:.1f} GiB a GPU; proposed ({proposed.layout_tag}): "
-                f"{best.step_time_s:.3f} s a step, {best.held_bytes / GIB:.1f} GiB")
+        return (f"your layout ({own.layout_tag}) does not fit as priced ({memory_note(mine)}); proposed "
+                f"({proposed.layout_tag}): {best.step_time_s:.3f} s a step, {best.held_bytes / GIB:.1f} GiB reserved")
     if proposed is own:
         return f"your layout ({own.layout_tag}), {mine.step_time_s:.3f} s a step, is the fastest your tool runs: keep it"
     speedup = mine.step_time_s / best.step_time_s

@@ -264,7 +264,10 @@ def _print_priced(priced: Plan, as_json: bool, note: str, lines: list[str]) -> N
     for line in lines:
         console.print(line, markup=False)
     if not priced.estimate.fits:
-        console.print("[red]this layout does not fit in memory[/red]")
+        from planner.search.pinned import memory_note
+
+        colour = "yellow" if priced.estimate.fits_with_retries else "red"
+        console.print(f"[{colour}]{memory_note(priced.estimate)}[/{colour}]")
 
 
 def _plan_as_asked(plan_file: Path, model: str | None, hw: str | None, given: dict, trust_module: bool):

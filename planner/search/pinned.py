@@ -60,6 +60,17 @@ def _as_plan(layout: Layout, workload: Workload, cluster: Cluster, policy: str, 
         raise PlanError("pp", str(error), "pin fewer pipeline stages") from None
 
 
+def memory_note(est) -> str:
+    """Why a given layout does not fit as priced: its reservation past the usable memory while its
+    tensors fit (it runs, the allocator giving its cache back each step), or its tensors past it."""
+    usable = f"{est.memory_capacity_bytes / GIB:.0f} GiB usable"
+    if est.fits_with_retries:
+        return (f"memory model: {est.held_bytes / GIB:.0f} GiB reserved with no memory pressure > {usable}; its "
+                f"{est.peak_memory_bytes / GIB:.0f} GiB of tensors fit, so it runs with torch's caching allocator "
+                "giving its cache back and retrying each step (a device synchronisation)")
+    return f"memory model: {est.peak_memory_bytes / GIB:.0f} GiB of tensors > {usable}"
+
+
 def pinned_plan(workload: Workload, cluster: Cluster, *, global_batch: int, fixed: dict, dtype: str = "bf16",
                 model: str | None = None, memory_reserve: float) -> Plan:
     """The pinned layout with its estimate: the fastest checkpointing policy that fits (or,
@@ -78,6 +89,5 @@ def pinned_plan(workload: Workload, cluster: Cluster, *, global_batch: int, fixe
     if problem is not None:
         notes.append(f"outside the executor's space: {problem}")
     if not est.fits:
-        notes.append(f"memory model: {est.peak_memory_bytes / GIB:.0f} GiB > "
-                     f"{est.memory_capacity_bytes / GIB:.0f} GiB usable")
+        notes.append(memory_note(est))
     return plan.model_copy(update={"estimate": est, "notes": [*plan.notes, *notes]})
