@@ -71,7 +71,12 @@ def segment_size(rounded: int) -> int:
 
 def page_size(rounded: int) -> int:
     """An expandable segment's page: 2 MiB in the small pool, 20 MiB in the large one."""
-    return SMALL_BUFFER if is_small(rounded) else LARGE_BUFFER
+    return pool_page((is_small(rounded), DEFAULT_STREAM))
+
+
+def pool_page(pool: tuple[bool, str]) -> int:
+    """The page of an expandable segment in `pool` (small pool?, stream)."""
+    return SMALL_BUFFER if pool[0] else LARGE_BUFFER
 
 
 def splits(rounded: int, remaining: int, expandable: bool) -> bool:
@@ -256,7 +261,7 @@ class CachingAllocator:
         if self.expandable_segments:
             self._unmap_free_pages()
             for pool, tail in self._tails.items():
-                page = SMALL_BUFFER if pool[0] else LARGE_BUFFER
+                page = pool_page(pool)
                 if tail.free and tail.size >= page:
                     self._unlist(tail)
                     released = tail.size // page * page
@@ -276,7 +281,7 @@ class CachingAllocator:
         """Unmap the whole pages inside each free block short of its pool's tail (which gives its
         pages back by shrinking)."""
         for pool, blocks in self._free.items():
-            page = SMALL_BUFFER if pool[0] else LARGE_BUFFER
+            page = pool_page(pool)
             for _, _, block in blocks:
                 if self._tails.get(pool) is block:
                     continue

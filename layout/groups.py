@@ -80,7 +80,17 @@ def rank_ranges(ranks: list[int]) -> str:
     return ",".join(runs)
 
 
-class GroupEstimate(BaseModel):
+class HeldMemory:
+    """What an estimate's memory capacity is held to: the caching allocator's reservation where it
+    is priced (`peak_reserved_bytes`), else the tensors' peak (`peak_memory_bytes`); both are
+    the model's own fields."""
+
+    @property
+    def held_bytes(self) -> float:
+        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
+
+
+class GroupEstimate(HeldMemory, BaseModel):
     """What one GPU group does in a mixed plan's step, as the cost model prices it."""
 
     model_config = ConfigDict(extra="forbid")
@@ -99,11 +109,6 @@ class GroupEstimate(BaseModel):
     peak_reserved_bytes: float | None = Field(None, description="what torch's caching allocator reserves at most on its "
                                               "worst rank (costmodel.reserved): what its capacity is held to")
     memory_capacity_bytes: float
-
-    @property
-    def held_bytes(self) -> float:
-        """What is held to `memory_capacity_bytes`: the reservation where it is priced, else the tensors' peak."""
-        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
 
     @property
     def fits(self) -> bool:

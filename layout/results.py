@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .groups import GroupEstimate
+from .groups import GroupEstimate, HeldMemory
 
 
 class StageEstimate(BaseModel):
@@ -28,7 +28,7 @@ class StageEstimate(BaseModel):
         return sum(self.memory_bytes.values())
 
 
-class Estimate(BaseModel):
+class Estimate(HeldMemory, BaseModel):
     """Predicted step: time by category, throughput and per-rank memory."""
 
     model_config = ConfigDict(extra="forbid")
@@ -54,11 +54,6 @@ class Estimate(BaseModel):
     groups: list[GroupEstimate] = Field(default_factory=list, description="a mixed-cluster plan: each GPU group's share")
     usd_per_hour: float | None = None
     usd_per_million_tokens: float | None = None
-
-    @property
-    def held_bytes(self) -> float:
-        """What is held to `memory_capacity_bytes`: the reservation where it is priced, else the tensors' peak."""
-        return self.peak_reserved_bytes if self.peak_reserved_bytes is not None else self.peak_memory_bytes
 
     @property
     def fits_with_retries(self) -> bool:

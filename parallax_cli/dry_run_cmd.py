@@ -49,8 +49,7 @@ def dry_run_command(
 
 
 def _reserved_line(rank) -> str:
-    replayed = rank.allocator
-    reserved = replayed.get("reserved_on_device", replayed["reserved_expandable"])
+    replayed, reserved = rank.allocator, rank.reserved
     where = " on this GPU" if "reserved_on_device" in replayed else ""
     line = (f"reserved: {reserved / GIB:.2f} GiB{where} by the caching allocator's replay with expandable segments "
             f"({reserved / replayed['allocated'] - 1:+.1%} over allocated)")

@@ -65,6 +65,6 @@ def _same(a: Plan, b: Plan) -> bool:
 def _line(pick: Plan, rank, share: float) -> str:
     verdict = "fits" if rank.fits else "does not fit"
     return (f"memory check of {pick.layout_tag}: {rank.allocator['allocated'] / GIB:.1f} GiB allocated, "
-            f"{(rank.device_total - sum(rank.runtime.values())) / GIB:.1f} GiB reserved by the caching allocator's replay "
+            f"{rank.reserved / GIB:.1f} GiB reserved by the caching allocator's replay "
             f"({share:.1%} of the GPU beyond the prediction), {sum(rank.runtime.values()) / GIB:.2f} GiB runtime: "
             f"{rank.device_total / GIB:.1f} of {rank.gpu_bytes / GIB:.0f} GiB, {verdict}")

@@ -59,12 +59,16 @@ class RankMemory:
         return self.predicted_peak / self.measured_peak - 1 if self.measured_peak else math.nan
 
     @property
+    def reserved(self) -> float | None:
+        """The replayed allocator's reservation with expandable segments (as `parallax run` sets it:
+        executor.runtime.mesh.ALLOCATOR_SETTINGS), on the device where its room is known (the cache
+        given back under pressure), else with no memory pressure."""
+        return self.allocator.get("reserved_on_device", self.allocator.get("reserved_expandable"))
+
+    @property
     def device_total(self) -> float | None:
-        """What the GPU would hold at the peak: the replayed allocator's reservation with expandable
-        segments (as `parallax run` sets it: executor.runtime.mesh.ALLOCATOR_SETTINGS), on the
-        device where its room is known (the cache given back under pressure), and the runtime's memory."""
-        reserved = self.allocator.get("reserved_on_device", self.allocator.get("reserved_expandable"))
-        return None if reserved is None else reserved + sum(self.runtime.values())
+        """What the GPU would hold at the peak: the reservation and the runtime's memory."""
+        return None if self.reserved is None else self.reserved + sum(self.runtime.values())
 
     @property
     def fits(self) -> bool:

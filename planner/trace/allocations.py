@@ -23,9 +23,8 @@ from planner.trace.saved import view_base
 def layer_nodes(og: OpGraph, layer: str) -> list[int]:
     """The layer's forward ops and the backward ops autograd ran for them (each backward op goes
     to the layer whose forward ran the module that recorded it), in execution order."""
-    layer_of = {d.get("module"): d.get("layer") for _, d in og.nodes()}
-    return [n for n, d in og.nodes(None)
-            if (d.get("layer") if d["phase"] == "forward" else layer_of.get(d.get("module"))) == layer]
+    module_layers = og.module_layers()
+    return [n for n, d in og.nodes(None) if og.layer_of(d, module_layers) == layer]
 
 
 def allocator_slack(og: OpGraph, layer: str, nbytes: Callable[[dict], float]) -> float:

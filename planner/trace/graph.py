@@ -78,6 +78,15 @@ class OpGraph:
             if phase is None or data["phase"] == phase:
                 yield node, data
 
+    def module_layers(self) -> dict[str | None, str | None]:
+        """Each module's layer, by the forward ops it ran: a backward op (which autograd records
+        under no layer) goes to the layer whose forward ran the module that recorded it."""
+        return {d.get("module"): d.get("layer") for _, d in self.nodes()}
+
+    def layer_of(self, data: dict, module_layers: dict) -> str | None:
+        """The layer of the op `data`: its own in forward, its module's in backward."""
+        return data.get("layer") if data["phase"] == "forward" else module_layers.get(data.get("module"))
+
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES.get(self.dtype, 2)

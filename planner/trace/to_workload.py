@@ -114,15 +114,15 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
 def _host_ops(og: OpGraph) -> dict[str, dict[str, int]]:
     """Per layer, the backward's ops and the forward's saved tensors: each goes to the one layer
     whose forward ran the module that recorded it."""
-    layer_of = {d.get("module"): d.get("layer") for _, d in og.nodes()}
+    module_layers = og.module_layers()
     counts: dict[str, dict[str, int]] = {}
     for _, data in og.nodes("backward"):
-        layer = layer_of.get(data.get("module"))
+        layer = og.layer_of(data, module_layers)
         if layer is not None:
             mine = counts.setdefault(layer, {"backward": 0, "saved": 0})
             mine["backward"] += 1
     for module, saves in og.saves_by_module.items():
-        layer = layer_of.get(module)
+        layer = module_layers.get(module)
         if layer is not None:
             counts.setdefault(layer, {"backward": 0, "saved": 0})["saved"] += saves
     return counts
