@@ -27,12 +27,14 @@ flight.
 """
 from __future__ import annotations
 
+from .fp8 import runs_fp8
 from .workload import LayerProfile
 
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # the compute copy: fp8 runs bf16 weights, gradients and collectives
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a state or reduction dtype (Plan.master_dtype, optimizer_dtype, reduce_dtype)
 FP8_WEIGHT_COPY_BYTES = 1  # per held weight: the FP8 cast the GEMMs read, kept beside the bf16 weight
+FP8_SAVED_BYTES = 1  # per element of a GEMM input Transformer Engine saves for backward under FP8
 
 
 def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32", moments: str = "fp32",
@@ -70,7 +72,9 @@ def reduce_bytes(plan) -> float:
     the stack's reference recipe reduces in. On the eager and compile stacks FSDP2's units
     (zero 2/3) reduce in fp32 (torchtitan's `mixed_precision_reduce`, the only value 0.3.0
     takes), DDP and FSDP2's replicate (zero 0/1) the gradients as autograd made them, in the
-    weights' dtype; Megatron reduces its 16-bit gradients (grad_reduce_in_fp32 off)."""
+    weights' dtype; Megatron reduces its 16-bit gradients, as NeMo's and Megatron-Bridge's
+    performance recipes set it (`grad_reduce_in_fp32 = False`). Megatron-LM's own arguments turn
+    fp32 accumulation on for bf16 unless `--grad-reduce-in-bf16`: pin reduce_dtype fp32 there."""
     if plan.dtype == "fp32":
         return 4.0
     if plan.reduce_dtype:
@@ -142,7 +146,7 @@ def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type:
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
-                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager") -> float:
+                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of
     tokens: micro_batch / cp under context parallelism), on one TP rank.
 
@@ -151,7 +155,10 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
     a gathered output's loss stays whole (`act_sp_whole` in place of `act_sp_dropped`); the
     fused stack (Megatron) saves the shards. Context parallelism's attention also saves the
     keys and values it all-gathered from the other cp ranks (`kv_bytes`: one whole sequence's,
-    per attention layer) unless the layer is recomputed, which gathers them again."""
+    per attention layer) unless the layer is recomputed, which gathers them again.
+
+    A layer kept whole saves less on the stacks that fuse each chain of pointwise ops into one
+    kernel (`fused_saved_bytes`)."""
     t = tp if layer.tp_shardable else 1
     replicated_split = t if sp else 1
     if recompute == "full":
@@ -163,9 +170,8 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         if sp and t > 1:
             kept += layer.act_op_reduced / t
     else:
-        kept = layer.act_replicated / replicated_split + layer.act_tp_sharded / t
-        if stack == "compile" and layer.act_compiled_share is not None:
-            kept *= layer.act_compiled_share  # the pointwise ops the min-cut partition recomputes
+        kept = fused_saved_bytes(layer, layer.act_replicated / replicated_split + layer.act_tp_sharded / t,
+                                 stack, dtype, t)
         if sp and t > 1 and stack != "fused":
             kept += layer.act_sp_whole - layer.act_sp_dropped / t
         if recompute in ("none", "op"):  # op on a layer not traced for it: priced as none, as its time is
@@ -173,6 +179,27 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
             if cp > 1 and layer.attention_flops:
                 kept += kv_bytes * (cp - 1) / t
     return kept * micro_batch
+
+
+def fused_saved_bytes(layer: LayerProfile, kept: float, stack: str, dtype: str, t: int) -> float:
+    """What a layer kept whole saves (`kept`: eager's bytes per sequence on one TP rank) on a stack
+    that fuses each chain of pointwise ops into one kernel, which saves the chain's inputs and
+    rebuilds the rest inside its backward kernel.
+    - compile: inductor's min-cut partition of the joint graph (`act_compiled_share`, torch's own
+      recompute rules).
+    - fused: Megatron-LM's kernels do the same by hand: Transformer Engine's norms save their
+      input and the inverse deviation, the fused SwiGLU its input (`bias_swiglu_impl` recomputes
+      the activation in backward), the fused rotary embedding nothing but its angles; priced by the
+      same min-cut share. Under FP8, Transformer Engine's linear layers save their input as the
+      1-byte FP8 copy the weight-gradient GEMM reads, not the 16-bit tensor
+      (`gemm_input_elements`, split over TP as the fused stack saves the shards; a column-split
+      input saved whole without SP keeps more, so this errs towards more memory).
+    - eager: every op's saved tensors, as traced."""
+    if stack in ("compile", "fused") and layer.act_compiled_share is not None:
+        kept *= layer.act_compiled_share
+    if stack == "fused" and runs_fp8(layer, dtype):
+        kept -= layer.gemm_input_elements * (WEIGHT_BYTES["bf16"] - FP8_SAVED_BYTES) / t
+    return max(kept, 0.0)
 
 
 def transient_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
@@ -217,8 +244,8 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
     return float(min(m, pp - rank))
 
 
-def activation_keywords(plan, kv_bytes: float) -> dict:
-    """`activation_bytes`'s layout keywords for `plan` (`kv_bytes`: one sequence's keys and
-    values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
-    return dict(tp=plan.tp, sp=plan.sp, micro_batch=plan.micro_batch_per_rank, cp=plan.cp, kv_bytes=kv_bytes,
-                stack=plan.stack)
+def activation_keywords(layout, kv_bytes: float, dtype: str) -> dict:
+    """`activation_bytes`'s layout keywords for `layout` in compute `dtype` (`kv_bytes`: one
+    sequence's keys and values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
+    return dict(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank, cp=layout.cp, kv_bytes=kv_bytes,
+                stack=layout.stack, dtype=dtype)

@@ -195,7 +195,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     held_gradients = held_gradient_bytes(rank.params, plan)
     if held_gradients:  # unsharded until the last micro-batch reduces them, and no sharded ones yet
         states["gradients"] = 0.0
-    kw = activation_keywords(plan, kv_bytes_per_sequence(workload))
+    kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
     biggest, root, cast, block_slack, end_slack = 0.0, 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:

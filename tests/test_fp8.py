@@ -118,3 +118,24 @@ def test_both_doors_count_the_same_gemm_operands(llama_8b):
     for name in ("gemm_input_elements", "gemm_output_elements", "gemm_casts"):
         assert getattr(analytic, name) == getattr(traced, name), name
     assert traced.gemm_input_elements == 4096 * (3 * 4096 + 14336)
+
+
+def test_fused_kernels_save_the_min_cut_share_and_fp8_saves_its_gemm_inputs_at_one_byte(llama_8b):
+    """Megatron/Transformer Engine fuse each pointwise chain (norms, SwiGLU, rotary) and save its
+    inputs, as inductor's min-cut does; under FP8 its linears save their inputs as the FP8 copy."""
+    from costmodel.memory import activation_bytes
+
+    block = next(layer for layer in llama_8b.layers if layer.kind == "block")
+    kw = dict(tp=4, sp=True, micro_batch=1)
+    eager = activation_bytes(block, "none", stack="eager", **kw)
+    fused = activation_bytes(block, "none", stack="fused", **kw)
+    assert block.act_compiled_share is not None and 0.5 < block.act_compiled_share < 0.9
+    no_sp = dict(tp=4, sp=False, micro_batch=1)  # under SP, DTensor (compile) saves gathered inputs whole
+    assert activation_bytes(block, "none", stack="fused", **no_sp) == pytest.approx(
+        activation_bytes(block, "none", stack="compile", **no_sp))
+    assert fused < eager
+    fused_fp8 = activation_bytes(block, "none", stack="fused", dtype="fp8", **kw)
+    assert fused - fused_fp8 == pytest.approx(block.gemm_input_elements / 4)  # one byte less each, TP-split
+    assert activation_bytes(block, "none", stack="eager", dtype="fp8", **kw) == eager  # torchao saves 16-bit
+    assert activation_bytes(block, "full", stack="fused", dtype="fp8", **kw) == activation_bytes(
+        block, "full", stack="eager", **kw)  # the layer input alone, whatever the stack

@@ -116,3 +116,16 @@ def test_a_peak_is_predicted_in_the_counter_its_source_read():
     assert published_runs.peak_as_read(roomy, {"memory_figure": "reserved"}, 80 * GIB) == 74 * GIB
     with pytest.raises(ValueError, match="memory_figure"):
         read("smi")
+
+
+def test_megatron_fp8_layouts_that_ran_are_not_refused():
+    """Megatron-Bridge's FP8 3-D layouts (70B tp4 pp8 vp5, 405B tp8 pp8 cp2 vp8) ran on 80-GB H100s;
+    priced with Transformer Engine's fused kernels and FP8 saved inputs they fit."""
+    path = Path(published_runs.ROOT) / "benchmarks" / "data" / "heldout_runs.csv"
+    with open(path, newline="") as handle:
+        rows = [r for r in csv.DictReader(handle) if r["id"] in ("mbridge2511_llama3_70b_h100",
+                                                                   "mbridge2511_llama31_405b_h100")]
+    assert len(rows) == 2
+    for row in rows:
+        *_, notes = published_runs.predict(row)
+        assert not [n for n in notes if "memory model" in n], (row["id"], notes)

@@ -149,7 +149,7 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
 
 def stage_activation(plan: Plan, pricer: Pricer, index: int) -> float:
     """Bytes one in-flight micro-batch of virtual stage `index` keeps until its backward."""
-    kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes)
+    kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes, plan.dtype)
     return sum(activation_bytes(layer, policy, **kw) for _, layer, policy in pricer.stage_layers(index))
 
 

@@ -155,7 +155,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
         zero = sharded_exposed(params, t, plan, lay, collectives)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
-        activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes))
+        activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
                              step_states=step_states, expert_params=layer.expert_params / plan.ep,
                              weight_grad=times(layer, ctx, "none").weight_grad)
@@ -314,7 +314,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     all-gather pool beside them (`costmodel.reserved`; none on CPU ranks: `caching`).
     Returned as (without, with - without) per rank: a constant and the coefficient of the
     solver's per-rank full-recompute indicator."""
-    kw = activation_keywords(plan, 0.0)
+    kw = activation_keywords(plan, 0.0, plan.dtype)
     S = plan.n_virtual_stages
     ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
     sharded = held_zero(plan) >= 3 and plan.gathers_weights

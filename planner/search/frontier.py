@@ -145,7 +145,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     the dense per-parameter figure, which shards over more ranks): such a layout's bound is
     inf, so it is dropped before its coefficients are built. Offloaded states are on the host."""
     return (_average_states(workload, layout, dtype, per_rank, cluster, global_batch)
-            + _average_activations(workload, layout, per_rank, global_batch)) > capacity
+            + _average_activations(workload, layout, dtype, per_rank, global_batch)) > capacity
 
 
 def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: dict, cluster: Cluster,
@@ -164,10 +164,10 @@ def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: di
     return per_rank[key] / layout.pp * state
 
 
-def _average_activations(workload: Workload, layout: Layout, per_rank: dict, global_batch: int) -> float:
-    key = ("activations", layout.tp, layout.sp, layout.micro_batch, layout.cp, layout.stack)
+def _average_activations(workload: Workload, layout: Layout, dtype: str, per_rank: dict, global_batch: int) -> float:
+    key = ("activations", layout.tp, layout.sp, layout.micro_batch, layout.cp, layout.stack, dtype)
     if key not in per_rank:
-        keywords = activation_keywords(layout, kv_bytes_per_sequence(workload))
+        keywords = activation_keywords(layout, kv_bytes_per_sequence(workload), dtype)
         per_rank[key] = sum(min(activation_bytes(s.layer, p, **keywords) for p in RECOMPUTE) * s.count
                             for s in workload.segments)
     m = global_batch // (layout.dp * layout.micro_batch)
