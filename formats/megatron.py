@@ -55,7 +55,7 @@ def export(plan: Plan, lossy: bool) -> Exported:
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
-    recipe_losses(plan, losses, {"tp_overlap": (True,)})
+    recipe_losses(plan, losses, {"tp_overlap": (True,), "reduce_dtype": ("fp32",) if _bf16_path(plan) else ()})
     if plan.stack != "fused":
         losses.add("stack", f"the {plan.stack} stack: Megatron runs its fused kernels (plan with --stack fused)")
     if plan.offload:
@@ -63,8 +63,9 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
                    "the optimizer only)")
     if plan.zero >= 2 and plan.dp_replicate > 1:
         losses.add("dp_shard", "hybrid sharding (Megatron FSDP shards over the whole data-parallel group)")
-    if plan.compression not in ("none", "bf16"):
-        losses.add("compression", f"{plan.compression} gradient compression (only bf16 reduction)")
+    if plan.compression != "none":
+        losses.add("compression", f"{plan.compression} gradient compression (Megatron reduces the gradients in the "
+                   "buffer they accumulate in: 16-bit with --grad-reduce-in-bf16, else fp32 under bf16)")
     if plan.schedule in ("gpipe", "zero-bubble") and plan.pp > 1:
         losses.add("schedule", f"the {plan.schedule} schedule (Megatron runs 1F1B and interleaved 1F1B)")
 
@@ -93,11 +94,19 @@ def _pipeline(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
     return options + [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]
 
 
+def _bf16_path(plan: Plan) -> bool:
+    """Whether Megatron runs the plan with --bf16 (FP8 too), where its arguments accumulate and
+    reduce the gradients in fp32 unless --grad-reduce-in-bf16 (megatron/training/arguments.py)."""
+    return plan.dtype in ("bf16", "fp8")
+
+
 def _precision(plan: Plan) -> list[tuple[str, Any]]:
-    if plan.dtype == "fp8":
-        return [("--bf16", True), ("--fp8-format", "hybrid")]
-    options = [(f"--{plan.dtype}", True)] if plan.dtype in ("bf16", "fp16") else []
-    return options + ([("--grad-reduce-in-bf16", True)] if plan.compression == "bf16" else [])
+    """The precision flags: the plan's 16-bit gradients (the fused stack's default, as NeMo's and
+    Megatron-Bridge's performance recipes run) need --grad-reduce-in-bf16 on the bf16 path; a
+    plan pinning reduce_dtype fp32 runs Megatron-LM's own default."""
+    options = [("--bf16", True), ("--fp8-format", "hybrid")] if plan.dtype == "fp8" else \
+        [(f"--{plan.dtype}", True)] if plan.dtype in ("bf16", "fp16") else []
+    return options + ([("--grad-reduce-in-bf16", True)] if _bf16_path(plan) and plan.reduce_dtype != "fp32" else [])
 
 
 def _recompute(plan: Plan, losses: Losses) -> list[tuple[str, Any]]:
@@ -170,10 +179,11 @@ def read(text: str) -> Stated:
     axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel") and axes.get("tp", 1) > 1,
                 stack="fused")
     axes["tp_overlap"] = axes["sp"] and argv.truth(found, "--tp-comm-overlap")
-    if argv.truth(found, "--grad-reduce-in-bf16"):
-        axes["compression"] = "bf16"
+    dtype = _read_dtype(found)
+    if dtype in ("bf16", "fp8") and not argv.truth(found, "--grad-reduce-in-bf16"):
+        axes["reduce_dtype"] = "fp32"  # Megatron's arguments turn fp32 accumulation on for bf16
     stated = Stated(format=NAME, axes=axes, global_batch=number("--global-batch-size"),
-                    seq_len=number("--seq-length"), dtype=_read_dtype(found),
+                    seq_len=number("--seq-length"), dtype=dtype,
                     unpriced=[f"{len(unknown)} flags ({', '.join(unknown[:6])}{', ...' if len(unknown) > 6 else ''}): "
                               "not layout flags; optimizer, data and kernel options are priced as Megatron's "
                               "defaults"] if unknown else [])

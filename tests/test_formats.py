@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import formats
+import planner
 from formats import megatron, serving
 from hardware.errors import ParallaxError
 from parallax_cli import main
@@ -155,3 +156,20 @@ def test_an_engines_command_line_is_priced_as_it_stands(tmp_path, capsys):
     assert (priced["tp"], priced["pp"], priced["replicas"]) == (2, 1, 1)
     assert main([*serve, "--replicas", "16"]) == 2
     assert "replicas: replicas=16: no such deployment" in capsys.readouterr().err
+
+
+def test_megatrons_gradient_dtype_is_read_and_written_as_it_runs():
+    """Megatron-LM accumulates and reduces bf16 runs' gradients in fp32 unless --grad-reduce-in-bf16
+    (its arguments.py): read so, and a plan's 16-bit gradients are written with the flag."""
+    base = "--tensor-model-parallel-size 1\n--micro-batch-size 1\n--global-batch-size 64\n--seq-length 4096\n"
+    assert megatron.read(base + "--bf16\n").axes["reduce_dtype"] == "fp32"
+    assert megatron.read(base + "--bf16\n--fp8-format hybrid\n").axes["reduce_dtype"] == "fp32"
+    assert "reduce_dtype" not in megatron.read(base + "--bf16\n--grad-reduce-in-bf16\n").axes
+    assert "reduce_dtype" not in megatron.read(base + "--fp16\n").axes
+
+    plan = planner.plan("llama-3-8b", "8xh100-sxm", global_batch=64, seq_len=4096,
+                        fixed={"stack": "fused", "dp": 8, "tp": 1, "pp": 1, "zero": 1, "micro_batch": 1,
+                               "recompute": "none"})
+    assert "--grad-reduce-in-bf16" in formats.export(plan, "megatron").text
+    fp32 = plan.model_copy(update={"reduce_dtype": "fp32"})
+    assert "--grad-reduce-in-bf16" not in formats.export(fp32, "megatron").text
