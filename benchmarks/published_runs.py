@@ -31,7 +31,8 @@ fp32; blank bf16) is the precision the run trained in and is priced so (FP8: the
 blocks' GEMMs at the GPU's FP8 peak, their casts by stack, costmodel/fp8.py). An
 optional yes/no tp_comm_overlap says the run overlapped TP's collectives with its
 GEMMs (Megatron-LM's --tp-comm-overlap, torchtitan's async TP), as its launcher
-config states. `stack` names the software that ran it: eager (PyTorch
+config states; an optional yes/no fp8_param_gather that an FP8 run on the fused stack held
+and gathered its weights in FP8 (Megatron-LM's --fp8-param-gather). `stack` names the software that ran it: eager (PyTorch
 ops, FSDP2/DTensor, what `parallax run` executes), compile (torch.compile) or
 fused (Megatron-LM / Transformer Engine kernels); blank is fused, which every
 Megatron-LM row is. Rows are grouped by stack and GPU for the MAPE lines; each
@@ -158,6 +159,8 @@ def row_pins(row: dict) -> dict:
         pins["sp"] = sp
     if _yes(row, "tp_comm_overlap"):  # Megatron-LM's --tp-comm-overlap, torchtitan's async TP: where a run states it
         pins["tp_overlap"] = True
+    if _yes(row, "fp8_param_gather"):  # Megatron-LM's --fp8-param-gather, where a run states it
+        pins["fp8_param_gather"] = True
     recompute = (row.get("recompute") or "").strip().lower()
     if recompute:
         pins["recompute"] = recompute

@@ -17,7 +17,7 @@ from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time, memory_bandwidth
 from .fp8 import weight_cast_bytes_per_param
-from .memory import WEIGHT_BYTES, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
+from .memory import gathered_weight_element_bytes, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_copy_time, host_optimizer_seconds_per_param
 from layout.plan import Plan
 
@@ -79,7 +79,7 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     latency grows with it."""
     if not plan.gathers_weights:
         return 0.0, 0.0, 0.0
-    nbytes = params * WEIGHT_BYTES[plan.dtype]
+    nbytes = params * gathered_weight_element_bytes(plan.dtype, plan.fp8_param_gather)
     scattered = params * reduce_bytes(plan)
     cluster = lay.ctx.cluster
     # Offloaded (costmodel/offload.py): the fp32 shard comes from the host before each gather, and the
@@ -184,7 +184,8 @@ def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
     Megatron gathers its 16-bit copy, the executor broadcasts the weights themselves."""
     if plan.zero != 1 or plan.data_parallel == 1:
         return 0.0
-    per_param = WEIGHT_BYTES[plan.dtype] if plan.stack == "fused" else plan_state_bytes(plan)[0]
+    per_param = gathered_weight_element_bytes(plan.dtype, plan.fp8_param_gather) if plan.stack == "fused" \
+        else plan_state_bytes(plan)[0]
     return coll.all_gather(params * per_param, lay.dp_group, lay.ctx.cluster)
 
 

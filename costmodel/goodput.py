@@ -60,7 +60,8 @@ def plan_checkpoint_bytes(plan) -> float:
     """Bytes per parameter a plan's checkpoint holds: its weights (not FP8's cast) and optimizer
     state under its precision policy (12 with fp32 weights and moments on the eager stack, 6 in bf16)."""
     weights, _, optimizer = plan_state_bytes(plan)
-    return weights - (FP8_WEIGHT_COPY_BYTES if plan.stack == "fused" and plan.dtype == "fp8" else 0) + optimizer
+    cast_copy = plan.stack == "fused" and plan.dtype == "fp8" and not plan.fp8_param_gather
+    return weights - (FP8_WEIGHT_COPY_BYTES if cast_copy else 0) + optimizer
 
 
 def young_interval(write_s: float, mtbf_s: float) -> float:

@@ -34,11 +34,11 @@ OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # the compute copy: fp8 runs bf16 weights, gradients and collectives
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # a state or reduction dtype (Plan.master_dtype, optimizer_dtype, reduce_dtype)
 FP8_WEIGHT_COPY_BYTES = 1  # per held weight: the FP8 cast the GEMMs read, kept beside the bf16 weight
-FP8_SAVED_BYTES = 1  # per element of a GEMM input Transformer Engine saves for backward under FP8
+FP8_BYTES = 1  # one FP8 element: a saved GEMM input under Transformer Engine, an FP8 weight
 
 
 def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32", moments: str = "fp32",
-                          reduce: str | None = None) -> tuple[float, float, float]:
+                          reduce: str | None = None, fp8_weights: bool = False) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter, unsharded, for compute `dtype`,
     master weights in `master`, AdamW's two moments in `moments` and gradients reduced in
     `reduce` (None: `reduce_bytes`' default).
@@ -46,12 +46,14 @@ def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32"
       their gradients share its dtype; the moments are the weights' dtype too (the rulebook
       refuses other pairs), so fp32 states are 4 + 4 + 8 and bf16 ones 2 + 2 + 4.
     - fused (Megatron-LM's mixed precision optimizer, Rajbhandari et al. 2020): 16-bit weights (and
-      FP8's cast), gradients in the reduction's dtype (16-bit unless grad_reduce_in_fp32), and
-      an fp32 master copy beside the moments unless the master is the 16-bit weights."""
+      FP8's cast; `fp8_weights`, Megatron's --fp8-param-gather: the FP8 copy alone), gradients in
+      the reduction's dtype (16-bit unless grad_reduce_in_fp32), and an fp32 master copy beside the
+      moments unless the master is the 16-bit weights."""
     if dtype == "fp32" or stack != "fused":
         w = DTYPE_BYTES[master] if dtype != "fp32" else 4
         return w, w, 2 * (DTYPE_BYTES[moments] if dtype != "fp32" else 4)
-    w = WEIGHT_BYTES[dtype] + (FP8_WEIGHT_COPY_BYTES if dtype == "fp8" else 0)
+    cast_copy = FP8_WEIGHT_COPY_BYTES if dtype == "fp8" and not fp8_weights else 0
+    w = gathered_weight_element_bytes(dtype, fp8_weights) + cast_copy
     grads = DTYPE_BYTES[reduce] if reduce else WEIGHT_BYTES[dtype]
     master_copy = DTYPE_BYTES[master] if master == "fp32" else 0
     return w, grads, master_copy + 2 * DTYPE_BYTES[moments]
@@ -59,7 +61,14 @@ def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32"
 
 def plan_state_bytes(plan) -> tuple[float, float, float]:
     """`state_bytes_per_param` of a plan's (or a layout with a dtype's) precision policy."""
-    return state_bytes_per_param(plan.dtype, plan.stack, plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype)
+    return state_bytes_per_param(plan.dtype, plan.stack, plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype,
+                                 plan.fp8_param_gather)
+
+
+def gathered_weight_element_bytes(dtype: str, fp8_weights: bool = False) -> float:
+    """Bytes per element of the compute copy of a weight, the one ZeRO all-gathers: the compute
+    dtype's 16 bits (FP8 runs bf16 weights), 1 byte with FP8 weights (`Plan.fp8_param_gather`)."""
+    return FP8_BYTES if fp8_weights else WEIGHT_BYTES[dtype]
 
 
 def moment_bytes(plan) -> float:
@@ -198,7 +207,7 @@ def fused_saved_bytes(layer: LayerProfile, kept: float, stack: str, dtype: str, 
     if stack in ("compile", "fused") and layer.act_compiled_share is not None:
         kept *= layer.act_compiled_share
     if stack == "fused" and runs_fp8(layer, dtype):
-        kept -= layer.gemm_input_elements * (WEIGHT_BYTES["bf16"] - FP8_SAVED_BYTES) / t
+        kept -= layer.gemm_input_elements * (WEIGHT_BYTES["bf16"] - FP8_BYTES) / t
     return max(kept, 0.0)
 
 

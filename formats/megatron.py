@@ -32,7 +32,7 @@ FLAGS = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--nu
          "--use-distributed-optimizer",
          "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--micro-batch-size", "--global-batch-size",
          "--seq-length", "--max-position-embeddings", "--bf16", "--fp16", "--fp8-format", "--grad-reduce-in-bf16",
-         "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
+         "--fp8-param-gather", "--recompute-granularity", "--recompute-method", "--recompute-num-layers",
          "--decoder-first-pipeline-num-layers", "--decoder-last-pipeline-num-layers", "--num-layers", "--hidden-size",
          "--num-attention-heads", "--group-query-attention", "--num-query-groups", "--ffn-hidden-size", "--swiglu",
          "--vocab-size", "--untie-embeddings-and-output-weights", "--num-experts", "--moe-router-topk")
@@ -55,7 +55,8 @@ def export(plan: Plan, lossy: bool) -> Exported:
 
 
 def _unsayable(plan: Plan, losses: Losses) -> None:
-    recipe_losses(plan, losses, {"tp_overlap": (True,), "reduce_dtype": ("fp32",) if _bf16_path(plan) else ()})
+    recipe_losses(plan, losses, {"tp_overlap": (True,), "fp8_param_gather": (True,),
+                                 "reduce_dtype": ("fp32",) if _bf16_path(plan) else ()})
     if plan.stack != "fused":
         losses.add("stack", f"the {plan.stack} stack: Megatron runs its fused kernels (plan with --stack fused)")
     if plan.offload:
@@ -104,7 +105,8 @@ def _precision(plan: Plan) -> list[tuple[str, Any]]:
     """The precision flags: the plan's 16-bit gradients (the fused stack's default, as NeMo's and
     Megatron-Bridge's performance recipes run) need --grad-reduce-in-bf16 on the bf16 path; a
     plan pinning reduce_dtype fp32 runs Megatron-LM's own default."""
-    options = [("--bf16", True), ("--fp8-format", "hybrid")] if plan.dtype == "fp8" else \
+    options = [("--bf16", True), ("--fp8-format", "hybrid"), ("--fp8-param-gather", plan.fp8_param_gather)] \
+        if plan.dtype == "fp8" else \
         [(f"--{plan.dtype}", True)] if plan.dtype in ("bf16", "fp16") else []
     return options + ([("--grad-reduce-in-bf16", True)] if _bf16_path(plan) and plan.reduce_dtype != "fp32" else [])
 
@@ -179,6 +181,7 @@ def read(text: str) -> Stated:
     axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel") and axes.get("tp", 1) > 1,
                 stack="fused")
     axes["tp_overlap"] = axes["sp"] and argv.truth(found, "--tp-comm-overlap")
+    axes["fp8_param_gather"] = "--fp8-format" in found and argv.truth(found, "--fp8-param-gather")
     dtype = _read_dtype(found)
     if dtype in ("bf16", "fp8") and not argv.truth(found, "--grad-reduce-in-bf16"):
         axes["reduce_dtype"] = "fp32"  # Megatron's arguments turn fp32 accumulation on for bf16

@@ -99,6 +99,9 @@ AXES: tuple[Axis, ...] = (
          "they feed (Megatron-LM's --tp-comm-overlap on the fused stack, torchtitan's async TP on compile); needs "
          "sp; priced, not run (CUDA symmetric memory), and never chosen by the planner", choices=(False, True),
          searched=(False,)),
+    Axis("fp8_param_gather", bool, False, "FP8 weights (Megatron-LM's --fp8-param-gather; dtype fp8 on the fused "
+         "stack): each weight's compute copy held and all-gathered in FP8, 1 byte in place of bf16 and its FP8 cast; "
+         "priced, not run, and never chosen by the planner", choices=(False, True), searched=(False,)),
     _count("pp", "pipeline stages (torch.distributed.pipelining)"),
     Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (vpp chunks per rank), or "
          "zero-bubble (ZB1P: the backward split into input and weight gradients, the weights' filling the "

@@ -30,6 +30,7 @@ class Layout(BaseModel):
     pp: int = axis_field("pp")
     sp: bool = axis_field("sp")
     tp_overlap: bool = axis_field("tp_overlap")
+    fp8_param_gather: bool = axis_field("fp8_param_gather")
     zero: ZeroStage = axis_field("zero")
     schedule: Schedule = axis_field("schedule")
     vpp: int = axis_field("vpp")
@@ -127,11 +128,14 @@ class Layout(BaseModel):
             parts.append(f"states {self.master_dtype}/{self.optimizer_dtype}")
         if "reduce_dtype" in recipe:
             parts.append(f"reduce {self.reduce_dtype}")
+        if "fp8_param_gather" in recipe:
+            parts.append("fp8-params")
         return parts
 
     def recipe_changes(self) -> dict[str, object]:
         """The precision and accumulation axes off their defaults (accumulation where it applies)."""
-        changed = {name: getattr(self, name) for name in ("master_dtype", "optimizer_dtype", "reduce_dtype")
+        changed = {name: getattr(self, name) for name in ("master_dtype", "optimizer_dtype", "reduce_dtype",
+                                                          "fp8_param_gather")
                    if getattr(self, name) != AXIS[name].default}
         return {**changed, **({"accumulation": self.accumulation} if self.holds_unsharded_gradients else {})}
 

@@ -151,7 +151,11 @@ def _state_structure(f: Layout) -> PlanError | None:
 def precision_problem(f: Layout, dtype: str) -> PlanError | None:
     """The precision policy against the compute dtype: fp32 training keeps every state in
     fp32; bf16 weights need bf16 compute (fp16 weights would need loss scaling); a 16-bit
-    reduction is the compute's own 16-bit type."""
+    reduction is the compute's own 16-bit type; FP8 weights are Transformer Engine's."""
+    if f.fp8_param_gather and (dtype != "fp8" or f.stack != "fused"):
+        return PlanError("fp8_param_gather", f"FP8 weights under {dtype} compute on the {f.stack} stack: they are "
+                         "Transformer Engine's (Megatron-LM's --fp8-param-gather)", "use dtype fp8 with stack fused, "
+                         "or fp8_param_gather off")
     if dtype == "fp32":
         for name in ("master_dtype", "optimizer_dtype", "reduce_dtype"):
             if getattr(f, name) not in (None, "fp32"):

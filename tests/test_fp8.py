@@ -139,3 +139,24 @@ def test_fused_kernels_save_the_min_cut_share_and_fp8_saves_its_gemm_inputs_at_o
     assert activation_bytes(block, "none", stack="eager", dtype="fp8", **kw) == eager  # torchao saves 16-bit
     assert activation_bytes(block, "full", stack="fused", dtype="fp8", **kw) == activation_bytes(
         block, "full", stack="eager", **kw)  # the layer input alone, whatever the stack
+
+
+def test_fp8_weights_are_held_and_gathered_in_one_byte():
+    """Megatron-LM's --fp8-param-gather: the compute copy is the FP8 weight alone (1 byte, not bf16
+    and its cast), ZeRO gathers it in FP8, and it is refused off the fused stack's FP8."""
+    from costmodel.memory import state_bytes_per_param
+    from layout.layout import Layout
+    from layout.rules import precision_problem
+
+    assert state_bytes_per_param("fp8", "fused")[0] == 3
+    assert state_bytes_per_param("fp8", "fused", fp8_weights=True) == (1, 2, 12)
+    kw = dict(global_batch=128, seq_len=8192, dtype="fp8")
+    fixed = {"stack": "fused", "dp": 8, "tp": 1, "pp": 1, "zero": 3, "micro_batch": 1, "recompute": "none"}
+    bf16_weights = planner.plan("llama-3-8b", "8xh100-sxm", fixed=fixed, **kw).estimate
+    fp8_weights = planner.plan("llama-3-8b", "8xh100-sxm", fixed={**fixed, "fp8_param_gather": True}, **kw).estimate
+    assert fp8_weights.breakdown_s["zero_comm"] < bf16_weights.breakdown_s["zero_comm"]
+    assert fp8_weights.peak_memory_bytes < bf16_weights.peak_memory_bytes
+    for dtype, stack in (("bf16", "fused"), ("fp8", "eager"), ("fp32", "fused")):
+        refused = precision_problem(Layout(dp=8, stack=stack, fp8_param_gather=True), dtype)
+        assert refused is not None and refused.field == "fp8_param_gather"
+    assert precision_problem(Layout(dp=8, stack="fused", fp8_param_gather=True), "fp8") is None

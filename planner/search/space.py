@@ -199,9 +199,9 @@ def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict
 def _runnable(offered: Layout) -> Layout:
     """The layout the executor's rules judge for `offered`: a pinned stack it does not run is
     judged as eager, the precision pairs only Megatron's optimizer keeps as the master dtype,
-    TP overlap as off (each priced, not run). Most layouts are their own."""
+    TP overlap and FP8 weights as off (each priced, not run). Most layouts are their own."""
     return _with(offered, stack=offered.stack if offered.stack in EXECUTED_STACKS else "eager",
-                 optimizer_dtype=offered.master_dtype, tp_overlap=False)
+                 optimizer_dtype=offered.master_dtype, tp_overlap=False, fp8_param_gather=False)
 
 
 def _with(layout: Layout, **update) -> Layout:
@@ -283,7 +283,7 @@ def accumulation_choices(layout: Layout, m: int, fixed: dict) -> tuple[str, ...]
     return ("reduce_each",)
 
 
-RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype", "tp_overlap")  # pinned or the default, never searched
+RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype", "tp_overlap", "fp8_param_gather")  # pinned or the default, never searched
 
 
 def _recipe(fixed: dict) -> dict:
