@@ -153,7 +153,8 @@ def test_comm_overlap_and_optimizer_speed_are_priced():
     assert serial.breakdown_s["zero_comm"] > 0
     slow = estimate(workload, plan, with_eff(optimizer=0.25))
     # the AdamW traffic takes 4x as long; FSDP2's gradient copies (reduction_copy_passes) do not change
-    from costmodel.data_parallel import WEIGHT_BYTES, optimizer_seconds_per_param, reduction_copy_passes
+    from costmodel.data_parallel import optimizer_seconds_per_param, reduction_copy_passes
+    from costmodel.memory import WEIGHT_BYTES
 
     bandwidth = cluster.gpu.hbm_gbps * 1e9 * cluster.gpu.efficiency.memory_bound
     held_params = base.breakdown_s["optimizer"] / optimizer_seconds_per_param(plan, cluster)
