@@ -105,9 +105,10 @@ def _precision(plan: Plan) -> list[tuple[str, Any]]:
     """The precision flags: the plan's 16-bit gradients (the fused stack's default, as NeMo's and
     Megatron-Bridge's performance recipes run) need --grad-reduce-in-bf16 on the bf16 path; a
     plan pinning reduce_dtype fp32 runs Megatron-LM's own default."""
-    options = [("--bf16", True), ("--fp8-format", "hybrid"), ("--fp8-param-gather", plan.fp8_param_gather)] \
-        if plan.dtype == "fp8" else \
-        [(f"--{plan.dtype}", True)] if plan.dtype in ("bf16", "fp16") else []
+    if plan.dtype == "fp8":
+        options = [("--bf16", True), ("--fp8-format", "hybrid"), ("--fp8-param-gather", plan.fp8_param_gather)]
+    else:
+        options = [(f"--{plan.dtype}", True)] if plan.dtype in ("bf16", "fp16") else []
     return options + ([("--grad-reduce-in-bf16", True)] if _bf16_path(plan) and plan.reduce_dtype != "fp32" else [])
 
 
