@@ -71,12 +71,12 @@ def segment_size(rounded: int) -> int:
 
 def page_size(rounded: int) -> int:
     """An expandable segment's page: 2 MiB in the small pool, 20 MiB in the large one."""
-    return pool_page((is_small(rounded), DEFAULT_STREAM))
+    return pool_page(is_small(rounded))
 
 
-def pool_page(pool: tuple[bool, str]) -> int:
-    """The page of an expandable segment in `pool` (small pool?, stream)."""
-    return SMALL_BUFFER if pool[0] else LARGE_BUFFER
+def pool_page(small: bool) -> int:
+    """The page of an expandable segment in the small pool (`small`) or the large one."""
+    return SMALL_BUFFER if small else LARGE_BUFFER
 
 
 def splits(rounded: int, remaining: int, expandable: bool) -> bool:
@@ -261,7 +261,7 @@ class CachingAllocator:
         if self.expandable_segments:
             self._unmap_free_pages()
             for pool, tail in self._tails.items():
-                page = pool_page(pool)
+                page = pool_page(small=pool[0])
                 if tail.free and tail.size >= page:
                     self._unlist(tail)
                     released = tail.size // page * page
@@ -281,7 +281,7 @@ class CachingAllocator:
         """Unmap the whole pages inside each free block short of its pool's tail (which gives its
         pages back by shrinking)."""
         for pool, blocks in self._free.items():
-            page = pool_page(pool)
+            page = pool_page(small=pool[0])
             for _, _, block in blocks:
                 if self._tails.get(pool) is block:
                     continue

@@ -182,8 +182,8 @@ def read(text: str) -> Stated:
     axes.update(_read_sharding(found), sp=argv.truth(found, "--sequence-parallel") and axes.get("tp", 1) > 1,
                 stack="fused")
     axes["tp_overlap"] = axes["sp"] and argv.truth(found, "--tp-comm-overlap")
-    axes["fp8_param_gather"] = "--fp8-format" in found and argv.truth(found, "--fp8-param-gather")
     dtype = _read_dtype(found)
+    axes["fp8_param_gather"] = dtype == "fp8" and argv.truth(found, "--fp8-param-gather")
     if dtype in ("bf16", "fp8") and not argv.truth(found, "--grad-reduce-in-bf16"):
         axes["reduce_dtype"] = "fp32"  # Megatron's arguments turn fp32 accumulation on for bf16
     stated = Stated(format=NAME, axes=axes, global_batch=number("--global-batch-size"),

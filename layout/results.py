@@ -60,15 +60,18 @@ class Estimate(HeldMemory, BaseModel):
         """Whether the tensors fit once torch's caching allocator gives its cache back: a plan that
         does not `fit` but does this runs, its allocator releasing and retrying (a device
         synchronisation) each step."""
-        host = self.host_memory_capacity_bytes
-        return (self.peak_memory_bytes <= self.memory_capacity_bytes
-                and (host is None or self.host_memory_bytes <= host) and not self.groups)
+        return self.peak_memory_bytes <= self.memory_capacity_bytes and self._host_fits and not self.groups
 
     @property
     def fits(self) -> bool:
-        host = self.host_memory_capacity_bytes
-        return (self.held_bytes <= self.memory_capacity_bytes and (host is None or self.host_memory_bytes <= host)
+        return (self.held_bytes <= self.memory_capacity_bytes and self._host_fits
                 and all(g.fits for g in self.groups))
+
+    @property
+    def _host_fits(self) -> bool:
+        """The offloaded states within the node's host memory (always, without offload)."""
+        host = self.host_memory_capacity_bytes
+        return host is None or self.host_memory_bytes <= host
 
 
 class SolverReport(BaseModel):
