@@ -13,8 +13,10 @@ engines' default) unless an optional `expert_parallel` column says yes, at its l
   concurrent sequences;
 - max: the engine's maximum load, the most sequences that fit;
 - rate: `load` requests per second (the model's steady-state queue).
-Rows whose precision the serving model does not price (int8, int4 weights) or whose
-deployment it refuses are listed as not predicted, with the reason. Prints each row's signed
+`weights_dtype` is bf16, fp16 or fp8, or a quantized method priced as `serve-plan
+--quantization` prices it: int8 or int4 (weight-only, W8A16/W4A16: GPTQ, AWQ) and w8a8 (INT8
+GEMMs, SmoothQuant); w4a16 and w8a16 are read as int4 and int8. Rows of any other precision
+(FP4, for one) or whose deployment the model refuses are listed as not predicted, with the reason. Prints each row's signed
 error and, per metric and in all, `MAPE: X% over N rows (K not predicted)`.
 """
 from __future__ import annotations
@@ -39,6 +41,18 @@ from planner.resolve import resolve_workload  # noqa: E402
 
 METRICS = ("out_tok_s_per_gpu", "out_tok_s_total", "ttft_ms", "tpot_ms", "e2e_latency_ms")
 PRICED_WEIGHTS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
+# a quantized method's name in hardware/catalog/engines/weight_quantization.json, its activations in fp16
+QUANTIZED_WEIGHTS = {"int8": "int8", "w8a16": "int8", "int4": "int4", "w4a16": "int4", "w8a8": "w8a8"}
+
+
+def precision(row: dict) -> tuple[str, str] | None:
+    """The (dtype, quantization) `serve-plan` prices the row's weights at, or None if it does not."""
+    weights = (row.get("weights_dtype") or "bf16").strip().lower()
+    if weights in PRICED_WEIGHTS:
+        return PRICED_WEIGHTS[weights], "none"
+    if weights in QUANTIZED_WEIGHTS:
+        return "fp16", QUANTIZED_WEIGHTS[weights]
+    return None
 
 
 def rows(path: Path) -> list[dict]:
@@ -68,17 +82,18 @@ def _before_v1(engine: str) -> bool:
 def row_workload(row: dict):
     """The row's model at its prompt length, traced once (the fit prices each row many times)."""
     dims = {**row, "seq_len": row["isl"]}
-    weights = PRICED_WEIGHTS.get((row.get("weights_dtype") or "bf16").strip(), "bf16")
+    dtype = (precision(row) or ("bf16", "none"))[0]
     return resolve_workload(row_dims(dims, f"{row['n_layers']}L-{row['hidden']}"), seq_len=int(row["isl"]),
-                            dtype="bf16" if weights == "fp8" else weights)
+                            dtype="bf16" if dtype == "fp8" else dtype)
 
 
 def plan_of(row: dict, engine="generic", workload=None):
     """The row's deployment priced at its load, or the reason it is not predicted; `engine`: a
     family name or a `ServingEngine` (hardware/engines.py), `workload`: the row's, already traced."""
-    weights = (row.get("weights_dtype") or "bf16").strip()
-    if weights not in PRICED_WEIGHTS:
-        return None, f"{weights} weights are not priced"
+    priced = precision(row)
+    if priced is None:
+        return None, f"{row['weights_dtype'].strip()} weights are not priced"
+    dtype, quantization = priced
     n_gpus, tp, pp = int(row["n_gpus"]), int(row["tp"]), int(row.get("pp") or 1)
     if n_gpus % (tp * pp):
         return None, f"{n_gpus} GPUs are not replicas of tp{tp} x pp{pp}"
@@ -99,7 +114,8 @@ def plan_of(row: dict, engine="generic", workload=None):
     try:
         plan = plan_inference(workload if workload is not None else row_workload(row), f"{n_gpus}x{row['gpu'].strip()}",
                               prompt_len=isl, output_len=int(row["osl"]), batch=batch, request_rate=rate,
-                              dtype=PRICED_WEIGHTS[weights], top_k=1, kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
+                              dtype=dtype, quantization=quantization, top_k=1,
+                              kv_dtype=(row.get("kv_dtype") or "").strip() or "auto",
                               fixed={"tp": tp, "pp": pp, "replicas": replicas}, engine=engine,
                               expert_parallel=bool(_yes(row, "expert_parallel")))
     except ParallaxError as error:

@@ -249,6 +249,9 @@ class ServingModel:
         self.hbm = memory_bandwidth(gpu, fit.hbm_efficiency if fit is not None else None)
         self.step_overhead = engine.step_overhead_ms / 1e3
         self.capacity = gpu.hbm_gb * GIB * (1 - memory_reserve)
+        # TensorRT-LLM's fraction is of what loading left free: the CUDA context is not free
+        self.kv_of_free = engine.kv_memory_of == "free"
+        self.loaded_runtime = gpu.runtime_memory.cuda_context_mib * 2**20 if gpu.runtime_memory else 0.0
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], list[float]] = {}
         self._prompt_cache: dict[tuple[int, int], tuple[float, float]] = {}
@@ -297,9 +300,18 @@ class ServingModel:
         """Bytes of served weights on each GPU of the heaviest stage."""
         return weight_bytes_per_gpu(self.w, tp, pp, self.dtype, self.quantization)
 
+    def kv_budget(self, tp: int, pp: int) -> float:
+        """Bytes the KV cache takes on each GPU of the replica, beside the weights and a prefill's
+        workspace: the engine's share of the whole GPU less those (vLLM, SGLang), or its share of
+        what they and the CUDA context leave free (TensorRT-LLM)."""
+        held = self.weights_per_gpu(tp, pp) + self.workspace(tp, pp)
+        if self.kv_of_free:
+            return (1 - self.reserve) * (self.cluster.gpu.hbm_gb * GIB - self.loaded_runtime - held)
+        return self.capacity - held
+
     def kv_token_capacity(self, tp: int, pp: int) -> float:
-        """Tokens the KV cache holds on each GPU of the replica, beside the weights and a prefill's workspace."""
-        free = self.capacity - self.weights_per_gpu(tp, pp) - self.workspace(tp, pp)
+        """Tokens the KV cache holds on each GPU of the replica (`kv_budget`)."""
+        free = self.kv_budget(tp, pp)
         per_token = kv_bytes_per_token_per_gpu(self.w, tp, pp, self.kv_dtype)
         return max(0.0, free / per_token) if per_token > 0 else 0.0
 

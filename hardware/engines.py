@@ -51,6 +51,10 @@ class Engine(_Sourced):
                                         "not sourced, priced at vLLM's)")
     mixes_prefill: bool = Field(description="whether the engine runs prompt chunks in one batch with the decoding "
                                 "sequences by default (one weight read an iteration), or prefills in passes of their own")
+    kv_memory_of: Literal["total", "free"] | None = Field(
+        None, description="what its memory fraction is a share of: the GPU's whole memory, which the weights, the "
+        "activations and the KV cache share (total), or the memory left free once the weights and the runtime are "
+        "loaded, which the KV cache takes (free); None: not sourced, priced as vLLM's total")
     fits: list[EngineFit]
 
     def fit_on(self, gpu: str) -> EngineFit | None:
@@ -116,6 +120,7 @@ class ServingEngine:
     kv_block_tokens: int | None = None  # its default KV page (None: vLLM's, `costmodel.inference.KV_BLOCK_TOKENS`)
     mixes_prefill: bool = True  # prompt chunks batched with the decodes (the roofline: as current vLLM and TensorRT-LLM)
     host_overhead_ms: float = 0.0  # per iteration where `fit` is None: the family's fitted overhead, host work
+    kv_memory_of: str = "total"  # the memory fraction's base: the whole GPU (vLLM, SGLang) or what loading left free
 
     @property
     def step_overhead_ms(self) -> float:
@@ -135,7 +140,8 @@ def resolve_engine(engine: "str | ServingEngine", gpu: "str | GPU") -> tuple[Ser
         return ServingEngine(engine), ""
     name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
     fit, host, note = _priced_by(family, name, arch)
-    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host), note
+    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host,
+                         family.kv_memory_of or "total"), note
 
 
 def _priced_by(family: Engine, gpu: str, arch: str | None) -> tuple[EngineFit | None, float, str]:

@@ -187,12 +187,17 @@ def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
     llama7b = "32,4096,32,32,11008,true,32000,,,a100-80g,1,1,1"
     csv = tmp_path / "runs.csv"
     csv.write_text("\n".join([header, f"{llama7b},fp16,,128,128,concurrency,1,e,tpot_ms,30,s",
-                              f"{llama7b},int4,,128,128,max,,e,out_tok_s_total,100,s",
-                              f"{llama7b},fp16,,,128,max,,e,out_tok_s_total,100,s"]))
+                              f"{llama7b},fp4,,128,128,max,,e,out_tok_s_total,100,s",
+                              f"{llama7b},fp16,,,128,max,,e,out_tok_s_total,100,s",
+                              f"{llama7b},int4,,128,128,concurrency,1,e,tpot_ms,30,s"]))
     assert published_serving.main(["--csv", str(csv)]) == 0
     out = capsys.readouterr().out
-    assert "int4 weights are not priced" in out and "request lengths are not stated" in out
-    assert "MAPE:" in out and "over 1 rows (2 not predicted)" in out.splitlines()[-1]
+    assert "fp4 weights are not priced" in out and "request lengths are not stated" in out
+    assert "MAPE:" in out and "over 2 rows (2 not predicted)" in out.splitlines()[-1]
+    fp16, int4 = (published_serving.plan_of(dict(zip(header.split(","), f"{llama7b},{w},,128,128,concurrency,1,e,"
+                                                                         "tpot_ms,30,s".split(","))))[0]
+                  for w in ("fp16", "int4"))
+    assert int4.quantization == "int4" and int4.estimate.tpot_s < 0.5 * fp16.estimate.tpot_s  # a quarter of the bytes
 
 
 def test_prompt_tokens_share_the_iteration_s_weight_read(llama2_70b):

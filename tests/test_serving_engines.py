@@ -2,6 +2,8 @@
 per-iteration overhead enter the decode iteration, and nothing else changes."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import hardware
@@ -77,12 +79,29 @@ def test_an_engine_pages_its_kv_cache_in_its_own_blocks(llama_8b):
 
     cluster = hardware.load("1xh100-sxm")
     trtllm, _ = resolve_engine("trtllm", "h100-sxm")
+    trtllm = dataclasses.replace(trtllm, kv_memory_of="total")  # the same memory as the roofline's, paged apart
     generic = ServingModel(llama_8b, cluster, prompt_len=20, output_len=20)
     paged = ServingModel(llama_8b, cluster, prompt_len=20, output_len=20, engine=trtllm)
     tokens = generic.kv_token_capacity(1, 1)
     assert trtllm.kv_block_tokens == 32 and tokens == paged.kv_token_capacity(1, 1)
     assert generic.max_sequences(1, 1) == int(tokens // 48) and paged.max_sequences(1, 1) == int(tokens // 64)
     assert Replica.of(paged, 1, 1).block_size == 32
+
+
+def test_tensorrt_llm_s_kv_cache_takes_its_share_of_the_memory_loading_left_free():
+    """vLLM's 0.9 is of the whole GPU, which the weights share; TensorRT-LLM's 0.9 is of what the
+    weights, a prefill's workspace and the CUDA context left free, so a model that fills most of
+    the GPU keeps more KV cache under TensorRT-LLM."""
+    workload = resolve_workload("llama-3-70b", seq_len=1024, dtype="bf16")
+    cluster = hardware.load("2xh100-sxm")
+    kw = dict(prompt_len=1024, output_len=128, dtype="fp8")
+    vllm = ServingModel(workload, cluster, engine=resolve_engine("vllm", "h100-sxm")[0], **kw)
+    trtllm = ServingModel(workload, cluster, engine=resolve_engine("trtllm", "h100-sxm")[0], **kw)
+    gpu, held = cluster.gpu.hbm_gb * 2**30, vllm.weights_per_gpu(2, 1) + vllm.workspace(2, 1)
+    assert vllm.kv_budget(2, 1) == pytest.approx(0.9 * gpu - held)
+    context = cluster.gpu.runtime_memory.cuda_context_mib * 2**20
+    assert trtllm.kv_budget(2, 1) == pytest.approx(0.9 * (gpu - context - held))
+    assert trtllm.kv_budget(2, 1) > vllm.kv_budget(2, 1) and trtllm.max_sequences(2, 1) > vllm.max_sequences(2, 1)
 
 
 def test_a_gpu_without_a_fit_takes_its_architectures_and_says_so():
