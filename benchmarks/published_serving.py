@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from published_runs import _yes, row_dims  # noqa: E402
 
 from hardware.errors import ParallaxError  # noqa: E402
-from hardware.engines import engine_names  # noqa: E402
+from hardware.engines import engine_aliases  # noqa: E402
 from planner.inference import plan_inference  # noqa: E402
 from planner.resolve import resolve_workload  # noqa: E402
 
@@ -61,18 +61,22 @@ def rows(path: Path) -> list[dict]:
 
 
 def engine_family(row: dict) -> str:
-    """The row's engine family (`trtllm-0.16.0` -> trtllm), as hardware/engines.py names them; a
-    vLLM release before 0.8 (by its version, or a date before 2025-03) ran the V0 engine."""
+    """The row's engine family (`trtllm-0.16.0` -> trtllm, `NIM 1.3` -> trtllm), by the longest
+    name or alias of hardware/engines.py it starts with; a vLLM release before 0.8 (by its
+    version, or a date before 2025-03) ran the V0 engine."""
     name = (row.get("engine") or "").strip().lower()
-    family = max((f for f in engine_names() if name.startswith(f)), key=len, default="generic")
+    aliases = engine_aliases()
+    alias = max((a for a in aliases if name.startswith(a)), key=len, default=None)
+    family = aliases[alias] if alias is not None else "generic"
     if family == "vllm" and _before_v1(name):
         return "vllm-v0"
     return family
 
 
 def _before_v1(engine: str) -> bool:
-    """Whether a vLLM engine string (`vllm-0.6.7.dev(...)`, `vllm-pr3240(2024-03)`) predates V1."""
-    version = re.match(r"vllm-(\d+)\.(\d+)", engine)
+    """Whether a vLLM engine string (`vllm-0.6.7.dev(...)`, `vllm 0.6.0`, `vllm-pr3240(2024-03)`)
+    predates V1."""
+    version = re.match(r"vllm[-_ v]*(\d+)\.(\d+)", engine)
     if version:
         return (int(version[1]), int(version[2])) < (0, 8)
     date = re.search(r"\((\d{4})-(\d{2})\)", engine)

@@ -45,6 +45,8 @@ class Engine(_Sourced):
 
     unsourced_fields = frozenset({"name", "fits"})
     name: str
+    aliases: list[str] = Field(default_factory=list, description="other names a run of this engine goes by (its "
+                               "spellings, and products built on it), lower case")
     max_sequences: int | None = Field(None, ge=1, description="sequences the engine runs at once unless told "
                                       "otherwise (None: as many as the KV cache holds)")
     kv_block_tokens: int | None = Field(None, ge=1, description="tokens a KV cache page holds by default (None: "
@@ -97,9 +99,16 @@ def engine_names() -> list[str]:
     return ["generic", *(engine.name for engine in engine_catalog().engines)]
 
 
+def engine_aliases() -> dict[str, str]:
+    """Every name an engine family answers to (its own and its aliases) -> the family's name."""
+    return {alias: engine.name for engine in engine_catalog().engines for alias in (engine.name, *engine.aliases)}
+
+
 def _family(name: str) -> Engine | None:
-    """The catalog's engine family `name`; None for "generic". An unknown engine is refused by name."""
-    return _named(engine_catalog().engines, name, "engine", "serving engine", "generic")
+    """The catalog's engine family `name` (or one of its aliases); None for "generic". An unknown
+    engine is refused by name."""
+    return _named(engine_catalog().engines, engine_aliases().get(name.lower(), name), "engine", "serving engine",
+                  "generic")
 
 
 def engine_fit(name: str, gpu: str) -> EngineFit | None:
@@ -140,7 +149,7 @@ def resolve_engine(engine: "str | ServingEngine", gpu: "str | GPU") -> tuple[Ser
         return ServingEngine(engine), ""
     name, arch = (gpu, gpu_entry(gpu).gpu.arch) if isinstance(gpu, str) else (gpu.name, gpu.arch)
     fit, host, note = _priced_by(family, name, arch)
-    return ServingEngine(engine, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host,
+    return ServingEngine(family.name, fit, family.max_sequences, family.kv_block_tokens, family.mixes_prefill, host,
                          family.kv_memory_of or "total"), note
 
 

@@ -116,3 +116,19 @@ def test_a_gpu_without_a_fit_takes_its_architectures_and_says_so():
     # the family's per-iteration overhead is host work, whatever the GPU: the roofline pays it too
     assert b200.step_overhead_ms == h100.fit.step_overhead_ms and "host work" in note
     assert resolve_engine("vllm", "h100-sxm")[0].step_overhead_ms == 0  # a family fitted nowhere
+
+
+def test_an_engine_answers_to_its_aliases_and_a_published_row_to_its_spelling():
+    """NIM runs TensorRT-LLM's engines; a row names its engine as its source wrote it."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from published_serving import engine_family
+
+    assert resolve_engine("NIM", "h100-sxm")[0] == resolve_engine("trtllm", "h100-sxm")[0]
+    spelled = {"NIM 1.3.0": "trtllm", "TensorRT-LLM v0.12": "trtllm", "vLLM 0.6.0": "vllm-v0", "vllm v0.10.1": "vllm",
+               "vllm(2024-10)": "vllm-v0", "turbomind": "lmdeploy", "sglang-0.3.0": "sglang", "mystery-1.0": "generic"}
+    assert {name: engine_family({"engine": name}) for name in spelled} == spelled
+    with pytest.raises(PlanError, match="trtllm"):
+        resolve_engine("tensorrt", "h100-sxm")
