@@ -52,8 +52,10 @@ def group_rows(path: Path) -> dict[tuple[str, str], list[tuple[dict, object]]]:
 def mape(members, family: str, eff: float, overhead_ms: float, gpu: str) -> float:
     errors = []
     for row, workload in members:
-        plan, _ = plan_of(row, _fit(family, eff, overhead_ms, gpu), workload)
-        errors.append(abs(predicted(plan, row["metric"].strip(), int(row["osl"])) / float(row["value"]) - 1))
+        engine = _fit(family, eff, overhead_ms, gpu)
+        plan, _ = plan_of(row, engine, workload)
+        errors.append(abs(predicted(plan, row["metric"].strip(), int(row["osl"]), row, engine, workload)
+                          / float(row["value"]) - 1))
     return statistics.mean(errors)
 
 
@@ -74,8 +76,8 @@ def main(argv=None) -> int:
     today = datetime.date.today().isoformat()
     for (family, gpu), members in sorted(group_rows(Path(args.csv)).items()):
         unfitted = replace(resolve_engine(family, gpu)[0], fit=None, host_overhead_ms=0.0)  # the roofline, the cap
-        generic = statistics.mean(abs(predicted(plan_of(r, unfitted, w)[0], r["metric"].strip(), int(r["osl"]))
-                                      / float(r["value"]) - 1) for r, w in members)
+        generic = statistics.mean(abs(predicted(plan_of(r, unfitted, w)[0], r["metric"].strip(), int(r["osl"]), r,
+                                                unfitted, w) / float(r["value"]) - 1) for r, w in members)
         if len(members) < MIN_ROWS:
             print(f"{family:9} {gpu:10} {len(members):3} rows: too few to fit (generic MAPE {generic:.1%})")
             continue

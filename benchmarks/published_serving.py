@@ -12,7 +12,10 @@ engines' default) unless an optional `expert_parallel` column says yes, at its l
 - concurrency: `load` requests in flight over the deployment (closed loop), priced as that many
   concurrent sequences;
 - max: the engine's maximum load, the most sequences that fit;
-- rate: `load` requests per second (the model's steady-state queue).
+- rate: `load` requests per second, Poisson arrivals, through `serve-load`'s event simulation of
+  the engine's scheduler (`planner.serving_load.load_report`), its warm-up left out.
+Latencies are means, or the optional `statistic` column's (mean, median, p90, p99) where the
+source gives another.
 `weights_dtype` is bf16, fp16 or fp8, or a quantized method priced as `serve-plan
 --quantization` prices it: int8 or int4 (weight-only, W8A16/W4A16: GPTQ, AWQ) and w8a8 (INT8
 GEMMs, SmoothQuant); w4a16 and w8a16 are read as int4 and int8. Rows of any other precision
@@ -37,6 +40,7 @@ from published_runs import _yes, row_dims  # noqa: E402
 from hardware.errors import ParallaxError  # noqa: E402
 from hardware.engines import engine_aliases  # noqa: E402
 from planner.inference import plan_inference  # noqa: E402
+from planner.serving_load import load_report  # noqa: E402
 from planner.resolve import resolve_workload  # noqa: E402
 
 METRICS = ("out_tok_s_per_gpu", "out_tok_s_total", "ttft_ms", "tpot_ms", "e2e_latency_ms")
@@ -127,11 +131,35 @@ def plan_of(row: dict, engine="generic", workload=None):
     return plan, ""
 
 
-def predicted(plan, metric: str, osl: int) -> float:
+def predicted(plan, metric: str, osl: int, row: dict | None = None, engine="generic", workload=None) -> float:
+    """The row's metric as `plan` (its deployment at the row's load) predicts it; a rate row's
+    from the event simulation of its replicas at that rate, by `engine` (as `plan_of` takes it)."""
+    if row is not None and row["mode"].strip() == "rate":
+        return simulated(plan, row, metric, engine, workload if workload is not None else row_workload(row))
     e = plan.estimate
     return {"out_tok_s_per_gpu": plan.tokens_per_s / plan.gpus_used, "out_tok_s_total": plan.tokens_per_s,
             "ttft_ms": e.ttft_s * 1e3, "tpot_ms": e.tpot_s * 1e3,
             "e2e_latency_ms": (e.ttft_s + e.tpot_s * (osl - 1)) * 1e3}[metric]
+
+
+STATISTICS = {"mean": "mean", "median": "p50", "p50": "p50", "p90": "p90", "p99": "p99"}
+
+
+def simulated(plan, row: dict, metric: str, engine, workload) -> float:
+    """A rate row's metric from `serve-load`'s simulation of one of `plan`'s replicas at its share
+    of the rate (the same workload, engine, precision and layout `plan` priced)."""
+    report = load_report(workload, plan.hardware, lengths=[(plan.prompt_len, plan.output_len)],
+                         rates=[float(row["load"])], dtype=plan.dtype, kv_dtype=plan.kv_dtype, engine=engine,
+                         quantization=plan.quantization,
+                         expert_parallel=plan.expert_parallel, top_k=1,
+                         fixed={"tp": plan.tp, "pp": plan.pp, "replicas": plan.replicas})
+    sim = report.layouts[0].points[0]
+    if metric in ("out_tok_s_total", "out_tok_s_per_gpu"):
+        total = sim.output_tokens_per_s * plan.replicas
+        return total if metric == "out_tok_s_total" else total / plan.gpus_used
+    stat = STATISTICS[(row.get("statistic") or "mean").strip().lower()]
+    figures = {"ttft_ms": sim.ttft_ms, "tpot_ms": sim.tpot_ms, "e2e_latency_ms": sim.e2e_ms}[metric]
+    return getattr(figures, stat)
 
 
 def main(argv=None) -> int:
@@ -152,7 +180,7 @@ def main(argv=None) -> int:
             missed[metric] += 1
             print(f"{where:62} {metric:18} {float(row['value']):>10,.1f}  not predicted: {why}")
             continue
-        value, guess = float(row["value"]), predicted(plan, metric, int(row["osl"]))
+        value, guess = float(row["value"]), predicted(plan, metric, int(row["osl"]), row, engine)
         errors[metric].append(guess / value - 1)
         print(f"{where:62} {metric:18} {value:>10,.1f} {guess:>10,.1f} {errors[metric][-1]:+7.1%}  {row['engine']}")
     for metric in METRICS:

@@ -200,6 +200,34 @@ def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
     assert int4.quantization == "int4" and int4.estimate.tpot_s < 0.5 * fp16.estimate.tpot_s  # a quarter of the bytes
 
 
+def test_a_published_rate_row_is_priced_by_the_event_simulation(capsys):
+    """A request rate is queueing: its latencies are the simulated replicas' (mean unless the row
+    states another statistic), not the closed form's."""
+    import sys
+    from pathlib import Path
+
+    from planner.serving_load import load_report
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import published_serving
+
+    keys = ("n_layers,hidden,heads,kv_heads,ffn_hidden,gated_mlp,vocab,n_experts,top_k,gpu,n_gpus,tp,pp,weights_dtype,"
+            "kv_dtype,isl,osl,mode,load,engine,metric,value,source,statistic").split(",")
+    row = dict(zip(keys, "32,4096,32,8,14336,true,128256,,,h100-sxm,2,1,1,bf16,,512,128,rate,20,vllm,ttft_ms,50,s,"
+                         "median".split(",")))
+    workload = published_serving.row_workload(row)
+    plan, why = published_serving.plan_of(row, "vllm", workload)
+    assert why == ""
+    sim = load_report(workload, "2xh100-sxm", lengths=[(512, 128)], rates=[20.0], engine="vllm", top_k=1,
+                      fixed={"tp": 1, "pp": 1, "replicas": 2}).layouts[0].points[0]
+    assert sim.rate == 10.0  # each of the two replicas takes half the rate
+    assert published_serving.predicted(plan, "ttft_ms", 128, row, "vllm", workload) == sim.ttft_ms.p50
+    assert published_serving.predicted(plan, "tpot_ms", 128, {**row, "statistic": ""}, "vllm", workload) == \
+        sim.tpot_ms.mean
+    total = published_serving.predicted(plan, "out_tok_s_total", 128, row, "vllm", workload)
+    assert total == pytest.approx(2 * sim.output_tokens_per_s)
+
+
 def test_prompt_tokens_share_the_iteration_s_weight_read(llama2_70b):
     """Decoding sequences and prompt chunks run as one batch: alone, each is what it was priced
     at before; together they cost less than apart (one weight read, not two) and at least the
