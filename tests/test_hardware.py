@@ -13,7 +13,7 @@ from hardware import Cluster, HardwareError, gpu_entry, list_catalog, load, pric
 from hardware.catalog_io import CATALOG_DIR
 from hardware.prices import load_price_table
 
-EXPECTED = {"v100-32g", "a100-40g", "a100-80g", "h100-sxm", "h200", "b200", "mi300x", "cpu"}
+EXPECTED = {"v100-32g", "a100-40g", "a100-80g", "h100-sxm", "h200", "b200", "mi300x", "l40s", "cpu"}
 
 
 # --- catalog ------------------------------------------------------------------
