@@ -63,6 +63,7 @@ priced as the collective library's, plus whatever a family's fitted overhead hol
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -72,9 +73,9 @@ from hardware.engines import ServingEngine, WeightQuantization
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .compute import Context, elementwise_traffic, forward_parts, memory_bandwidth, tp_collective_time
+from .compute import (Context, attention_efficiency, elementwise_traffic, forward_parts, memory_bandwidth,
+                      tp_collective_time)
 from .experts import ExpertLoad, expert_load, weights_read
-from .fp8 import low_precision_gemms
 from .terms import GIB
 
 from layout.plan import uniform_stages
@@ -138,11 +139,14 @@ class ServingLayout:
         return self.tp * self.pp
 
 
-def batched_tokens(prompt_len: int, max_sequences: int) -> int:
+def batched_tokens(prompt_len: int, max_sequences: int, output_len: int) -> int:
     """Tokens one engine step may take (vLLM's --max-num-batched-tokens, SGLang's chunked-prefill
-    size, TensorRT-LLM's max_num_tokens): a whole prompt beside every running sequence's next
-    token, as `ServingModel.mean_iteration` prices an iteration that takes a prompt."""
-    return prompt_len + max_sequences
+    size, TensorRT-LLM's max_num_tokens): every running sequence's next token beside the prompts
+    that join a full batch's iteration, at least one whole prompt. A sequence lives `output_len`
+    iterations, so max_sequences / output_len prompts join each, as `ServingModel.mean_iteration`
+    prices them; a smaller budget would queue the prompts that price assumes."""
+    joining = max(1, math.ceil(max_sequences / output_len))
+    return joining * prompt_len + max_sequences
 
 
 # --- dimensions -----------------------------------------------------------------
@@ -243,7 +247,6 @@ class ServingModel:
         self.s = workload.seq_len  # the trace length all per-sequence figures refer to
         self.reserve = memory_reserve
         gpu = cluster.gpu
-        self.peak = gpu.peak_flops(dtype)  # GEMMs; attention runs in bf16 under FP8
         self.attention_peak = gpu.peak_flops("bf16" if dtype == "fp8" else dtype)
         self.weight_bytes = served_weight_bytes(workload, dtype, quantization)
         self.hbm = memory_bandwidth(gpu, fit.hbm_efficiency if fit is not None else None)
@@ -322,10 +325,17 @@ class ServingModel:
         room = int(self.kv_token_capacity(tp, pp) // (pages * self.kv_block_tokens))
         return min(room, self.sequence_cap) if self.sequence_cap is not None else room
 
-    def _gemm_peak(self, layer: LayerProfile) -> float:
-        """FLOP/s of `layer`'s GEMMs at the peak: the blocks' in a W8A8 method's int8."""
-        return self.cluster.gpu.peak_flops(self.block_gemms) if self.block_gemms and low_precision_gemms(layer) \
-            else self.peak
+    def _gemm_seconds(self, layer: LayerProfile, tp: int, tokens: float) -> float:
+        """Seconds `layer`'s GEMMs take for the `tokens` tokens of one pass (GEMMs `tokens` rows
+        tall, a mixture of experts' at the tokens each expert gets), priced as a prefill's are
+        (`compute.forward_parts`): each in its dtype (an FP8 plan's head in bf16, a W8A8 method's
+        blocks in int8) at that dtype's efficiency for the GEMM's size."""
+        if tokens <= 0:
+            return 0.0
+        load = self._load(layer, tp, tokens)
+        ctx = replace(self.ctx(tp, tokens / self.s), seq_len=self.s, expert_share=load.work,
+                      expert_slices=load.slices)
+        return forward_parts(layer, ctx)[0]
 
     def _load(self, layer: LayerProfile, tp: int, tokens: float) -> ExpertLoad:
         """The busiest TP rank's share of `layer`'s experts for `tokens` routed tokens."""
@@ -375,9 +385,9 @@ class ServingModel:
                 weight_bytes = self._read(layer, tp, tokens) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
-            gemm_flops = (layer.matmul_flops - layer.expert_flops) / t + layer.expert_flops * self._load(layer, tp, b).work
-            flops_t = b * (gemm_flops / self.s) / (self._gemm_peak(layer) * self.cluster.gpu.efficiency.matmul_max)
-            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (self.attention_peak * self.cluster.gpu.efficiency.attention)
+            flops_t = self._gemm_seconds(layer, tp, b)
+            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (
+                self.attention_peak * attention_efficiency(layer, self.cluster.gpu))
             prompt_compute, prompt_comm = (x * prompt_tokens for x in self._prompt_token(layer, tp)) if prompt_tokens \
                 else (0.0, 0.0)
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
@@ -446,8 +456,8 @@ class ServingModel:
         """The mean iteration of `batch` sequences under continuous batching (their TPOT), `decode`
         their iteration without a prompt: a sequence lives `output_len` iterations, so
         `batch / output_len` prompts join each one. An engine that batches prompts with the decodes
-        takes a whole prompt into one iteration (the engine's token budget holds one,
-        `batched_tokens`), so that share of iterations carries one; past one an iteration, every
+        takes a whole prompt into one iteration (the engine's token budget holds the prompts
+        that join, `batched_tokens`), so that share of iterations carries one; past one an iteration, every
         iteration carries the prompts' tokens. One that prefills apart adds a prompt's own pass per
         joining prompt, its slowest stage where a pipeline overlaps prompts (`prefill_occupancy`)."""
         joining = batch / self.output_len

@@ -64,8 +64,9 @@ def settings_of(plan) -> EngineSettings:
     room = plan.estimate.max_concurrent_sequences
     wanted = room if plan.request_rate is not None else math.ceil(plan.batch_per_replica)
     max_sequences = max(1, min(room, wanted))
+    budget = batched_tokens(plan.prompt_len, max_sequences, plan.output_len)
     return EngineSettings(model=plan.model, tp=plan.tp, pp=plan.pp, replicas=plan.replicas,
-                          max_sequences=max_sequences, max_batched_tokens=batched_tokens(plan.prompt_len, max_sequences),
+                          max_sequences=max_sequences, max_batched_tokens=budget,
                           memory_fraction=round(1 - plan.memory_reserve, 4), kv_dtype=plan.kv_dtype,
                           quantization="fp8" if plan.dtype == "fp8" else None,
                           dtype="bf16" if plan.dtype == "fp8" else plan.dtype,

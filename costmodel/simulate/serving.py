@@ -31,6 +31,10 @@ from costmodel.inference import KV_BLOCK_TOKENS, ServingModel, batched_tokens
 
 PERCENTILES = (50, 90, 99)
 WARMUP_SHARE = 0.1  # the first requests meet an empty engine: left out of the statistics
+# The engine fills for one request lifetime before it holds its steady batch: the statistics start
+# a lifetime after the first arrival, and the run is lengthened until its arrivals span this many.
+STEADY_LIFETIMES = 3
+MAX_SIMULATED_REQUESTS = 20_000  # bounds a simulation's run time (a lifetime of many thousand requests in flight)
 
 
 class Percentiles(BaseModel):
@@ -46,7 +50,8 @@ class ServingSimulation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     rate: float = Field(description="requests/s offered to this replica")
-    requests: int = Field(description="requests simulated; the first tenth left out of the statistics")
+    requests: int = Field(description="requests simulated; those that arrived before the engine filled (a request's "
+                          "median lifetime after the first arrival) or in the first tenth are left out of the statistics")
     ttft_ms: Percentiles
     tpot_ms: Percentiles
     e2e_ms: Percentiles
@@ -78,7 +83,7 @@ class Replica:
         """`sm`'s replica at (tp, pp), its KV pages the engine's (`ServingModel.kv_block_tokens`)."""
         tokens, block_size = sm.kv_token_capacity(tp, pp), sm.kv_block_tokens
         cap = max(1, sm.max_sequences(tp, pp))
-        budget = max_batched_tokens or batched_tokens(sm.prompt_len, cap)
+        budget = max_batched_tokens or batched_tokens(sm.prompt_len, cap, sm.output_len)
         step = budget / PROMPT_GRID
         table = tuple(tuple(sm.iteration(tp, pp, b, k * step)[0] if b or k else 0.0 for k in range(PROMPT_GRID + 1))
                       for b in range(cap + 1))
@@ -113,9 +118,12 @@ class _Request:
 
 
 def poisson_requests(rate: float, n: int, lengths: list[tuple[int, int]], seed: int = 0) -> list[_Request]:
-    """`n` requests at Poisson arrivals of `rate`/s, each (prompt, output) drawn from `lengths`."""
+    """`n` requests at Poisson arrivals of `rate`/s, each (prompt, output) drawn from `lengths`. The
+    gaps are rescaled to average exactly 1/`rate`: a few hundred draws miss the offered rate by
+    several percent, which the replica's throughput would repeat."""
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, size=n))
+    gaps = rng.exponential(1.0 / rate, size=n)
+    arrivals = np.cumsum(gaps * (n / rate) / gaps.sum())
     picks = rng.integers(0, len(lengths), size=n)
     out = []
     for t, k in zip(arrivals, picks):
@@ -197,9 +205,9 @@ def _percentiles(values: np.ndarray) -> Percentiles:
 
 def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]], requests: int = 600, seed: int = 0,
                   slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> ServingSimulation:
-    """A replica's TTFT, TPOT and end-to-end percentiles at `rate` requests/s."""
-    done, preemptions, mean_batch = run_engine(replica, poisson_requests(rate, requests, lengths, seed))
-    measured = done[int(len(done) * WARMUP_SHARE):]
+    """A replica's TTFT, TPOT and end-to-end percentiles at `rate` requests/s, over the requests
+    that arrive once the engine holds its steady batch (`steady_requests`)."""
+    done, preemptions, mean_batch, measured = steady_requests(replica, rate, lengths, requests, seed)
     ttft = np.array([(r.first_token - r.arrival) * 1e3 for r in measured])
     tpot = np.array([(r.finished - r.first_token) * 1e3 / max(r.output - 1, 1) for r in measured])
     e2e = np.array([(r.finished - r.arrival) * 1e3 for r in measured])
@@ -217,10 +225,28 @@ def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]],
             ok &= tpot <= slo_tpot_ms
         share = float(ok.mean())
         goodput = float(ok.sum()) / span
-    return ServingSimulation(rate=rate, requests=requests, ttft_ms=_percentiles(ttft), tpot_ms=_percentiles(tpot),
+    return ServingSimulation(rate=rate, requests=len(done), ttft_ms=_percentiles(ttft), tpot_ms=_percentiles(tpot),
                              e2e_ms=_percentiles(e2e), output_tokens_per_s=_tokens_between(done, start, end) / span,
                              goodput_rps=goodput,
                              slo_met_share=share, preemptions=preemptions, mean_batch=mean_batch)
+
+
+def steady_requests(replica: Replica, rate: float, lengths: list[tuple[int, int]], requests: int, seed: int):
+    """(every request, preemptions, mean batch, the measured requests) of a run of at least
+    `requests` whose arrivals span `STEADY_LIFETIMES` lifetimes of a request (its median arrival to
+    last token; at most `MAX_SIMULATED_REQUESTS`). The measured ones arrive once a lifetime has
+    passed since the first arrival, when the engine holds its steady batch, and after the first
+    tenth."""
+    while True:
+        done, preemptions, mean_batch = run_engine(replica, poisson_requests(rate, requests, lengths, seed))
+        lifetime = float(np.median([r.finished - r.arrival for r in done]))
+        needed = min(MAX_SIMULATED_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * lifetime))
+        if needed <= requests or requests >= MAX_SIMULATED_REQUESTS:
+            break
+        requests = needed
+    start = max(done[0].arrival + lifetime, done[int(len(done) * WARMUP_SHARE)].arrival)
+    measured = [r for r in done if r.arrival >= start] or done[-1:]
+    return done, preemptions, mean_batch, measured
 
 
 def _tokens_between(done: list[_Request], start: float, end: float) -> float:
