@@ -39,11 +39,16 @@ def _fit(family: str, eff: float, overhead_ms: float, gpu: str) -> ServingEngine
 
 
 def group_rows(path: Path) -> dict[tuple[str, str], list[tuple[dict, object]]]:
-    """(family, gpu) -> [(row, its traced workload)] for the rows the model predicts."""
+    """(family, gpu) -> [(row, its traced workload)] for the rows the model predicts at a fixed
+    load (a batch, a concurrency or the engine's maximum). A request rate's rows stay out: their
+    throughput is the rate offered, whatever the engine, and their latencies are set by how near
+    the rate sits to the replica's capacity (MLPerf's server runs sit at the edge of their SLOs),
+    which the maximum-load rows already measure; `published_serving.py` prices them as checks."""
     groups: dict[tuple[str, str], list] = defaultdict(list)
     for row in rows(path):
         family = engine_family(row)
-        if family == "generic" or row["metric"].strip() not in METRICS or plan_of(row)[0] is None:
+        if (family == "generic" or row["metric"].strip() not in METRICS or row["mode"].strip() == "rate"
+                or plan_of(row)[0] is None):
             continue
         groups[(family, row["gpu"].strip())].append((row, row_workload(row)))
     return groups

@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from costmodel.simulate.serving import Replica, ServingSimulation, highest_rate, simulate_rate
+from hardware.engines import ServingEngine
 from hardware.errors import PlanError
 from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
@@ -148,7 +149,7 @@ def _check(rates, slo_ttft_ms, slo_tpot_ms, target_rate) -> None:
 def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[float], lengths_source: str = "fixed",
                 slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None, dtype: str = "bf16",
                 kv_dtype: str = "auto", fixed: dict | None = None, requests: int = 600, seed: int = 0,
-                top_k: int = 3, engine: str = "generic", quantization: str = "none",
+                top_k: int = 3, engine: "str | ServingEngine" = "generic", quantization: str = "none",
                 expert_parallel: bool = False, target_rate: float | None = None) -> LoadReport:
     """Every fitting (tp, pp) layout, replicated over the GPUs, simulated at each total rate; with
     SLOs, each layout's highest total rate meeting the p99s too, and with a target rate the fewest
@@ -177,7 +178,7 @@ def load_report(model: Any, hw, *, lengths: list[tuple[int, int]], rates: list[f
     out.sort(key=lambda lay: (lay.at_target.gpus if lay.at_target else math.inf, -(lay.highest_rate or 0.0),
                               lay.points[-1].ttft_ms.p99 if lay.points else 0.0))
     return LoadReport(model=model_name(model, sm.w), hardware=cluster.spec(), prompt_len=sm.prompt_len,
-                      output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=engine,
+                      output_len=sm.output_len, lengths=lengths_source, slo_ttft_ms=slo_ttft_ms, engine=sm.engine_name,
                       target_rate=target_rate, gpus_available=cluster.n_gpus,
                       quantization=quantization, expert_parallel=expert_parallel,
                       slo_tpot_ms=slo_tpot_ms, layouts=out[:top_k])

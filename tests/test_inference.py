@@ -275,3 +275,23 @@ def test_a_prompt_batched_with_decodes_waits_for_them_too(llama2_70b):
     alone = apart.prefill_latency(8, 1) + 0.5 * apart.decode_iteration(8, 1, 128)[0]
     assert apart.estimate(8, 1, 128).ttft_s == pytest.approx(alone)
     assert mixed.estimate(8, 1, 128).ttft_s > alone
+
+
+def test_a_decode_s_gemms_are_priced_as_a_prefill_s(llama2_70b):
+    """The same kernels, one price: a decode step's GEMMs of B sequences take what a prefill's
+    GEMMs of B tokens take, FP8 ones at the FP8 efficiency of a GEMM B rows tall, the LM head in
+    bf16; a compute-bound step is at least that long."""
+    cluster = hardware.load("2xh100-sxm")
+    sm = ServingModel(llama2_70b, cluster, prompt_len=2048, output_len=256, dtype="fp8")
+    block = next(layer for layer in llama2_70b.layers if layer.kind == "block")
+    head = next(layer for layer in llama2_70b.layers if layer.kind == "head")
+    eff, batch = cluster.gpu.efficiency, 1024
+    size = min(block.matmul_min_dim / 2, batch) / (min(block.matmul_min_dim / 2, batch) + eff.matmul_half_dim)
+    fp8 = batch * block.matmul_flops / sm.s / 2 / (cluster.gpu.peak_flops("fp8") * eff.fp8_matmul_max * size)
+    assert sm._gemm_seconds(block, 2, batch) == pytest.approx(fp8)
+    head_bf16 = sm._gemm_seconds(head, 2, batch) * cluster.gpu.peak_flops("bf16")
+    assert head_bf16 == pytest.approx(batch * head.matmul_flops / sm.s / 2 / (
+        eff.matmul_max * min(head.matmul_min_dim / 2, batch) / (min(head.matmul_min_dim / 2, batch) + eff.matmul_half_dim)))
+    gemms = sum(n * sm._gemm_seconds(layer, 2, batch) for layer, n in sm.stages(1)[0])
+    step = sm.iteration_stage(sm.stages(1)[0], 2, batch, 2048 + 128)
+    assert step["weights"] + step["kv_cache"] + step["compute_excess"] >= gemms
