@@ -115,7 +115,7 @@ def test_a_gpu_without_a_fit_takes_its_architectures_and_says_so():
     assert b200.fit is None and "generic roofline" in note and b200.kv_block_tokens == 32
     # the family's per-iteration overhead is host work, whatever the GPU: the roofline pays it too
     assert b200.step_overhead_ms == h100.fit.step_overhead_ms and "host work" in note
-    assert resolve_engine("vllm", "h100-sxm")[0].step_overhead_ms == 0  # a family fitted nowhere
+    assert resolve_engine("sglang", "h100-sxm")[0].step_overhead_ms == 0  # a family fitted nowhere
 
 
 def test_an_engine_answers_to_its_aliases_and_a_published_row_to_its_spelling():
