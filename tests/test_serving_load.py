@@ -123,3 +123,15 @@ def test_the_cli_refuses_bad_load_input_in_one_line(args, capsys):
     code = main(["serve-load", "llama-3-8b", "--hw", "1xh100-sxm", "--prompt-len", "512", "--output-len", "64", *args])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error:")
+
+
+def test_a_short_run_of_long_requests_is_lengthened_to_their_steady_batch():
+    """20 requests of 256 tokens at 10/s arrive in 2 s, half the lifetime of a running request (256
+    tokens at about 15 ms): the run is lengthened until the arrivals span three lifetimes, and the
+    replica then delivers the rate offered, the gaps rescaled to offer exactly it."""
+    sim = simulate_rate(_engine(), 10.0, [(512, 256)], requests=20)
+    lifetime = 255 * sim.tpot_ms.p50 / 1e3
+    assert sim.requests >= 3 * 10.0 * lifetime * 0.9
+    assert sim.output_tokens_per_s == pytest.approx(10.0 * 256, rel=0.03)
+    gaps = [b.arrival - a.arrival for a, b in zip(*(lambda r: (r, r[1:]))(poisson_requests(7.0, 300, LENGTHS)))]
+    assert len(gaps) + 1 == 300 and sum(gaps) == pytest.approx(299 / 7.0, rel=0.02)

@@ -50,8 +50,9 @@ class ServingSimulation(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     rate: float = Field(description="requests/s offered to this replica")
-    requests: int = Field(description="requests simulated; those that arrived before the engine filled (a request's "
-                          "median lifetime after the first arrival) or in the first tenth are left out of the statistics")
+    requests: int = Field(description="requests simulated; those that arrived before the engine filled (a running "
+                          "request's median lifetime after the first arrival) or in the first tenth are left out of the "
+                          "statistics")
     ttft_ms: Percentiles
     tpot_ms: Percentiles
     e2e_ms: Percentiles
@@ -233,13 +234,13 @@ def simulate_rate(replica: Replica, rate: float, lengths: list[tuple[int, int]],
 
 def steady_requests(replica: Replica, rate: float, lengths: list[tuple[int, int]], requests: int, seed: int):
     """(every request, preemptions, mean batch, the measured requests) of a run of at least
-    `requests` whose arrivals span `STEADY_LIFETIMES` lifetimes of a request (its median arrival to
-    last token; at most `MAX_SIMULATED_REQUESTS`). The measured ones arrive once a lifetime has
-    passed since the first arrival, when the engine holds its steady batch, and after the first
-    tenth."""
+    `requests` whose arrivals span `STEADY_LIFETIMES` lifetimes of a running request (its median
+    first to last token: the time a sequence holds its place in the batch, whatever it queued
+    before; at most `MAX_SIMULATED_REQUESTS`). The measured ones arrive once a lifetime has passed
+    since the first arrival, when the engine holds its steady batch, and after the first tenth."""
     while True:
         done, preemptions, mean_batch = run_engine(replica, poisson_requests(rate, requests, lengths, seed))
-        lifetime = float(np.median([r.finished - r.arrival for r in done]))
+        lifetime = float(np.median([r.finished - r.first_token for r in done]))
         needed = min(MAX_SIMULATED_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * lifetime))
         if needed <= requests or requests >= MAX_SIMULATED_REQUESTS:
             break
