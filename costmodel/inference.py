@@ -258,13 +258,14 @@ class ServingModel:
         self._stage_cache: dict[int, list] = {}
         self._prefill_cache: dict[tuple[int, int], list[float]] = {}
         self._prompt_cache: dict[tuple[int, int], tuple[float, float]] = {}
+        self._gemm_cache: dict[tuple[int, int, float], float] = {}
 
     def with_expert_parallel(self, on: bool) -> "ServingModel":
         """This model with each TP rank holding whole experts (on) or a slice of every expert."""
         if on == self.expert_parallel:
             return self
         twin = copy.copy(self)
-        twin.expert_parallel, twin._prefill_cache, twin._prompt_cache = on, {}, {}
+        twin.expert_parallel, twin._prefill_cache, twin._prompt_cache, twin._gemm_cache = on, {}, {}, {}
         return twin
 
     def stages(self, pp: int):
@@ -332,10 +333,13 @@ class ServingModel:
         blocks in int8) at that dtype's efficiency for the GEMM's size."""
         if tokens <= 0:
             return 0.0
-        load = self._load(layer, tp, tokens)
-        ctx = replace(self.ctx(tp, tokens / self.s), seq_len=self.s, expert_share=load.work,
-                      expert_slices=load.slices)
-        return forward_parts(layer, ctx)[0]
+        key = (id(layer), tp, tokens)  # the simulator tabulates each batch at several prompt sizes
+        if key not in self._gemm_cache:
+            load = self._load(layer, tp, tokens)
+            ctx = replace(self.ctx(tp, tokens / self.s), seq_len=self.s, expert_share=load.work,
+                          expert_slices=load.slices)
+            self._gemm_cache[key] = forward_parts(layer, ctx)[0]
+        return self._gemm_cache[key]
 
     def _load(self, layer: LayerProfile, tp: int, tokens: float) -> ExpertLoad:
         """The busiest TP rank's share of `layer`'s experts for `tokens` routed tokens."""

@@ -35,6 +35,7 @@ WARMUP_SHARE = 0.1  # the first requests meet an empty engine: left out of the s
 # a lifetime after the first arrival, and the run is lengthened until its arrivals span this many.
 STEADY_LIFETIMES = 3
 MAX_SIMULATED_REQUESTS = 20_000  # bounds a simulation's run time (a lifetime of many thousand requests in flight)
+RERUN_MARGIN = 1.25  # a run made again, for falling short of the lifetimes it should span, is this much longer
 
 
 class Percentiles(BaseModel):
@@ -177,11 +178,11 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
         clock += step
         busy += step
         batch_time += len(decoding) * step
-        for r in decoding:
-            grown = math.ceil((r.context() + 1) / replica.block_size)
-            free_blocks -= grown - r.blocks
-            r.blocks = grown
+        for r in decoding:  # each gains a token, and a page when its pages are full
             r.generated += 1
+            if r.prompt + r.generated > r.blocks * replica.block_size:
+                r.blocks += 1
+                free_blocks -= 1
         for r, take in chunks:
             r.to_prefill -= take
             if r.to_prefill == 0 and r.first_token is None:
@@ -196,7 +197,7 @@ def run_engine(replica: Replica, requests: list[_Request]) -> tuple[list[_Reques
 
 def _pages_wanted(decoding: list[_Request], block_size: int) -> int:
     """New pages the decoding sequences' next tokens need: one for each whose pages are full."""
-    return sum(1 for r in decoding if r.context() + 1 > r.blocks * block_size)
+    return sum(1 for r in decoding if r.prompt + r.generated >= r.blocks * block_size)
 
 
 def _percentiles(values: np.ndarray) -> Percentiles:
@@ -238,16 +239,35 @@ def steady_requests(replica: Replica, rate: float, lengths: list[tuple[int, int]
     first to last token: the time a sequence holds its place in the batch, whatever it queued
     before; at most `MAX_SIMULATED_REQUESTS`). The measured ones arrive once a lifetime has passed
     since the first arrival, when the engine holds its steady batch, and after the first tenth."""
+    mean_output = sum(o for _, o in lengths) / len(lengths)
+    guess = _decode_lifetime(replica, rate, mean_output)
+    requests = max(requests, min(MAX_SIMULATED_REQUESTS, math.ceil(RERUN_MARGIN * _spanning(rate, guess))))
     while True:
         done, preemptions, mean_batch = run_engine(replica, poisson_requests(rate, requests, lengths, seed))
         lifetime = float(np.median([r.finished - r.first_token for r in done]))
-        needed = min(MAX_SIMULATED_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * lifetime))
+        needed = _spanning(rate, lifetime)
         if needed <= requests or requests >= MAX_SIMULATED_REQUESTS:
             break
-        requests = needed
+        requests = min(MAX_SIMULATED_REQUESTS, math.ceil(RERUN_MARGIN * needed))
     start = max(done[0].arrival + lifetime, done[int(len(done) * WARMUP_SHARE)].arrival)
     measured = [r for r in done if r.arrival >= start] or done[-1:]
     return done, preemptions, mean_batch, measured
+
+
+def _spanning(rate: float, lifetime: float) -> int:
+    """Requests whose arrivals at `rate` span `STEADY_LIFETIMES` lifetimes (at most the bound)."""
+    return min(MAX_SIMULATED_REQUESTS, math.ceil(STEADY_LIFETIMES * rate * lifetime))
+
+
+def _decode_lifetime(replica: Replica, rate: float, mean_output: float) -> float:
+    """A running request's lifetime as the decode table gives it, before the run: `mean_output`
+    iterations at the batch Little's law keeps running (rate x lifetime, at most the cap), by
+    fixed-point iteration; prompts left out, so a run is seldom made twice."""
+    batch, lifetime = 1, 0.0
+    for _ in range(20):
+        lifetime = mean_output * replica.decode_s[batch]
+        batch = max(1, min(replica.max_sequences, round(rate * lifetime)))
+    return lifetime
 
 
 def _tokens_between(done: list[_Request], start: float, end: float) -> float:
