@@ -118,6 +118,9 @@ def plan_of(row: dict, engine="generic", workload=None):
         return None, f"unknown mode {mode!r}"
     if not (row.get("isl") or "").strip() or not (row.get("osl") or "").strip():
         return None, "the request lengths are not stated (a dataset's varying lengths)"
+    statistic = (row.get("statistic") or "mean").strip().lower()
+    if statistic not in STATISTICS:
+        return None, f"unknown statistic {statistic!r} (use {', '.join(STATISTICS)})"
     isl = int(row["isl"])
     try:
         plan = plan_inference(workload if workload is not None else row_workload(row), f"{n_gpus}x{row['gpu'].strip()}",

@@ -226,6 +226,7 @@ def test_a_published_rate_row_is_priced_by_the_event_simulation(capsys):
         sim.tpot_ms.mean
     total = published_serving.predicted(plan, "out_tok_s_total", 128, row, "vllm", workload)
     assert total == pytest.approx(2 * sim.output_tokens_per_s)
+    assert published_serving.plan_of({**row, "statistic": "p95"}, "vllm", workload)[1].startswith("unknown statistic")
 
 
 def test_prompt_tokens_share_the_iteration_s_weight_read(llama2_70b):
