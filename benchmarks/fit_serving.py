@@ -56,8 +56,8 @@ def group_rows(path: Path) -> dict[tuple[str, str], list[tuple[dict, object]]]:
 
 def mape(members, family: str, eff: float, overhead_ms: float, gpu: str) -> float:
     errors = []
+    engine = _fit(family, eff, overhead_ms, gpu)
     for row, workload in members:
-        engine = _fit(family, eff, overhead_ms, gpu)
         plan, _ = plan_of(row, engine, workload)
         errors.append(abs(predicted(plan, row["metric"].strip(), int(row["osl"]), row, engine, workload)
                           / float(row["value"]) - 1))

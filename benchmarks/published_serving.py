@@ -19,8 +19,9 @@ source gives another.
 `weights_dtype` is bf16, fp16 or fp8, or a quantized method priced as `serve-plan
 --quantization` prices it: int8 or int4 (weight-only, W8A16/W4A16: GPTQ, AWQ) and w8a8 (INT8
 GEMMs, SmoothQuant); w4a16 and w8a16 are read as int4 and int8. Rows of any other precision
-(FP4, for one) or whose deployment the model refuses are listed as not predicted, with the reason. Prints each row's signed
-error and, per metric and in all, `MAPE: X% over N rows (K not predicted)`.
+(FP4, for one) or whose deployment the model refuses are listed as not predicted, with the
+reason. Prints each row's signed error and, per metric and in all, `MAPE: X% over N rows (K
+not predicted)`.
 """
 from __future__ import annotations
 
@@ -47,6 +48,13 @@ METRICS = ("out_tok_s_per_gpu", "out_tok_s_total", "ttft_ms", "tpot_ms", "e2e_la
 PRICED_WEIGHTS = {"bf16": "bf16", "fp16": "fp16", "fp8": "fp8"}
 # a quantized method's name in hardware/catalog/engines/weight_quantization.json, its activations in fp16
 QUANTIZED_WEIGHTS = {"int8": "int8", "w8a16": "int8", "int4": "int4", "w4a16": "int4", "w8a8": "w8a8"}
+# a latency row's statistic -> the simulation's percentile field
+STATISTICS = {"mean": "mean", "median": "p50", "p50": "p50", "p90": "p90", "p99": "p99"}
+
+
+def _statistic(row: dict) -> str:
+    """The statistic a latency row states (the optional `statistic` column; blank: mean)."""
+    return (row.get("statistic") or "mean").strip().lower()
 
 
 def precision(row: dict) -> tuple[str, str] | None:
@@ -118,7 +126,7 @@ def plan_of(row: dict, engine="generic", workload=None):
         return None, f"unknown mode {mode!r}"
     if not (row.get("isl") or "").strip() or not (row.get("osl") or "").strip():
         return None, "the request lengths are not stated (a dataset's varying lengths)"
-    statistic = (row.get("statistic") or "mean").strip().lower()
+    statistic = _statistic(row)
     if statistic not in STATISTICS:
         return None, f"unknown statistic {statistic!r} (use {', '.join(STATISTICS)})"
     isl = int(row["isl"])
@@ -145,24 +153,19 @@ def predicted(plan, metric: str, osl: int, row: dict | None = None, engine="gene
             "e2e_latency_ms": (e.ttft_s + e.tpot_s * (osl - 1)) * 1e3}[metric]
 
 
-STATISTICS = {"mean": "mean", "median": "p50", "p50": "p50", "p90": "p90", "p99": "p99"}
-
-
 def simulated(plan, row: dict, metric: str, engine, workload) -> float:
     """A rate row's metric from `serve-load`'s simulation of one of `plan`'s replicas at its share
     of the rate (the same workload, engine, precision and layout `plan` priced)."""
     report = load_report(workload, plan.hardware, lengths=[(plan.prompt_len, plan.output_len)],
                          rates=[float(row["load"])], dtype=plan.dtype, kv_dtype=plan.kv_dtype, engine=engine,
-                         quantization=plan.quantization,
-                         expert_parallel=plan.expert_parallel, top_k=1,
+                         quantization=plan.quantization, expert_parallel=plan.expert_parallel, top_k=1,
                          fixed={"tp": plan.tp, "pp": plan.pp, "replicas": plan.replicas})
     sim = report.layouts[0].points[0]
     if metric in ("out_tok_s_total", "out_tok_s_per_gpu"):
         total = sim.output_tokens_per_s * plan.replicas
         return total if metric == "out_tok_s_total" else total / plan.gpus_used
-    stat = STATISTICS[(row.get("statistic") or "mean").strip().lower()]
     figures = {"ttft_ms": sim.ttft_ms, "tpot_ms": sim.tpot_ms, "e2e_latency_ms": sim.e2e_ms}[metric]
-    return getattr(figures, stat)
+    return getattr(figures, STATISTICS[_statistic(row)])
 
 
 def main(argv=None) -> int:

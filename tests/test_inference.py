@@ -200,7 +200,7 @@ def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
     assert int4.quantization == "int4" and int4.estimate.tpot_s < 0.5 * fp16.estimate.tpot_s  # a quarter of the bytes
 
 
-def test_a_published_rate_row_is_priced_by_the_event_simulation(capsys):
+def test_a_published_rate_row_is_priced_by_the_event_simulation():
     """A request rate is queueing: its latencies are the simulated replicas' (mean unless the row
     states another statistic), not the closed form's."""
     import sys
