@@ -239,6 +239,11 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
     (`stage_backward_input` runs with retain_graph), so a chunk's activations are
     held from its forward to its W: the warm-up plus rank + 1 steps' forwards,
     pp*vpp chunks once there are pp micro-batches (not the paper's 1x memory).
+    torch's ZB-V runs its weight gradients right after their input gradients but in the
+    cool-down, so each rank holds min(2*pp, m + rank + 1, 2*m) chunks at its peak: with 2*pp
+    micro-batches or more, pp micro-batches of its layers on every rank (1F1B's first rank's).
+    That is its order's own peak (`costmodel.simulate.schedule.zbv`, `held_at_peak`; a test
+    holds the two equal).
     """
     m = num_micro_batches
     if schedule == "gpipe":
@@ -247,6 +252,8 @@ def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_mic
         total = m * vpp
         warmup = min(total, (vpp - 1) * pp + (pp - rank - 1))
         return (warmup + min(total - warmup, rank + 1)) / vpp
+    if schedule == "zbv":  # its order's peak (held_at_peak of zbv's), in closed form: the search asks per rank
+        return min(2 * pp, m + rank + 1, 2 * m) / vpp
     if schedule == "interleaved":
         chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
         return chunks / vpp

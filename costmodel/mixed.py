@@ -134,7 +134,7 @@ def pipeline_ranks(workload, plan, mixed, clusters):
     lays = [layout_of(plan, clusters[owner[r]], workload) for r in range(plan.pp)]
     ranks = [RankTime() for _ in range(plan.pp)]
     for index in range(plan.n_virtual_stages):
-        stage_time(plan, workload, lays[index % plan.pp], index, ranks[index % plan.pp])
+        stage_time(plan, workload, lays[plan.stage_rank(index)], index, ranks[plan.stage_rank(index)])
     for rank, extra in zip(ranks, crossing_seconds(workload, plan, mixed, [clusters[owner[r]] for r in range(plan.pp)])):
         rank.pp_comm += extra
     return owner, lays, ranks
@@ -147,7 +147,7 @@ def crossing_seconds(workload: Workload, plan: Plan, mixed: MixedCluster, rank_c
     block = next(layer for layer in workload.layers if layer.kind == "block")
     extra = [0.0] * plan.pp
     for index in range(plan.n_virtual_stages - 1):
-        r, nxt = index % plan.pp, (index + 1) % plan.pp
+        r, nxt = plan.stage_rank(index), plan.stage_rank(index + 1)
         if rank_clusters[r] is not rank_clusters[nxt]:
             own = layout_of(plan, rank_clusters[r], workload)
             across = crossing_layout(plan, mixed, rank_clusters[r], workload)
@@ -178,7 +178,7 @@ def _pipeline_split(workload, plan, mixed, clusters, reserve) -> Estimate:
         rows.append(_row(plan, share, plan.dp, m, _blocks(workload, plan, share.stages), per_mb, m * per_mb, step,
                          (max(sum(memory[r].values()) for r in mine), max(held[r] for r in mine)),
                          usable_memory_bytes(clusters[i], reserve, plan, workload)))
-    est = throughput(workload, plan, clusters[owner[plan.pp - 1]], step, breakdown, stages, reserve)
+    est = throughput(workload, plan, clusters[owner[plan.stage_rank(plan.n_virtual_stages - 1)]], step, breakdown, stages, reserve)
     if plan.offload:
         est = est.model_copy(update=_host(plan, owner, ranks, clusters, reserve))
     return _mixed_throughput(workload, plan, mixed, est, rows)

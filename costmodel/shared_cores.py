@@ -40,7 +40,7 @@ def shared_core_pipeline_time(ranks: list[RankTime], plan: Plan, cluster: Cluste
     n = cluster.gpus_per_node
     pp_per_node = max(1, n // per_pp)
     work = []
-    split = plan.schedule == "zero-bubble"  # its backward runs as input gradients (B), then weight gradients (W)
+    split = plan.splits_backward  # its backward runs as input gradients (B), then weight gradients (W)
     for r in ranks:
         comm = (r.tp_comm + r.pp_comm + r.zero_comm) / 2
         w = r.weight_grad if split else 0.0

@@ -102,7 +102,8 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.weight_grad += sum(t.weight_grad * n for t, n in times)
     rank.recompute += sum(t.recompute * n for t, n in times)
     rank.tp_comm += sum(t.tp_comm * n for t, n in times)
-    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 else 0.0
+    handed_in_place = index < plan.n_virtual_stages - 1 and plan.stage_rank(index) == plan.stage_rank(index + 1)
+    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 and not handed_in_place else 0.0  # a V's turn
     # One-layer prefetch: each layer's gathers hide behind its own compute.
     rank.zero_comm += sum(
         sharded_exposed(layer_params_on_rank(layer, plan.tp, plan.ep), t, plan, lay) * n
@@ -127,13 +128,19 @@ def pipeline_seconds(slowest: float, total: float, m: int, vpp: int, fill: float
     return m * slowest + (total - slowest - fill) / vpp
 
 
+# Weight gradients per rank a zero-bubble schedule moves into each of its p-1 ramp slots.
+FILLED_WEIGHT_GRADS = {"zero-bubble": 2.0, "zbv": 3.0}
+
+
 def bubble_fill(schedule: str, weight_grads: float, pp: int) -> float:
     """What a zero-bubble schedule takes off the ramps, per micro-batch of ranks: with the
     backward split into input gradients (B) and weight gradients (W), ZB-H1's bubble is
-    (p-1)(F + B - W) where 1F1B's is (p-1)(F + B + W) (Qi et al. 2023, "Zero Bubble Pipeline
-    Parallelism", the mechanism; torch's ZB1P keeps 1F1B's memory): 2 W per rank off the
-    p-1 ramp slots, W being the ranks' mean weight-gradient time (`weight_grads` their sum)."""
-    return 2.0 * weight_grads * (pp - 1) / pp if schedule == "zero-bubble" else 0.0
+    (p-1)(F + B - W) where 1F1B's is (p-1)(F + B + W), and ZB-V's, in its chunks' times,
+    (p-1)(F + B - 2W) (Qi et al. 2023, "Zero Bubble Pipeline Parallelism", the mechanism; torch's
+    ZB1P keeps 1F1B's memory): 2 W (3 W for ZB-V's two chunks) per rank off the p-1 ramp slots,
+    W being the ranks' mean weight-gradient time (`weight_grads` their sum). B, the input
+    gradients, holds at least W's GEMMs and F at least as many again, so the bubble stays >= 0."""
+    return FILLED_WEIGHT_GRADS.get(schedule, 0.0) * weight_grads * (pp - 1) / pp
 
 
 def pipeline_time(ranks: list[RankTime], m: int, vpp: int, schedule: str = "1f1b") -> float:
@@ -322,7 +329,7 @@ def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layou
     lay = layout_of(plan, cluster, workload)
     ranks = [RankTime() for _ in range(plan.pp)]
     for index in range(plan.n_virtual_stages):
-        stage_time(plan, workload, lay, index, ranks[index % plan.pp])
+        stage_time(plan, workload, lay, index, ranks[plan.stage_rank(index)])
     return lay, ranks
 
 

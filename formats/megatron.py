@@ -67,7 +67,7 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     if plan.compression != "none":
         losses.add("compression", f"{plan.compression} gradient compression (Megatron reduces the gradients in the "
                    "buffer they accumulate in: 16-bit with --grad-reduce-in-bf16, else fp32 under bf16)")
-    if plan.schedule in ("gpipe", "zero-bubble") and plan.pp > 1:
+    if plan.schedule in ("gpipe", "zero-bubble", "zbv") and plan.pp > 1:
         losses.add("schedule", f"the {plan.schedule} schedule (Megatron runs 1F1B and interleaved 1F1B)")
 
 

@@ -26,6 +26,7 @@ import tomllib
 from typing import Any
 
 from hardware.errors import FormatError
+from layout.axes import V_SCHEDULES
 from layout.plan import Plan
 
 from . import argv
@@ -34,7 +35,8 @@ from .common import (Exported, Losses, Stated, block_recompute, blocks_of_stages
 
 NAME = "torchtitan"
 PINS = {"compression": "none"}  # what a search for a torchtitan run may not change
-SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble"}
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "Interleaved1F1B", "zero-bubble": "InterleavedZeroBubble",
+             "zbv": "ZBVZeroBubble"}
 CONFIGS = {"llama-3-8b": "llama3_8b", "llama-3-70b": "llama3_70b", "llama-3-405b": "llama3_405b"}  # --module llama3
 # What each registry config sets beneath the overrides (torchtitan 0.3.0, models/llama3/config_registry.py):
 # the batch, the length, TP, the checkpointing, and 405B's compile, async TP and float8 linears (lm_head kept bf16)
@@ -252,6 +254,8 @@ def _read_pipeline(stated: Stated, found: dict, get) -> Stated:
         blocks = _read_parts(found.get(P + "module_fqns_per_model_part"))
         if blocks is not None:
             axes["vpp"] = max(1, len(blocks) // axes["pp"])
+        if axes["schedule"] in V_SCHEDULES:  # torchtitan's ZBV runs two stages per rank, whatever the parts say
+            axes["vpp"] = 2
     elif T + "local_batch_size" in found:
         axes["micro_batch"] = get(T + "local_batch_size")
     return stated.model_copy(update={"axes": axes, "stage_blocks": blocks})

@@ -29,8 +29,21 @@ RECOMPUTE_MEANS = {
           "selective checkpointing",
     "full": "only the block's input is kept and the whole block recomputed in its backward",
 }
-SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
-CHUNKED_SCHEDULES = ("interleaved", "zero-bubble")  # several model chunks per pipeline rank (vpp), placed looped
+SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble", "zbv")
+CHUNKED_SCHEDULES = ("interleaved", "zero-bubble", "zbv")  # several model chunks per pipeline rank (vpp)
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")  # each backward run as input gradients, then weight gradients
+V_SCHEDULES = ("zbv",)  # two chunks per rank placed in a V: rank r runs stages r and 2*pp-1-r
+
+
+def stage_rank(schedule: str, pp: int, stage: int) -> int:
+    """The pipeline rank that runs virtual stage `stage`: looped (stage i on rank i % pp, so
+    each rank's chunks are pp stages apart), or in a V (the second sweep runs back up the
+    ranks, so rank 0 runs the first and the last stage), as torch's ZBV schedule places them."""
+    if schedule in V_SCHEDULES and (stage // pp) % 2:
+        return pp - 1 - stage % pp
+    return stage % pp
+
+
 COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 STACKS: tuple[str, ...] = get_args(Stack)  # the profiles' efficiencies are keyed by these (hardware.schema)
 ZERO_STAGES = (0, 1, 2, 3)
@@ -103,10 +116,11 @@ AXES: tuple[Axis, ...] = (
          "stack): each weight's compute copy held and all-gathered in FP8, 1 byte in place of bf16 and its FP8 cast; "
          "priced, not run, and never chosen by the planner", choices=(False, True), searched=(False,)),
     _count("pp", "pipeline stages (torch.distributed.pipelining)"),
-    Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (vpp chunks per rank), or "
+    Axis("schedule", str, "1f1b", "pipeline schedule: 1f1b, gpipe, interleaved (vpp chunks per rank), "
          "zero-bubble (ZB1P: the backward split into input and weight gradients, the weights' filling the "
-         "bubble; vpp chunks per rank)", choices=SCHEDULES),
-    _count("vpp", "model chunks per pipeline rank (interleaved and zero-bubble schedules)", high=MAX_LAYERS,
+         "bubble; vpp chunks per rank), or zbv (ZB-V: the same split, two chunks per rank placed in a V, the "
+         "first and last stages on rank 0; vpp 2)", choices=SCHEDULES),
+    _count("vpp", "model chunks per pipeline rank (interleaved, zero-bubble and zbv (2) schedules)", high=MAX_LAYERS,
            searched=(2, 3, 4)),
     _count("ep", "expert parallel: a mixture-of-experts layer's experts split over ep of the data-parallel ranks, "
            "tokens routed to them by all-to-all"),

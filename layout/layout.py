@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .axes import AXIS, Accumulation, Compression, ReduceDtype, Schedule, StateDtype, ZeroStage
+from .axes import (AXIS, SPLIT_BACKWARD_SCHEDULES, Accumulation, Compression, ReduceDtype, Schedule, StateDtype, ZeroStage,
+                   stage_rank)
 from hardware.schema import Stack
 
 
@@ -81,6 +82,19 @@ class Layout(BaseModel):
     @property
     def n_virtual_stages(self) -> int:
         return self.pp * self.vpp
+
+    def stage_rank(self, stage: int) -> int:
+        """The pipeline rank that runs virtual stage `stage` (the schedule's placement, `layout.axes.stage_rank`)."""
+        return stage_rank(self.schedule, self.pp, stage)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The virtual stages pipeline rank `rank` runs, in model order."""
+        return [s for s in range(self.n_virtual_stages) if self.stage_rank(s) == rank]
+
+    @property
+    def splits_backward(self) -> bool:
+        """Whether the schedule runs each backward as input gradients, then weight gradients."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def reduces_through_ddp(self) -> bool:

@@ -4,9 +4,9 @@ A plan written by hand and a plan returned by the solver are the same JSON and
 pass the same validation; the estimator, the simulator and the executor all
 take a `Plan`. A Plan is a `Layout` (the axes, declared in `layout.axes`) with
 its model, hardware, batch and stage partition. Stage boundaries index the
-workload's expanded layer list (embedding, blocks..., head). With an interleaved
-schedule there are `pp * vpp` virtual stages, and virtual stage `i` runs on
-pipeline rank `i % pp`.
+workload's expanded layer list (embedding, blocks..., head). With a chunked
+schedule there are `pp * vpp` virtual stages, placed on the pipeline ranks as the
+schedule places them (`Layout.stage_rank`: looped, or in a V for zbv).
 
 Gradient compression's options (Top-K's fraction, PowerSGD's rank, int8's
 rounding) are part of the layout: the cost model prices them and the executor
@@ -221,8 +221,8 @@ def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
     data-parallel shares, which run on DDP's path alone (each replica runs its own count and
     the gradients reduce once per step; FSDP2 reduces per micro-batch, and a pipeline
     schedule runs one count on every stage)."""
-    if plan.schedule == "zero-bubble" and any(p != "none" for stage in plan.stages for p in stage.recompute):
-        return PlanError("recompute", "the zero-bubble schedule runs without activation recomputation (torch's "
+    if plan.splits_backward and any(p != "none" for stage in plan.stages for p in stage.recompute):
+        return PlanError("recompute", f"the {plan.schedule} schedule runs without activation recomputation (torch's "
                          "composable checkpoint fails under its split backward)", "use recompute none, or 1f1b")
     if plan.stack == "fused" and any(p == "op" for stage in plan.stages for p in stage.recompute):
         return PlanError("recompute", "op is torch's op-level checkpointing; the fused stack prices Megatron-LM, "

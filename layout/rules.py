@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hardware.errors import PlanError
 
-from .axes import CHUNKED_SCHEDULES, COMPRESSION, RECOMPUTE, SCHEDULES, TP_DEGREES
+from .axes import CHUNKED_SCHEDULES, COMPRESSION, RECOMPUTE, SCHEDULES, TP_DEGREES, V_SCHEDULES
 from .layout import Layout
 
 EXECUTED_STACKS = ("eager", "compile")  # PyTorch's ops as they are, or each block torch.compile'd; not Megatron's kernels
@@ -103,6 +103,9 @@ def _schedule_structure(f: Layout) -> PlanError | None:
                          "use vpp 1, or the interleaved schedule")
     if f.schedule in CHUNKED_SCHEDULES and f.pp < 2:
         return PlanError("schedule", f"the {f.schedule} schedule needs pp >= 2", "use 1f1b")
+    if f.schedule in V_SCHEDULES and f.vpp != 2:
+        return PlanError("vpp", f"the {f.schedule} schedule runs exactly two chunks per rank (a V), the layout has "
+                         f"vpp={f.vpp}", "use vpp 2 with zbv, or the zero-bubble schedule")
     return None
 
 
@@ -240,32 +243,33 @@ def _pp_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
 def allowed_recompute(layout: Layout) -> tuple[str, ...]:
     """The recompute policies the executor runs with `layout` (see `layout.plan.plan_problem`);
     on the fused stack those Megatron-LM runs: it has no op-level checkpointing (torch's)."""
-    if layout.schedule == "zero-bubble":
+    if layout.splits_backward:
         return ("none",)
     return tuple(p for p in RECOMPUTE if p != "op") if layout.stack == "fused" else RECOMPUTE
 
 
 def _zero_bubble_problem(f: Layout, facts: ModelFacts, seq_len: int) -> PlanError | None:
-    """torch's zero-bubble schedule splits each backward into input and weight gradients; run
+    """torch's zero-bubble schedules (ZB1P and ZBV) split each backward into input and weight gradients; run
     on CPU against the single-process reference, that matches over DDP-style replication
     (zero 0/1) and TP, but FSDP2's sharded gradients (zero 2/3) come out wrong and SP's
     DTensor backward fails to split, so those are refused rather than offered. A compiled block's
     backward is one autograd node computing both: split, it would run twice (and its donated
     buffers refuse the retained graph)."""
-    if f.schedule != "zero-bubble":
+    if not f.splits_backward:
         return None
+    name = f.schedule
     if f.stack == "compile":
-        return PlanError("schedule", "the zero-bubble schedule on the compile stack: a compiled block's backward "
+        return PlanError("schedule", f"the {name} schedule on the compile stack: a compiled block's backward "
                          "does not split into input and weight gradients", "use the 1f1b or interleaved schedule, "
                          "or the eager stack")
     if f.zero >= 2:
-        return PlanError("zero", f"zero={f.zero} with the zero-bubble schedule: FSDP2's sharded gradients miss "
-                         "the split weight gradients", "use zero 0 or 1 with zero-bubble, or another schedule")
+        return PlanError("zero", f"zero={f.zero} with the {name} schedule: FSDP2's sharded gradients miss "
+                         "the split weight gradients", f"use zero 0 or 1 with {name}, or another schedule")
     if f.sp:
-        return PlanError("sp", "sequence parallelism with the zero-bubble schedule: its backward does not split",
-                         "turn sp off with zero-bubble, or use another schedule")
+        return PlanError("sp", f"sequence parallelism with the {name} schedule: its backward does not split",
+                         f"turn sp off with {name}, or use another schedule")
     if f.ep > 1:
-        return PlanError("ep", "expert parallelism with the zero-bubble schedule is not run", "use ep 1 or another schedule")
+        return PlanError("ep", f"expert parallelism with the {name} schedule is not run", "use ep 1 or another schedule")
     return None
 
 

@@ -49,7 +49,7 @@ def stage_table(plan: Plan) -> Table:
         mem = e.memory_bytes if e else {}
         table.add_row(
             str(index),
-            str(index % plan.pp),
+            str(plan.stage_rank(index)),
             f"{stage.start}-{stage.end - 1}",
             _policy_counts(stage.recompute),
             f"{e.forward_s * 1e3:.1f}" if e else "",

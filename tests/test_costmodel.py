@@ -97,6 +97,37 @@ def test_the_zero_bubble_order_is_torchs(pp, vpp, m):
         assert theirs == [tuple(op) for op in zero_bubble(rank, pp, m, vpp)]
 
 
+@pytest.mark.parametrize("pp, m", [(2, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 9), (8, 16)])
+def test_the_zbv_order_is_torchs_and_its_peak_is_priced(pp, m):
+    """costmodel.simulate.schedule.zbv is torch's ScheduleZBVZeroBubble order, action for action,
+    each rank's two chunks placed in a V (stages r and 2*pp-1-r, as layout.axes.stage_rank places
+    them); the priced activations in flight are the most chunks forwarded and not yet through W."""
+    import torch
+    from torch.distributed.pipelining.schedules import ScheduleZBVZeroBubble
+
+    from costmodel.simulate.schedule import held_at_peak, zbv
+    from layout.axes import stage_rank
+
+    class Stage:  # what the schedule's constructor reads of its stages
+        def __init__(self, index):
+            self.group_size, self.group_rank, self.stage_index = pp, stage_rank("zbv", pp, index), index
+            self.num_stages, self.is_first, self.is_last = 2 * pp, index == 0, index == 2 * pp - 1
+            self.submod = torch.nn.Linear(1, 1)
+
+    names = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
+    for rank in range(pp):
+        stages = [s for s in range(2 * pp) if stage_rank("zbv", pp, s) == rank]
+        assert stages == [rank, 2 * pp - 1 - rank]
+        schedule = ScheduleZBVZeroBubble([Stage(s) for s in stages], m, loss_fn=lambda out, target: out.sum())
+        theirs = [(names[a.computation_type.name], a.microbatch_index, a.stage_index)
+                  for a in schedule.pipeline_order[rank] if a is not None]
+        order = zbv(rank, pp, m)
+        assert theirs == [tuple(op) for op in order]
+        assert in_flight_micro_batches("zbv", rank, pp, 2, m) == held_at_peak(order) / 2
+    if m >= 2 * pp:  # every rank at 1F1B's first rank's peak: pp micro-batches of its layers
+        assert [in_flight_micro_batches("zbv", r, pp, 2, m) for r in range(pp)] == [pp] * pp
+
+
 @pytest.fixture(scope="module")
 def cluster16():
     return hardware.load("16xa100-80g")

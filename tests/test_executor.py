@@ -177,6 +177,8 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "pp_zero_bubble": dict(pp=2, schedule="zero-bubble", vpp=2), "pp_zero_bubble_1": dict(pp=2, schedule="zero-bubble"),
         "pp_tp_zero_bubble": dict(pp=2, tp=2, schedule="zero-bubble", vpp=2),
         "pp_dp_zero_bubble_zero1": dict(pp=2, dp=2, schedule="zero-bubble", vpp=2, zero=1),
+        # ZB-V: two chunks per rank in a V, the first and last stages (a tied head's two copies) on rank 0
+        "pp_zbv": dict(pp=2, schedule="zbv", vpp=2), "pp_dp_zbv_zero1": dict(pp=2, dp=2, schedule="zbv", vpp=2, zero=1),
         "dp_full_ac": dict(dp=2, recompute="full"), "zero3_full_ac": dict(dp=2, zero=3, recompute="full"),
         "tp_selective_ac": dict(tp=2, recompute="selective"), "pp_selective_ac": dict(pp=2, recompute="selective"),
         "tp_sp_op_ac": dict(tp=2, sp=True, recompute="op"), "zero3_op_ac": dict(dp=2, zero=3, recompute="op"),
@@ -240,11 +242,11 @@ def test_reference_gpt_two_ranks_matches_single_process():
     tracker, executor.measure.memory; the third compiled, which each compiled case must show)."""
     cases = {**_cases("reference-tiny", ("dp", "zero1", "zero2", "zero3", "zero3_accumulate", "cp", "tp", "tp_sp",
                                          "pp_gpipe", "pp_1f1b", "pp_interleaved", "dp_full_ac", "zero3_full_ac",
-                                         "tp_selective_ac", "pp_selective_ac", "pp_zero_bubble", "pp_zero_bubble_1",
+                                         "tp_selective_ac", "pp_selective_ac", "pp_zero_bubble", "pp_zero_bubble_1", "pp_zbv",
                                          "zero3_hold", "zero3_bf16", "zero3_bf16_reduce_bf16", "dp_bf16_states",
                                          "zero2_bf16_states_hold", *COMPILED)),
              # a head tied to the embedding stays one weight when TP splits both
-             **_cases("reference-tiny-tied", ("tp", "tp_sp", "zero3"))}
+             **_cases("reference-tiny-tied", ("tp", "tp_sp", "zero3", "pp_zbv"))}
     out_dir, cache = launch(2, cases), {}
     for label, plan in cases.items():
         assert_equivalent(out_dir, label, plan, cache)
@@ -257,7 +259,8 @@ def test_four_rank_layouts_match_single_process():
     # plain dp x tp and pp x dp run inside their ZeRO variants' compositions
     _check_all(4, {**_cases("reference-tiny", ("dp_tp_zero3", "pp_dp_zero3", "pp_dp_interleaved_zero1",
                                                "dp_tp_zero1", "pp_tp_sp", "pp_tp_sp_interleaved_ac", "hsdp",
-                                               "cp_dp_zero3_ac", "cp_tp", "pp_dp_zero_bubble_zero1", "pp_tp_zero_bubble")),
+                                               "cp_dp_zero3_ac", "cp_tp", "pp_dp_zero_bubble_zero1", "pp_tp_zero_bubble",
+                                               "pp_dp_zbv_zero1")),
                    # the HF model's own paths (rotary, its attention registry) in compositions; its plain dp x tp and
                    # pp x dp are the reference's above
                    **_cases("hf-llama-tiny", ("pp_dp_interleaved", "pp_tp_sp", "cp_dp_zero3_ac", "cp_tp",
@@ -271,7 +274,7 @@ def test_hf_and_users_models_two_ranks_match_single_process():
     states; the executor builds it through the factory and cuts it into stages with stand-ins for
     what another stage owns)."""
     _check_all(2, {**_cases("hf-llama-tiny", ("dp", "zero3", "cp", "tp", "tp_sp", "pp_1f1b", "pp_interleaved",
-                                              "pp_zero_bubble", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
+                                              "pp_zero_bubble", "pp_zbv", "tp_selective_ac", "zero3_full_ac", "tp_sp_op_ac",
                                               "zero3_op_ac")),
                    **_cases("hf-gpt2-tiny", ("dp", "zero2", "pp_gpipe", "pp_interleaved", "dp_full_ac",
                                              "pp_bf16_states")),
@@ -286,11 +289,15 @@ def test_zero_bubble_is_refused_where_its_split_backward_does_not_run():
     from hardware.errors import PlanError
 
     model = build_model("reference-tiny")
-    for pins, field in ((dict(pp=2, dp=2, zero=3), "zero"), (dict(pp=2, tp=2, sp=True), "sp"),
-                        (dict(pp=2, recompute="full"), "recompute")):
-        with pytest.raises(PlanError) as refused:
-            validate(make_plan("reference-tiny", schedule="zero-bubble", vpp=2, **pins), model)
-        assert refused.value.field == field
+    for schedule in ("zero-bubble", "zbv"):
+        for pins, field in ((dict(pp=2, dp=2, zero=3), "zero"), (dict(pp=2, tp=2, sp=True), "sp"),
+                            (dict(pp=2, recompute="full"), "recompute")):
+            with pytest.raises(PlanError) as refused:
+                validate(make_plan("reference-tiny", schedule=schedule, vpp=2, **pins), model)
+            assert refused.value.field == field
+    with pytest.raises(PlanError) as refused:  # ZB-V runs exactly two chunks per rank
+        validate(make_plan("reference-tiny", schedule="zbv", pp=2, vpp=1), model)
+    assert refused.value.field == "vpp"
 
 
 def test_hf_mixtral_expert_parallel_matches_single_process():

@@ -163,3 +163,30 @@ def test_torchtitan_parses_every_export_as_planned(plans):
             assert t.local_batch_size == plan.micro_batch
         checked += 1
     assert checked >= 5
+
+
+def test_torchtitan_looks_up_the_schedule_class_the_executor_runs():
+    """Each pipeline schedule's torchtitan name resolves, through torch's own lookup that torchtitan
+    calls, to the class `parallax run` builds; a ZB-V export reads back as two chunks per rank."""
+    from torch.distributed.pipelining.schedules import get_schedule_class
+
+    import hardware
+    from executor.apply.pipeline import CHUNKED
+    from formats import torchtitan
+    from formats.argv import split
+    from layout.layout import Layout
+    from planner.search.space import to_plan
+    from planner.trace.workload_for import workload_for
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
+
+    workload, _ = workload_for(MODEL, seq_len=4096)
+    cluster = hardware.load("16xh100-sxm")
+    parse = _torchtitan_parser()
+    runs = {**CHUNKED, "1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+    for schedule, vpp in (("1f1b", 1), ("gpipe", 1), ("interleaved", 2), ("zero-bubble", 2), ("zbv", 2)):
+        layout = Layout(dp=4, pp=4, schedule=schedule, vpp=vpp)
+        plan = to_plan(layout, workload, cluster, global_batch=BATCH, dtype="bf16", recompute="none", model=MODEL)
+        text = formats.export(plan, "torchtitan").text
+        assert get_schedule_class(parse(split(text, "torchtitan")).parallelism.pipeline_parallel_schedule) is runs[schedule]
+        read = torchtitan.read(text)
+        assert (read.axes["schedule"], read.axes["vpp"]) == (schedule, vpp), schedule

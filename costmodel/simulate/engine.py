@@ -163,6 +163,9 @@ class Engine:
             self._advance(r)
 
     def _send(self, t: float, r: int, phase: str, j: int, dst: int, seconds: float) -> None:
+        if seconds == 0.0:  # handed over in place (a V's turn: both stages on one rank), past the link's queue
+            self._arrive((phase, j, dst), t)
+            return
         key = (r, self.s.pp_stream, "pp")
         start = max(self.out.comm_free.get(key, 0.0), t)
         end = start + seconds

@@ -25,8 +25,8 @@ def simulate_mixed(workload: Workload, plan: Plan, cluster, bucket_bytes: float)
     owner, lays, ranks = pipeline_ranks(workload, plan, mixed, clusters)
     sends = []
     for s in range(plan.n_virtual_stages):
-        here, there = owner[s % plan.pp], owner[(s + 1) % plan.pp]
-        sends.append(lays[s % plan.pp] if here == there else crossing_layout(plan, mixed, clusters[here], workload))
+        here, there = owner[plan.stage_rank(s)], owner[plan.stage_rank((s + 1) % plan.n_virtual_stages)]
+        sends.append(lays[plan.stage_rank(s)] if here == there else crossing_layout(plan, mixed, clusters[here], workload))
     result = play(workload, plan, [clusters[owner[r]] for r in range(plan.pp)], lays, ranks, bucket_bytes, sends)
     groups = [GroupTimeline(share.hardware, list(share.stages)) for share in plan.groups]
     return _whole(workload, plan, mixed, replace(result, groups=groups))

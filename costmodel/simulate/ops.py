@@ -94,7 +94,7 @@ class Pricer:
         rows = self.stage_layers(index)
         if phase != "F":
             rows = rows[::-1]
-        split = self.plan.schedule == "zero-bubble"  # the backward as input gradients (B), then weights' (W)
+        split = self.plan.splits_backward  # the backward as input gradients (B), then weights' (W)
         work, gathers, scatters, comp, recomp = [], [], [], 0.0, 0.0
         for _, layer, policy in rows:
             lt, fwd_comm, (fwd_gather, bwd_gather, scatter) = self.layer(layer, policy)

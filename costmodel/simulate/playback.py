@@ -94,7 +94,7 @@ def play(workload: Workload, plan: Plan, clusters: list[Cluster], lays: list, ra
     peaks = [peak_moments(plan, workload, r, rank_times[r], clusters[r]) for r in range(plan.pp)]
     # each rank's transient at its peak moment (a rebuilt block, the loss's temporaries), while its ops run
     transients = [max(0.0, memory["activations"] - saved) for memory, saved, _ in peaks]
-    sends = send_lays or [lays[s % plan.pp] for s in range(plan.n_virtual_stages)]
+    sends = send_lays or [lays[plan.stage_rank(s)] for s in range(plan.n_virtual_stages)]
     spec = _engine_input(plan, per_rank, sends, bucket_bytes, transients)
     out = Engine(spec).run()
     return _assemble(plan, workload, clusters, lays, rank_times, spec, out, [memory for memory, _, _ in peaks])
@@ -102,16 +102,17 @@ def play(workload: Workload, plan: Plan, clusters: list[Cluster], lays: list, ra
 
 def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: float,
                   transients: list[float]) -> EngineInput:
-    n, pp = plan.n_virtual_stages, plan.pp
-    phases = ("F", "B", "W") if plan.schedule == "zero-bubble" else ("F", "B")
-    templates = {(s, ph): pricers[s % pp].template(s, ph) for s in range(n) for ph in phases}
-    fwd = [p2p_seconds(plan, pricers[s % pp].workload, sends[s], plan.stages[s].end - 1) if s < n - 1 else 0.0
-           for s in range(n)]
+    n, rank = plan.n_virtual_stages, plan.stage_rank
+    phases = ("F", "B", "W") if plan.splits_backward else ("F", "B")
+    templates = {(s, ph): pricers[rank(s)].template(s, ph) for s in range(n) for ph in phases}
+    # a V's turn (stages pp-1 and pp on one rank) hands its activations over in place
+    fwd = [p2p_seconds(plan, pricers[rank(s)].workload, sends[s], plan.stages[s].end - 1)
+           if s < n - 1 and rank(s) != rank(s + 1) else 0.0 for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
     if plan.data_parallel > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):
         last = phases[-1]  # the gradients are final in the last backward op: the weights' (W) under zero-bubble
-        grads = {s: buckets(plan, pricers[s % pp], s, templates[(s, last)], bucket_bytes) for s in range(n)}
+        grads = {s: buckets(plan, pricers[rank(s)], s, templates[(s, last)], bucket_bytes) for s in range(n)}
     reducers = [_bucket_pricer(plan, pricer.lay) for pricer in pricers]
     return EngineInput(
         n_stages=n,
@@ -119,9 +120,9 @@ def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: 
         templates=templates,
         p2p_fwd=fwd,
         p2p_bwd=bwd,
-        activation=[(stage_activation(plan, pricers[s % pp], s), transients[s % pp]) for s in range(n)],
+        activation=[(stage_activation(plan, pricers[rank(s)], s), transients[rank(s)]) for s in range(n)],
         buckets=grads,
-        bucket_time=lambda nbytes, stage: reducers[stage % pp](nbytes),
+        bucket_time=lambda nbytes, stage: reducers[rank(stage)](nbytes),
         pp_stream=pricers[0].pp_stream,
         dp_stream=pricers[0].dp_stream,
     )
@@ -171,7 +172,7 @@ def _rank_sim(plan, memory: dict, r, rank_time, spec, out, events, end) -> RankS
     timeline, peak, when = memory_timeline(out.memory_deltas[r], sum(static.values()))
     return RankSim(
         rank=r,
-        stages=list(range(r, plan.n_virtual_stages, plan.pp)),
+        stages=plan.rank_stages(r),
         busy_s=busy,
         idle_s=max(0.0, out.compute_end[r] - busy),
         compute_s=sum(t.compute for t in tpls),

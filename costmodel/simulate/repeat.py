@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import fields, replace
 
+from layout.axes import CHUNKED_SCHEDULES
 from layout.plan import Plan
 
 MAX_PLAYED_MICRO_BATCHES = 256  # ~10^5 events for a 16-stage pipeline: a fraction of a second, tens of MB
@@ -20,7 +21,7 @@ MAX_PLAYED_MICRO_BATCHES = 256  # ~10^5 events for a 16-stage pipeline: a fracti
 
 def played_lengths(plan: Plan, cap: int = MAX_PLAYED_MICRO_BATCHES) -> tuple[int, int] | None:
     """(a, b): the two micro-batch counts to play in place of the plan's, or None to play it whole."""
-    m, unit = plan.num_micro_batches, plan.pp if plan.schedule in ("interleaved", "zero-bubble") else 1
+    m, unit = plan.num_micro_batches, plan.pp if plan.schedule in CHUNKED_SCHEDULES else 1
     if m <= cap or plan.dp_micro_batches or plan.groups:
         return None
     a = max(2 * plan.pp * plan.vpp, cap // unit * unit)  # past the warm-up and cool-down

@@ -17,7 +17,7 @@ from hardware.errors import PlanError
 class Op(NamedTuple):
     phase: str  # "F", "B" (the whole backward; a zero-bubble schedule's input gradients) or "W" (its weight gradients)
     micro_batch: int
-    stage: int  # virtual stage index; it runs on rank stage % pp
+    stage: int  # virtual stage index; it runs on the rank `layout.axes.stage_rank` places it on
 
 
 def gpipe(rank: int, pp: int, m: int) -> list[Op]:
@@ -88,6 +88,61 @@ def zero_bubble(rank: int, pp: int, m: int, vpp: int) -> list[Op]:
     return ops + owed
 
 
+def zbv(rank: int, pp: int, m: int) -> list[Op]:
+    """torch's ZB-V order (Qi et al. 2023, sec. 6): two chunks per rank in a V, the way down
+    (stage `rank`) and the way back up (stage 2*pp-1-rank). It warms up with 2*(pp-rank)-1
+    forwards of the first chunk, `rank` forwards of each chunk in turn, then pp-rank rounds of
+    the second chunk's forward, input gradients (B) and weight gradients (W); the steady state
+    runs a forward, B and W on each chunk in turn; the cool-down runs `rank` pairs of Bs, then
+    pp-rank first-chunk Bs each with the oldest first-chunk W owed, then the Ws left, the
+    second chunk's first. Laid out for at least 2*pp-1 micro-batches, the ones past m dropped."""
+    n = max(m, 2 * pp - 1)
+    down, up = rank, 2 * pp - 1 - rank
+    done = {("F", down): 0, ("F", up): 0, ("B", down): 0, ("B", up): 0, ("W", down): 0, ("W", up): 0}
+    ops: list[Op] = []
+
+    def run(phase: str, stage: int) -> None:
+        ops.append(Op(phase, done[(phase, stage)], stage))
+        done[(phase, stage)] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        run("F", down)
+    for _ in range(rank):
+        run("F", up)
+        run("F", down)
+    for _ in range(pp - rank):
+        for phase in "FBW":
+            run(phase, up)
+    while done[("F", up)] < done[("F", down)] or done[("F", down)] < n:
+        if done[("F", down)] < n:
+            run("F", down)
+        for stage, phases in ((down, "BW"), (up, "FBW")):
+            for phase in phases:
+                run(phase, stage)
+    for _ in range(rank):
+        run("B", down)
+        run("B", up)
+    for _ in range(pp - rank):
+        run("B", down)
+        run("W", down)
+    for stage in (up, down):
+        while done[("W", stage)] < done[("B", stage)]:
+            run("W", stage)
+    return [op for op in ops if op.micro_batch < m]
+
+
+def held_at_peak(order: list[Op]) -> int:
+    """The most chunk activations a rank holds at once running `order`: each forward's are kept
+    to its backward, or to its weight gradients where the backward is split (torch's
+    stage_backward_input retains the graph for them)."""
+    split = any(op.phase == "W" for op in order)
+    held = peak = 0
+    for op in order:
+        held += 1 if op.phase == "F" else -1 if op.phase == ("W" if split else "B") else 0
+        peak = max(peak, held)
+    return peak
+
+
 def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
     """One op list per pipeline rank."""
     if schedule == "gpipe":
@@ -103,4 +158,6 @@ def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
         return [interleaved(r, pp, m, vpp) for r in range(pp)]
     if schedule == "zero-bubble":
         return [zero_bubble(r, pp, m, vpp) for r in range(pp)]
-    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b, interleaved or zero-bubble")
+    if schedule == "zbv":
+        return [zbv(r, pp, m) for r in range(pp)]
+    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b, interleaved, zero-bubble or zbv")

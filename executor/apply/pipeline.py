@@ -1,7 +1,7 @@
 """Pipeline parallelism: cut the model at the plan's stage boundaries.
 
-Each pipeline rank keeps, per virtual stage it owns (stage i runs on rank
-i % pp), a copy of the model stripped of what the stage does not own. Names of
+Each pipeline rank keeps, per virtual stage it owns (where the schedule places
+it: `Layout.stage_rank`, stage i on rank i % pp, or in a V for zbv), a copy of the model stripped of what the stage does not own. Names of
 the kept parameters are unchanged, so checkpoints and comparisons line up with
 the unsplit model. The reference GPT tolerates missing modules (None / deleted
 from the ModuleDict); HuggingFace models get parameter-free stand-ins instead,
@@ -15,16 +15,17 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B,
-                                          ScheduleInterleavedZeroBubble)
+                                          ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)
 
 from layout.plan import Plan
 from executor.apply.layers import LayerMap, layer_map
 from executor.runtime.models import HFStage
 
 
-# Schedules of model chunks (vpp per rank, stage i on rank i % pp); zero-bubble is torch's ZB1P,
-# which splits each backward into input and weight gradients.
-CHUNKED = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble}
+# Schedules of model chunks (vpp per rank, placed by `Layout.stage_rank`); zero-bubble is torch's
+# ZB1P and zbv its ZB-V, both splitting each backward into input and weight gradients.
+CHUNKED = {"interleaved": ScheduleInterleaved1F1B, "zero-bubble": ScheduleInterleavedZeroBubble,
+           "zbv": ScheduleZBVZeroBubble}
 
 
 class Skipped(nn.Module):
@@ -54,7 +55,7 @@ class Passthrough(nn.Module):
 
 def owned_stages(plan: Plan, pp_rank: int) -> list[int]:
     """Virtual stage indices that run on pipeline rank `pp_rank`."""
-    return list(range(pp_rank, plan.n_virtual_stages, plan.pp))
+    return plan.rank_stages(pp_rank)
 
 
 def _drop(model: nn.Module, name: str, lmap: LayerMap, stand_in) -> None:

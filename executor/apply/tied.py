@@ -38,37 +38,49 @@ def _layer_of(name: str, lmap: LayerMap) -> int:
 
 def _pp_rank_of(layer: int, plan: Plan) -> int:
     index = next(i for i, s in enumerate(plan.stages) if s.start <= layer < s.end)
-    return index % plan.pp
+    return plan.stage_rank(index)
 
 
 class TiedGradients:
-    """Sums each tied weight's gradient over the pipeline ranks holding a copy of it."""
+    """Sums each tied weight's gradient over the copies: those of this rank's chunks (a V
+    schedule runs the first and last stage on one rank, each chunk its own copy) and those
+    of the other pipeline ranks holding one."""
 
     def __init__(self, groups: list[tuple[str, ...]], lmap: LayerMap, plan: Plan, mesh: DeviceMesh,
                  modules: list[nn.Module]) -> None:
         """`modules`: this rank's fully wrapped chunks (their parameters no longer change)."""
-        self.entries: list[tuple[nn.Parameter, object]] = []
+        self.entries: list[tuple[list[nn.Parameter], object]] = []
         params = {canonical_name(n): p for m in modules for n, p in m.named_parameters()}
         ranks = mesh.mesh  # (pp, dp, tp) global ranks
         me = dist.get_rank()
         for names in groups:
             holders = sorted({_pp_rank_of(_layer_of(n, lmap), plan) for n in names})
+            copies = list({id(params[n]): params[n] for n in names if n in params}.values())
             if len(holders) < 2:
+                if len(copies) > 1:
+                    self.entries.append((copies, None))
                 continue
             for d in range(ranks.shape[1]):
                 for t in range(ranks.shape[2]):
                     members = [int(ranks[p, d, t]) for p in holders]
                     group = dist.new_group(members)  # every rank creates every group, in one order
-                    param = next((params[n] for n in names if n in params), None)
-                    if me in members and param is not None:
-                        self.entries.append((param, group))
+                    if me in members and copies:
+                        self.entries.append((copies, group))
 
     @torch.no_grad()
     def sync(self) -> None:
-        for param, group in self.entries:
-            if param.grad is not None:
-                grad = param.grad._local_tensor if isinstance(param.grad, DTensor) else param.grad
-                dist.all_reduce(grad, group=group)
+        for copies, group in self.entries:
+            grads = [p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad for p in copies if p.grad is not None]
+            if not grads:
+                continue
+            total = grads[0]
+            for grad in grads[1:]:
+                total = total + grad
+            if group is not None:
+                dist.all_reduce(total, group=group)
+            for grad in grads:
+                if grad is not total:
+                    grad.copy_(total)
 
 
 def aliases(groups: list[tuple[str, ...]]) -> dict[str, str]:

@@ -114,12 +114,12 @@ def roles(plan: Plan) -> list[int]:
 
 
 def _predicted_stage(plan: Plan, pp_rank: int) -> dict[str, float]:
-    stage = next(s for s in plan.estimate.stages if s.index % plan.pp == pp_rank)
+    stage = next(s for s in plan.estimate.stages if plan.stage_rank(s.index) == pp_rank)
     return dict(stage.memory_bytes)
 
 
 def _predicted_reserved(plan: Plan, pp_rank: int) -> float | None:
-    return next(s for s in plan.estimate.stages if s.index % plan.pp == pp_rank).reserved_bytes
+    return next(s for s in plan.estimate.stages if plan.stage_rank(s.index) == pp_rank).reserved_bytes
 
 
 def with_estimate(plan: Plan, model_name: str, cluster=None, trust_module: bool = False) -> Plan:

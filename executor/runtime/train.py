@@ -78,7 +78,7 @@ def _pipeline_step(run: Materialized, plan: Plan, x, y, pp_rank: int) -> torch.T
     not to return outputs: by default its last stage keeps every micro-batch's output (the
     logits) until the step ends and concatenates them, memory the plan does not price."""
     losses: list[torch.Tensor] = []
-    kwargs = {"target": y, "losses": losses} if pp_rank == plan.pp - 1 else {}
+    kwargs = {"target": y, "losses": losses} if pp_rank == plan.stage_rank(plan.n_virtual_stages - 1) else {}
     args = (x,) if pp_rank == 0 else ()
     run.schedule.step(*args, return_outputs=False, **kwargs)
     return torch.stack([l.detach() for l in losses]).mean() if losses else None
@@ -86,7 +86,7 @@ def _pipeline_step(run: Materialized, plan: Plan, x, y, pp_rank: int) -> torch.T
 
 def _global_loss(loss: torch.Tensor | None, plan: Plan, at: dict[str, int], device) -> float:
     """Mean over DP replicas of the last stage's loss, known to every rank."""
-    counts = loss is not None and at["pp"] == plan.pp - 1 and at["tp"] == 0
+    counts = loss is not None and at["pp"] == plan.stage_rank(plan.n_virtual_stages - 1) and at["tp"] == 0
     value = (loss.float() / plan.data_parallel) if counts else torch.zeros((), device=device)
     value = value.clone()
     dist.all_reduce(value)

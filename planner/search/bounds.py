@@ -134,7 +134,7 @@ def balanced_split(data: StageModelData, pp: int, vpp: int,
         if mix is None:
             return None
         order = [k for k in reversed(RECOMPUTE) for _ in range(mix[k])]
-        for i, s in enumerate(range(r, S, pp)):
+        for i, s in enumerate(data.stages_of(r, pp, S)):
             lo, hi = round(i * n / vpp), round((i + 1) * n / vpp)
             stages[s] = {k: order[lo:hi].count(k) for k in RECOMPUTE}
     return stages

@@ -21,7 +21,7 @@ from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
                               in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
-from layout.axes import REBUILT, RECOMPUTE
+from layout.axes import REBUILT, RECOMPUTE, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -109,6 +109,16 @@ class StageModelData:
         with unrecomputed blocks, the least a recomputed block can expose."""
         single, first, middle, last = self.fills
         return single if S == 1 else first if s == 0 else last if s == S - 1 else middle
+
+    def stages_of(self, r: int, pp: int, S: int) -> list[int]:
+        """The virtual stages (of S) pipeline rank r runs, where the schedule places them
+        (`layout.axes.stage_rank`: looped, or in a V)."""
+        return [s for s in range(S) if stage_rank(self.schedule, pp, s) == r]
+
+    def sends(self, s: int, pp: int, S: int) -> bool:
+        """Whether virtual stage s sends its output to another rank: not the last stage, nor the
+        turn of a V (stages pp-1 and pp on one rank)."""
+        return s < S - 1 and stage_rank(self.schedule, pp, s) != stage_rank(self.schedule, pp, s + 1)
 
 
 class LayerTimes:
@@ -246,7 +256,7 @@ def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[La
     largest_share, device, S = owned_shares(plan)[1], cluster.gpu.device_type, plan.n_virtual_stages
     fixed = []
     for r in range(plan.pp):
-        own = [block] + (prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else [])
+        own = [block] + (prefix if r == 0 else []) + (suffix if r == plan.stage_rank(S - 1) else [])
         pool = _pool(own, block, plan) if caching else 0.0
         if states_on_host(plan, cluster):
             fixed.append(pool)
@@ -282,7 +292,7 @@ def all_rank_fixed(data: StageModelData, pp: int, S: int) -> tuple[RankFixed, ..
     middle rank of a uniform layout) are alike, so one of them is priced for all."""
     out, middle = [], None
     for r in range(pp):
-        plain = r != 0 and r != (S - 1) % pp and not (data.crossing and data.crossing[r])
+        plain = r != 0 and r != stage_rank(data.schedule, pp, S - 1) and not (data.crossing and data.crossing[r])
         if plain and middle is not None:
             out.append(middle)
             continue
@@ -292,10 +302,11 @@ def all_rank_fixed(data: StageModelData, pp: int, S: int) -> tuple[RankFixed, ..
 
 
 def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
-    stages = range(r, S, pp)
+    stages = data.stages_of(r, pp, S)
     layers = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
     crossing = data.crossing[r] if data.crossing else 0.0
-    return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * (s < S - 1) + data.stage_fill(s, S) for s in stages)
+    return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * data.sends(s, pp, S) + data.stage_fill(s, S)
+                                                                   for s in stages)
                      + crossing,
                      activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
@@ -316,7 +327,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     solver's per-rank full-recompute indicator."""
     kw = activation_keywords(plan, 0.0, plan.dtype)
     S = plan.n_virtual_stages
-    ends = [(prefix if r == 0 else []) + (suffix if r == (S - 1) % plan.pp else []) for r in range(plan.pp)]
+    ends = [(prefix if r == 0 else []) + (suffix if r == plan.stage_rank(S - 1) else []) for r in range(plan.pp)]
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
 
     def largest(layers: list[LayerProfile]) -> float:
@@ -386,7 +397,7 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
     constraint evaluated directly, to rank layouts without building plans."""
     per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
     for s, stage in enumerate(counts):
-        mine = per_rank[s % pp]
+        mine = per_rank[stage_rank(data.schedule, pp, s)]
         for k, n in stage.items():
             mine[k] += n
     return rank_step(data, per_rank, pp, vpp, m)
@@ -451,7 +462,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
     lean = min(allowed, key=lambda k: (block.activation[k], block.time[k]))
     counts = [{k: 0 for k in POLICIES} for _ in range(S)]
     for r in range(pp):
-        stages = list(range(r, S, pp))
+        stages = data.stages_of(r, pp, S)
         fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
         b = sum(blocks[s] for s in stages)
         infl = data.in_flight[r]

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ortools.sat.python import cp_model
 
 from costmodel.terms import bubble_fill
-from layout.axes import REBUILT
+from layout.axes import REBUILT, stage_rank
 from planner.search.coefficients import POLICIES, StageModelData
 
 NS = 1e9  # seconds -> integer nanoseconds
@@ -67,6 +67,7 @@ class StageModel:
         self.ranks = list(data) if isinstance(data, list) else [data] * pp
         self.d, self.pp, self.vpp, self.m = self.ranks[0], pp, vpp, m
         self.S = pp * vpp
+        self.rank_of = [stage_rank(self.d.schedule, pp, s) for s in range(self.S)]  # the schedule's placement
         self.ub = self._time_upper_bound()
         self.model = cp_model.CpModel()
         B = self.d.n_blocks
@@ -91,12 +92,12 @@ class StageModel:
         return _i(max(seconds(d) for d in self.ranks), NS) + 1
 
     def _stages_of(self, r: int) -> list[int]:
-        return list(range(r, self.S, self.pp))
+        return [s for s in range(self.S) if self.rank_of[s] == r]
 
     def _fixed(self, s: int, attr: str, policy: str = "none") -> float:
         """Contribution of the embedding/head layers that sit on stage s (and, for time, the
         stage's unhidden sharded collectives)."""
-        d = self.ranks[s % self.pp]
+        d = self.ranks[self.rank_of[s]]
         layers = (d.prefix if s == 0 else []) + (d.suffix if s == self.S - 1 else [])
         value = d.stage_fill(s, self.S) if attr == "time" else 0.0
         for layer in layers:
@@ -120,7 +121,7 @@ class StageModel:
         for r in range(self.pp):
             d = self.ranks[r]
             terms = [self.n[s][k] * _i(d.block.time[k], NS) for s in self._stages_of(r) for k in POLICIES]
-            fixed = sum(self._fixed(s, "time") + (d.p2p if s < self.S - 1 else 0.0) for s in self._stages_of(r))
+            fixed = sum(self._fixed(s, "time") + d.p2p * d.sends(s, self.pp, self.S) for s in self._stages_of(r))
             fixed += d.crossing[r] if d.crossing else 0.0  # a mixed split's sends to another GPU group
             rt = self.model.NewIntVar(0, self.ub, f"R_{r}")
             self.model.Add(rt == sum(terms) + _i(fixed, NS))

@@ -19,7 +19,7 @@ from costmodel.workload import Workload
 from hardware.errors import PlanError
 from hardware.loader import loads_back
 from hardware.schema import Cluster
-from layout.axes import ACCUMULATION, AXIS, RECOMPUTE, axis_problem
+from layout.axes import ACCUMULATION, AXIS, RECOMPUTE, SPLIT_BACKWARD_SCHEDULES, axis_problem
 from layout.layout import Layout
 from layout.rules import EXECUTED_STACKS, allowed_recompute, layout_problem, moe_sp_problem, structural_problem
 from planner.executable import facts_of_workload
@@ -90,7 +90,7 @@ def _check_recompute_pin(fixed: dict) -> None:
     allowed = allowed_recompute(Layout(schedule=schedule, stack=stack))
     if fixed["recompute"] in allowed:
         return
-    if schedule == "zero-bubble":
+    if schedule in SPLIT_BACKWARD_SCHEDULES:
         raise PlanError("recompute", f"{fixed['recompute']!r} with the {schedule} schedule: the executor runs it "
                         "without recomputation", "pin recompute none, or another schedule")
     raise PlanError("recompute", f"{fixed['recompute']!r} on the {stack} stack: Megatron-LM has no op-level "
@@ -161,6 +161,8 @@ def _schedules(pp: int, m: int, n_blocks: int, pinned: str | None,
         for v in (1, *depths):  # zero-bubble (ZB1P) over one chunk per rank too
             if n_blocks >= pp * v:
                 yield "zero-bubble", v
+        if n_blocks >= 2 * pp and pinned_vpp in (None, 2):  # ZB-V: two chunks per rank, always
+            yield "zbv", 2
 
 
 def layouts(workload: Workload, cluster: Cluster, global_batch: int, fixed: dict | None = None) -> Iterator[Layout]:
