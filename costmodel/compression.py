@@ -31,13 +31,14 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compute import memory_bandwidth
 from .memory import WEIGHT_BYTES, reduce_bytes
+from layout.axes import COMPRESSION
 from layout.plan import DEFAULT_POWERSGD_RANK, DEFAULT_TOPK_FRACTION, Plan
 
 TOPK_INDEX_BYTES = 4  # int32 indices
 POWERSGD_RANK = DEFAULT_POWERSGD_RANK
 POWERSGD_MATRIX_SIDE = 4096  # PowerSGD is priced as if every gradient were a square matrix of this side
 LOSSY = ("int8", "topk", "powersgd")
-METHODS = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
+METHODS = COMPRESSION  # the compression axis's values (layout.axes)
 
 # Bytes read + written per gradient element by the compress and decompress kernels,
 # as a function of the gradient's element size g (and, for Top-K, its payload).

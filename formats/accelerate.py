@@ -19,6 +19,7 @@ from typing import Any
 import yaml
 
 from hardware.errors import FormatError
+from layout.axes import ZERO_STAGES
 from layout.plan import Plan
 
 from .common import Exported, Losses, Stated, block_recompute, n_nodes, rebuilds_any, recipe_losses, section, uniform, whole_number
@@ -147,8 +148,9 @@ def _deepspeed_plugin(plugin: dict) -> dict[str, Any]:
         raise FormatError("deepspeed_config.deepspeed_config_file", f"names {plugin['deepspeed_config_file']}",
                           "price that ds_config itself with --from")
     stage = plugin.get("zero_stage", 2)
-    if stage not in (0, 1, 2, 3) or isinstance(stage, bool):
-        raise FormatError("deepspeed_config.zero_stage", f"{stage!r} is not a ZeRO stage", "use 0, 1, 2 or 3")
+    if stage not in ZERO_STAGES or isinstance(stage, bool):
+        raise FormatError("deepspeed_config.zero_stage", f"{stage!r} is not a ZeRO stage",
+                          f"use {', '.join(map(str, ZERO_STAGES))}")
     offload = any(plugin.get(key, "none") == "cpu" for key in ("offload_optimizer_device", "offload_param_device"))
     return {"zero": stage, "offload": offload and stage >= 2}
 

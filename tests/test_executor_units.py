@@ -313,6 +313,7 @@ def test_a_pipeline_step_keeps_no_outputs_the_plan_does_not_price():
     import torch
 
     from executor.runtime.train import _pipeline_step
+    from layout.layout import Layout
 
     calls = []
 
@@ -322,7 +323,7 @@ def test_a_pipeline_step_keeps_no_outputs_the_plan_does_not_price():
             if "losses" in kwargs:
                 kwargs["losses"].extend([torch.tensor(2.0), torch.tensor(4.0)])
 
-    run, plan = SimpleNamespace(schedule=Schedule()), SimpleNamespace(pp=2)
+    run, plan = SimpleNamespace(schedule=Schedule()), Layout(pp=2)  # the last stage on rank 1
     loss = _pipeline_step(run, plan, torch.zeros(2, 4), torch.zeros(2, 4), pp_rank=1)
     assert _pipeline_step(run, plan, torch.zeros(2, 4), None, pp_rank=0) is None
     assert float(loss) == 3.0 and all(call["return_outputs"] is False for call in calls)
