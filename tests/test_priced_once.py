@@ -70,3 +70,21 @@ def test_a_mixed_pipeline_split_is_priced_by_the_stage_model_as_by_the_estimator
         solution = model.solve(5.0)
         assert solution is not None
         assert solution.objective_s == pytest.approx(plan.estimate.step_time_s, rel=1e-4), plan.layout_tag
+
+
+def test_the_solvers_coefficients_price_every_zbv_layout_as_the_estimator_does(spaces):
+    """ZB-V's V (rank 0 holding the first and last stages, the turn handed over in place) priced
+    alike by the solver's coefficients and the estimator, time and memory, on every such layout."""
+    workload, cluster, batch, space = spaces["llama-3-8b"]
+    zbv = [layout for layout in space if layout.schedule == "zbv"]
+    assert zbv
+    first, last = block_span(workload)
+    for layout in zbv:
+        plan = to_plan(layout, workload, cluster, global_batch=batch, dtype="bf16", recompute="none", model="llama-3-8b")
+        capacity = usable_memory_bytes(cluster, 0.1, plan, workload)
+        counts = [{"none": min(s.end, last) - max(s.start, first)} for s in plan.stages]
+        step, headroom = linear_step(stage_model_data(workload, plan, cluster, capacity), counts, plan.pp, plan.vpp,
+                                     plan.num_micro_batches)
+        priced = estimate(workload, plan, cluster)
+        assert capacity - headroom == pytest.approx(priced.peak_reserved_bytes, rel=1e-6), plan.layout_tag
+        assert step == pytest.approx(priced.step_time_s, rel=0.1 if plan.offload else 1e-4), plan.layout_tag

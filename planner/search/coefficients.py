@@ -21,7 +21,7 @@ from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
                               in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
-from layout.axes import REBUILT, RECOMPUTE, stage_rank
+from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -292,7 +292,8 @@ def all_rank_fixed(data: StageModelData, pp: int, S: int) -> tuple[RankFixed, ..
     middle rank of a uniform layout) are alike, so one of them is priced for all."""
     out, middle = [], None
     for r in range(pp):
-        plain = r != 0 and r != stage_rank(data.schedule, pp, S - 1) and not (data.crossing and data.crossing[r])
+        plain = (r != 0 and r != stage_rank(data.schedule, pp, S - 1) and not (data.crossing and data.crossing[r])
+                 and not (data.schedule in V_SCHEDULES and r == pp - 1))  # a V's turn sends one hop less
         if plain and middle is not None:
             out.append(middle)
             continue

@@ -184,7 +184,7 @@ def rank_uniform(workload: Workload, entries: list[Entry], fixed: dict) -> list[
         allowed = recompute_choices(fixed, entry.layout)
         blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
         lay, m = entry.layout, entry.template.num_micro_batches
-        per_rank = [sum(blocks[r::lay.pp]) for r in range(lay.pp)]
+        per_rank = [sum(blocks[s] for s in lay.rank_stages(r)) for r in range(lay.pp)]
         for policy in allowed:
             step, headroom = rank_step(entry.data, [{policy: b} for b in per_rank], lay.pp, lay.vpp, m)
             if headroom >= 0 and step < entry.uniform_best:
