@@ -45,7 +45,9 @@ def plan(model: Any, hw: str | Cluster | MixedCluster, request: PlanRequest | No
                    "example_inputs": example_inputs is not None}
     for field, value in unsupported.items():
         if value:
-            raise PlanError(field, "is not offered on mixed clusters yet", "plan the mixed cluster without it, or one GPU type")
+            what = f"pinning {', '.join(sorted(request.fixed))}" if field == "fixed" else field
+            raise PlanError(field, f"{what} is not offered on mixed clusters yet",
+                            "plan the mixed cluster without it, or one GPU type")
     from planner.mixed.search import plan_mixed
 
     return plan_mixed(model, hw, request)
