@@ -1,7 +1,8 @@
 """Pipeline parallelism: cut the model at the plan's stage boundaries.
 
 Each pipeline rank keeps, per virtual stage it owns (where the schedule places
-it: `Layout.stage_rank`, stage i on rank i % pp, or in a V for zbv), a copy of the model stripped of what the stage does not own. Names of
+it, `Layout.stage_rank`: stage i on rank i % pp, or in a V for zbv), a copy of
+the model stripped of what the stage does not own. Names of
 the kept parameters are unchanged, so checkpoints and comparisons line up with
 the unsplit model. The reference GPT tolerates missing modules (None / deleted
 from the ModuleDict); HuggingFace models get parameter-free stand-ins instead,
