@@ -129,3 +129,12 @@ def test_an_encoder_is_refused_for_serving_by_name(capsys):
     code = main(["serve-plan", "bert-large", "--hw", "1xa100-80g", "--prompt-len", "128", "--output-len", "16"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "attend both ways" in err[0]
+
+
+def test_a_schedule_pinned_with_a_chunk_count_it_does_not_run_names_vpp(capsys):
+    """zbv runs two chunks per rank, 1f1b one: the rulebook's reason, not an empty search."""
+    for schedule, vpp in (("zbv", 3), ("1f1b", 2)):
+        code = main(["plan", "llama-160m", "--hw", "4xh100-sxm", "--global-batch", "8", "--seq-len", "128",
+                     "--schedule", schedule, "--vpp", str(vpp)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert code == 2 and len(err) == 1 and err[0].startswith("error: vpp:"), err

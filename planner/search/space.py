@@ -81,6 +81,7 @@ def check_pins(fixed: dict, workload: Workload | None = None, cluster: Cluster |
     if "recompute" in fixed:
         _check_recompute_pin(fixed)
     _check_recipe_pins(fixed)
+    _check_schedule_pins(fixed)
     if workload is not None and cluster is not None:
         _check_pins_fit(fixed, workload, cluster)
 
@@ -95,6 +96,16 @@ def _check_recompute_pin(fixed: dict) -> None:
                         "without recomputation", "pin recompute none, or another schedule")
     raise PlanError("recompute", f"{fixed['recompute']!r} on the {stack} stack: Megatron-LM has no op-level "
                     "checkpointing", f"use one of {', '.join(allowed)}, or stack eager")
+
+
+def _check_schedule_pins(fixed: dict) -> None:
+    """A pinned schedule against a pinned vpp, through the rulebook (zbv runs two chunks per
+    rank; a single-chunk schedule runs one), on a pipeline of the pinned pp or the least one."""
+    if "schedule" not in fixed or "vpp" not in fixed:
+        return
+    probe = Layout(pp=max(2, fixed.get("pp", 2)), schedule=fixed["schedule"], vpp=fixed["vpp"])
+    if (problem := structural_problem(probe)) is not None:
+        raise problem
 
 
 def _check_recipe_pins(fixed: dict) -> None:
