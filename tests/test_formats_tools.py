@@ -190,3 +190,6 @@ def test_torchtitan_looks_up_the_schedule_class_the_executor_runs():
         assert get_schedule_class(parse(split(text, "torchtitan")).parallelism.pipeline_parallel_schedule) is runs[schedule]
         read = torchtitan.read(text)
         assert (read.axes["schedule"], read.axes["vpp"]) == (schedule, vpp), schedule
+        unsplit = "\n".join(line for line in text.splitlines() if "module_fqns_per_model_part" not in line)
+        if schedule == "zbv":  # no parts stated: torchtitan's ZBV still runs two stages per rank
+            assert torchtitan.read(unsplit).axes["vpp"] == 2
