@@ -166,10 +166,10 @@ def device_states(params: float, expert_params: float, plan: Plan, cluster: Clus
 
 def owned_shares(plan: Plan) -> tuple[float, float]:
     """The fractions of its parameters and of its largest weight a rank owns (steps) under
-    ZeRO: a 1/shard_degree share of each (FSDP2's shards; ZeRO-1's owners hold about that
-    share of the parameters, the largest weight whole)."""
+    ZeRO: a 1/shard_degree share of each (FSDP2's shards; ZeRO-1's rows of every weight,
+    executor/apply/zero_one.py)."""
     shard = plan.shard_degree if plan.zero >= 1 else 1
-    return 1 / shard, (1 / shard if plan.zero >= 2 else 1.0)
+    return 1 / shard, 1 / shard
 
 
 def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
@@ -267,8 +267,7 @@ def activation_moments(saved: float, end_temporaries: float, head_saved: float, 
 
 def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:
     """AdamW's temporaries in the rank's step (`memory.optimizer_step_bytes`), over the
-    parameters it owns: a 1/shard_degree share of each under ZeRO (FSDP2's shards; ZeRO-1's
-    owners hold about that share, the largest weight whole)."""
+    parameters it owns: a 1/shard_degree share of each under ZeRO (`owned_shares`)."""
     if states_on_host(plan, cluster):
         return 0.0
     largest = 0.0

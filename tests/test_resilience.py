@@ -88,6 +88,8 @@ SOURCES = {"pp-interleaved-z1": tiny(dp=2, pp=2, vpp=2, schedule="interleaved", 
            "tp-fsdp-z2": tiny(dp=2, tp=2, zero=2), "moe-ep2-z3": MOE_SOURCE}
 PAIRS = [("pp-interleaved-z1", tiny(dp=2, tp=2, zero=3), "resharded from dp2 pp2 interleaved v2 zero1 to dp2 tp2 zero3"),
          ("tp-fsdp-z2", tiny(dp=2, pp=2, zero=3), "resharded from dp2 tp2 zero2 to dp2 pp2 1f1b zero3"),
+         # FSDP2's moments into ZeRO-1's rows of tensor-parallel weights (executor/apply/zero_one.py)
+         ("tp-fsdp-z2", tiny(dp=2, tp=2, zero=1), "resharded from dp2 tp2 zero2 to dp2 tp2 zero1"),
          ("moe-ep2-z3", make_plan("hf-mixtral-tiny", dp=2, tp=2, zero=2), "resharded from dp4 ep2 zero3 to dp2 tp2 zero2")]
 
 

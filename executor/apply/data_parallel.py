@@ -3,7 +3,7 @@
 zero 3: FSDP2 sharding parameters, gradients and optimizer state, parameters
 re-gathered for backward (offloaded: those shards in host memory, `offload_policy`); zero 2: FSDP2 keeping the gathered parameters from
 forward to backward; zero 1: replicated parameters with the optimizer state
-sharded by parameter ownership (executor/apply/optimizer.py); zero 0: replicated parameters. Blocks are
+sharded by rows of every weight (executor/apply/zero_one.py); zero 0: replicated parameters. Blocks are
 sharded one by one so that only one block's parameters are gathered at a time.
 Hybrid sharding (`plan.dp_shard`) hands FSDP2 the 2-D (dp_replicate, dp_shard)
 view of the dp dimension: states sharded inside a shard group, gradients all-reduced across the

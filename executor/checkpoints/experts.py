@@ -21,22 +21,26 @@ from executor.apply.expert_parallel import EXPERT_WEIGHTS, ExpertParallelExperts
 
 
 def expert_rows(chunk: nn.Module) -> dict[str, int]:
-    """The state-dict name of each expert weight this chunk holds -> the global index of its
-    first local row."""
+    """The state-dict name of each expert weight this chunk holds -> the global index of the
+    first expert its module holds (the EP rank's first)."""
     out = {}
     for name, module in chunk.named_modules():
         if not is_experts(module):
             continue
         base = module.rank * module.local if isinstance(module, ExpertParallelExperts) else 0
         for weight in EXPERT_WEIGHTS:
-            param = getattr(module, weight)
-            offset = 0
-            if isinstance(param, DTensor):
-                _, global_offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-                offset = global_offset[0]
             for fqn in _get_fqns(chunk, f"{name}.{weight}" if name else weight):
-                out[fqn] = base + offset
+                out[fqn] = base
     return out
+
+
+def _first_row(value: torch.Tensor) -> int:
+    """Where a tensor's local rows start within its module's experts: a DTensor's own offset
+    (FSDP2's shard of a weight, or ZeRO-1's rows of a moment), else 0."""
+    if not isinstance(value, DTensor):
+        return 0
+    _, offset = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+    return offset[0]
 
 
 def _owner(key: str, rows: dict[str, int]) -> str | None:
@@ -55,7 +59,7 @@ def split_experts(state: dict, rows: dict[str, int]) -> dict:
         if fqn is None:
             out[key] = value
             continue
-        local = value._local_tensor if isinstance(value, DTensor) else value
+        local, first = (value._local_tensor if isinstance(value, DTensor) else value), rows[fqn] + _first_row(value)
         for i in range(local.shape[0]):
-            out[f"{key}#expert{rows[fqn] + i}"] = local[i]
+            out[f"{key}#expert{first + i}"] = local[i]
     return out
