@@ -102,8 +102,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     rank.weight_grad += sum(t.weight_grad * n for t, n in times)
     rank.recompute += sum(t.recompute * n for t, n in times)
     rank.tp_comm += sum(t.tp_comm * n for t, n in times)
-    handed_in_place = index < plan.n_virtual_stages - 1 and plan.stage_rank(index) == plan.stage_rank(index + 1)
-    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 and not handed_in_place else 0.0  # a V's turn
+    rank.pp_comm += p2p_time(runs[-1][0], plan, lay) if plan.pp > 1 and not plan.hands_over_in_place(index) else 0.0
     # One-layer prefetch: each layer's gathers hide behind its own compute.
     rank.zero_comm += sum(
         sharded_exposed(layer_params_on_rank(layer, plan.tp, plan.ep), t, plan, lay) * n

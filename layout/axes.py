@@ -44,6 +44,12 @@ def stage_rank(schedule: str, pp: int, stage: int) -> int:
     return stage % pp
 
 
+def hands_over_in_place(schedule: str, pp: int, stage: int, n_stages: int) -> bool:
+    """Whether virtual stage `stage` passes its output to the next on its own rank, with no
+    send: a V's turn (stages pp-1 and pp on one rank)."""
+    return stage < n_stages - 1 and stage_rank(schedule, pp, stage) == stage_rank(schedule, pp, stage + 1)
+
+
 COMPRESSION = ("none", "fp16", "bf16", "int8", "topk", "powersgd")
 STACKS: tuple[str, ...] = get_args(Stack)  # the profiles' efficiencies are keyed by these (hardware.schema)
 ZERO_STAGES = (0, 1, 2, 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from .axes import (AXIS, SPLIT_BACKWARD_SCHEDULES, Accumulation, Compression, ReduceDtype, Schedule, StateDtype, ZeroStage,
-                   stage_rank)
+                   hands_over_in_place, stage_rank)
 from hardware.schema import Stack
 
 
@@ -86,6 +86,10 @@ class Layout(BaseModel):
     def stage_rank(self, stage: int) -> int:
         """The pipeline rank that runs virtual stage `stage` (the schedule's placement, `layout.axes.stage_rank`)."""
         return stage_rank(self.schedule, self.pp, stage)
+
+    def hands_over_in_place(self, stage: int) -> bool:
+        """Whether virtual stage `stage` passes its output on without a send (`layout.axes.hands_over_in_place`)."""
+        return hands_over_in_place(self.schedule, self.pp, stage, self.n_virtual_stages)
 
     def rank_stages(self, rank: int) -> list[int]:
         """The virtual stages pipeline rank `rank` runs, in model order."""

@@ -105,9 +105,8 @@ def _engine_input(plan: Plan, pricers: list[Pricer], sends: list, bucket_bytes: 
     n, rank = plan.n_virtual_stages, plan.stage_rank
     phases = ("F", "B", "W") if plan.splits_backward else ("F", "B")
     templates = {(s, ph): pricers[rank(s)].template(s, ph) for s in range(n) for ph in phases}
-    # a V's turn (stages pp-1 and pp on one rank) hands its activations over in place
     fwd = [p2p_seconds(plan, pricers[rank(s)].workload, sends[s], plan.stages[s].end - 1)
-           if s < n - 1 and rank(s) != rank(s + 1) else 0.0 for s in range(n)]
+           if s < n - 1 and not plan.hands_over_in_place(s) else 0.0 for s in range(n)]
     bwd = [0.0] + fwd[:-1]  # the gradient of stage s's input has the size of stage s-1's output
     grads = {}
     if plan.data_parallel > 1 and (plan.zero < 2 or plan.dp_replicate > 1 or plan.pp > 1):

@@ -21,7 +21,7 @@ from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
                               in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
-from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, stage_rank
+from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
@@ -118,7 +118,7 @@ class StageModelData:
     def sends(self, s: int, pp: int, S: int) -> bool:
         """Whether virtual stage s sends its output to another rank: not the last stage, nor the
         turn of a V (stages pp-1 and pp on one rank)."""
-        return s < S - 1 and stage_rank(self.schedule, pp, s) != stage_rank(self.schedule, pp, s + 1)
+        return s < S - 1 and not hands_over_in_place(self.schedule, pp, s, S)
 
 
 class LayerTimes:
