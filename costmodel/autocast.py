@@ -1,7 +1,7 @@
 """torch.autocast's copies of the weights, held through a step's forward and backward.
 
-A half-precision plan whose GEMMs read fp32 master weights as they are (DDP, FSDP2's
-replicate, TP or pipeline stages without ZeRO-2/3, a single rank) computes under
+A half-precision plan whose GEMMs read fp32 master weights as they are (DDP, TP or
+pipeline stages without ZeRO-2/3, a single rank) computes under
 `torch.autocast`: every linear casts its weight to the compute dtype at its first use and
 autocast caches that copy until its region exits, while each GEMM also saves it for its
 backward. So the rank holds a compute-dtype copy of every weight a GEMM reads beside the

@@ -170,13 +170,10 @@ def dp_time(params: float, plan: Plan, lay: Layout) -> float:
         return once + coll.all_reduce(shard, lay.replicate_group, lay.ctx.cluster)
     if plan.compression != "none" and plan.zero == 0:  # DDP comm hooks: costmodel/compression.py
         return plan_reduction_time(params, plan, lay.dp_group, lay.ctx.cluster)
-    nbytes = params * reduce_bytes(plan)
-    # FSDP2's replicate (TP or pipelined ranks) reduces the stage as one unit from a new flat copy of
-    # its gradients: on a host allocator, fresh pages every step (DDP's buckets persist)
-    flat = 0.0 if plan.reduces_through_ddp else fresh_page_time(nbytes, 1, lay.ctx.cluster)
+    nbytes = params * reduce_bytes(plan)  # reduced in place: DDP's buckets, or each gradient itself
     if plan.zero == 0:
-        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster) + flat
-    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster) + flat
+        return coll.all_reduce(nbytes, lay.dp_group, lay.ctx.cluster)
+    return coll.reduce_scatter(nbytes, lay.dp_group, lay.ctx.cluster)
 
 
 def weight_gather_time(params: float, plan: Plan, lay: Layout) -> float:
@@ -205,12 +202,13 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout | list[Layout]) ->
 
 def reduction_copy_passes(plan: Plan) -> float:
     """Memory passes over a rank's gradients that the data-parallel reduction makes beside
-    the wire, on the cores or SMs that compute: DDP divides its buckets in place (a read and
-    a write); FSDP2 copies gradients into a flat buffer, divides and copies the result back
-    (three reads and three writes). Negligible on HBM, a visible share of a CPU step."""
+    the wire, on the cores or SMs that compute: ZeRO 0/1 divide them in place (DDP's buckets,
+    or each gradient, executor/apply/gradient_reduce.py: a read and a write); FSDP2 copies
+    gradients into a flat buffer, divides and copies the result back (three reads and three
+    writes). Negligible on HBM, a visible share of a CPU step."""
     if plan.data_parallel == 1:
         return 0.0
-    return 2.0 if plan.reduces_through_ddp else 6.0
+    return 2.0 if plan.zero <= 1 else 6.0
 
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:

@@ -80,7 +80,7 @@ def reduce_bytes(plan) -> float:
     """Bytes per gradient element on the data-parallel wire: the pinned reduce dtype, else what
     the stack's reference recipe reduces in. On the eager and compile stacks FSDP2's units
     (zero 2/3) reduce in fp32 (torchtitan's `mixed_precision_reduce`, the only value 0.3.0
-    takes), DDP and FSDP2's replicate (zero 0/1) the gradients as autograd made them, in the
+    takes), DDP and the per-weight all-reduce (zero 0/1) the gradients as autograd made them, in the
     weights' dtype; Megatron reduces its 16-bit gradients, as NeMo's and Megatron-Bridge's
     performance recipes set it (`grad_reduce_in_fp32 = False`). Megatron-LM's own arguments turn
     fp32 accumulation on for bf16 unless `--grad-reduce-in-bf16`: pin reduce_dtype fp32 there."""

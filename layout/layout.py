@@ -103,9 +103,9 @@ class Layout(BaseModel):
     @property
     def reduces_through_ddp(self) -> bool:
         """Whether the executor replicates through DDP (one plain-tensor module run once per
-        micro-batch) rather than FSDP2's replicate / fully_shard: DTensor parameters (tp > 1)
-        and pipeline stages, whose per-micro-batch backward DDP's reducer does not follow,
-        go through FSDP2, as ZeRO-2/3 do."""
+        micro-batch): DTensor parameters (tp > 1) and pipeline stages, whose per-micro-batch
+        backward DDP's reducer does not follow, reduce through the executor's per-weight
+        all-reduce under ZeRO 0/1, through FSDP2 under ZeRO-2/3."""
         return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
 
     @property

@@ -138,14 +138,14 @@ def _accumulation_structure(f: Layout) -> PlanError | None:
 
 
 def _state_structure(f: Layout) -> PlanError | None:
-    """torch's AdamW keeps its moments in each weight's dtype, and DDP (or FSDP2's replicate)
-    reduces gradients in the dtype autograd made them in, the weights'."""
+    """torch's AdamW keeps its moments in each weight's dtype, and DDP (or the executor's per-weight
+    all-reduce) reduces gradients in the dtype autograd made them in, the weights'."""
     if f.stack != "fused" and f.optimizer_dtype != f.master_dtype:
         return PlanError("optimizer_dtype", f"{f.optimizer_dtype} moments beside {f.master_dtype} weights: torch's "
                          f"AdamW (the {f.stack} stack's) keeps its moments in the weights' dtype",
                          f"use optimizer_dtype {f.master_dtype}, or stack fused")
     if f.stack != "fused" and f.zero < 2 and f.reduce_dtype not in (None, f.master_dtype):
-        return PlanError("reduce_dtype", f"zero={f.zero} reduces through DDP or FSDP2's replicate, in the weights' "
+        return PlanError("reduce_dtype", f"zero={f.zero} reduces through DDP or a per-weight all-reduce, in the weights' "
                          f"dtype ({f.master_dtype})", "leave reduce_dtype unset and use compression bf16 or fp16 for "
                          "16-bit traffic, or zero 2/3")
     return None

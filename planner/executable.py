@@ -9,8 +9,8 @@ pipeline stages too) -> expert parallel (MoE experts split over ep data-parallel
 ranks, all-to-all; whole on every TP rank, so no SP) -> context parallel (sequence
 chunks, keys and values all-gathered; pp=1) -> activation checkpointing (per
 layer) -> data parallel
-(DDP, or FSDP2's replicate where parameters are DTensors or the rank is a
-pipeline stage; ZeRO-1 shards the optimizer state over dp; FSDP2 for ZeRO-2/3,
+(DDP, or a per-weight all-reduce where parameters are DTensors or the rank is a
+pipeline stage; ZeRO-1 shards the optimizer state over dp by rows of every weight; FSDP2 for ZeRO-2/3,
 on the 2-D (dp_replicate, dp_shard) mesh for hybrid sharding).
 Gradient compression runs as DDP communication hooks, so it needs the DDP path.
 """

@@ -21,8 +21,9 @@ DDP's bucket rebuild after the first step; the int8 owner-side residual is
 kept per bucket composition. Every hook counts the bytes this rank sends
 (ring algorithms), which is `costmodel.compression.wire_bytes_per_rank`.
 
-FSDP2 (ZeRO 2/3) reduce-scatters inside its own hooks and FSDP's `replicate`
-(used for tp > 1) has no comm hooks: compression with those raises PlanError.
+FSDP2 (ZeRO 2/3) reduce-scatters inside its own hooks and the per-weight all-reduce
+(executor/apply/gradient_reduce.py, used for tp > 1) has no comm hooks: compression with
+those raises PlanError.
 
 The options (k, PowerSGD's rank, stochastic rounding) are the plan's fields;
 the run's seed (the worker's --seed) seeds the rounding and PowerSGD.
@@ -64,10 +65,10 @@ def check_compression(plan: Plan) -> None:
         return
     if plan.zero >= 1:
         raise PlanError("compression", f"{plan.compression} compression runs as DDP communication hooks; "
-                        f"zero={plan.zero} shards with ZeroRedundancyOptimizer/FSDP, whose reductions are not hookable here",
+                        f"zero={plan.zero} shards with ZeRO-1's rows or FSDP2, whose reductions are not hookable here",
                         "use zero 0 with compression, or compression none with ZeRO")
     if plan.tp > 1:
-        raise PlanError("compression", "with tp > 1 data parallelism runs as FSDP's replicate, which has no comm hooks",
+        raise PlanError("compression", "with tp > 1 data parallelism runs as a per-weight all-reduce, which has no comm hooks",
                         "use tp 1 with compression, or compression none")
 
 

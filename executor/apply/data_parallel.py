@@ -12,9 +12,10 @@ groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients, or 
 reduce-scatter once, in the step's last micro-batch.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
-module per rank, `layout.layout.Layout.reduces_through_ddp`) and through FSDP2's
-`replicate` otherwise: DTensor parameters under TP, and pipeline stages,
-whose per-micro-batch backward passes DDP's reducer cannot follow.
+module per rank, `layout.layout.Layout.reduces_through_ddp`) and through a
+per-weight in-place all-reduce otherwise (executor/apply/gradient_reduce.py):
+DTensor parameters under TP, and pipeline stages, whose per-micro-batch backward
+passes DDP's reducer cannot follow.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from layout.plan import Plan
+from executor.apply.gradient_reduce import attach, reducer_of
 from executor.apply.layers import LayerMap, get_or_none
 from executor.apply.expert_parallel import ep_meshes, expert_parameter_names
 from executor.runtime.mesh import hsdp_mesh
@@ -53,13 +55,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
                 fully_shard(block, mesh=dp_mesh, **kw)
         fully_shard(module, mesh=dp_mesh, **kw)
         return module
-    if not plan.reduces_through_ddp:
-        from torch.distributed._composable.replicate_with_fsdp import replicate
-
-        if plan.ep > 1:
-            expert_units(module, mesh, plan, None)
-        replicate(module, mesh=dp_mesh)
-        return module
+    if not plan.reduces_through_ddp:  # DTensor weights or pipeline stages (executor/apply/gradient_reduce.py)
+        return attach(module, dp_mesh.get_group(), plan.data_parallel)
     experts = expert_parameter_names(module)
     if experts:  # reduced over their own replicas (executor/apply/expert_parallel.py), not over all of dp
         DDP._set_params_and_buffers_to_ignore_for_model(module, experts)
@@ -108,37 +105,35 @@ def offload_policy(plan: Plan) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
 
 
-def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool | None) -> None:
-    """Expert parallelism on FSDP2's paths: each expert module its own FSDP2 unit over the ranks
-    holding the same experts (edp), sharded for ZeRO-2/3 (`reshard` after forward or not),
-    replicated (`reshard` None: TP or pipeline stages under ZeRO 0/1), so that the outer unit over
-    all of dp leaves them alone. Its reduction averages over edp; the mean loss wants
+def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool) -> None:
+    """Expert parallelism under ZeRO-2/3: each expert module its own FSDP2 unit over the ranks
+    holding the same experts (edp), resharded after forward or not, so that the outer unit
+    over all of dp leaves them alone. Its reduction averages over edp; the mean loss wants
     the sum over edp divided by all dp*cp ranks, so ExpertGradients scales by edp/(dp*cp) = 1/ep
-    (a custom FSDP2 divide factor would be one collective less, but gloo has no PREMUL_SUM)."""
+    (a custom FSDP2 divide factor would be one collective less, but gloo has no PREMUL_SUM).
+    Under ZeRO 0/1 ExpertGradients reduces them itself."""
     _, edp = ep_meshes(mesh, plan)
     for sub in list(module.modules()):
         names = [n for n, p in sub.named_parameters(recurse=False) if hasattr(p, "expert_parallel")]
         if not names:
             continue
         tags = {n: getattr(sub, n).expert_parallel for n in names}
-        if reshard is None:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
-            replicate(sub, mesh=edp)
-        else:
-            fully_shard(sub, mesh=edp, reshard_after_forward=reshard)
+        fully_shard(sub, mesh=edp, reshard_after_forward=reshard)
         for n, tag in tags.items():  # fully_shard made new (DTensor) parameters: keep the mark
             getattr(sub, n).expert_parallel = tag
 
 
 def sync_context(module: nn.Module, last_micro_batch: bool, plan: Plan):
     """Skip gradient synchronisation on all but the last micro-batch of a step: DDP's and
-    replicate's whole; FSDP2's HSDP all-reduce, its reduce-scatter too where the plan holds
+    the per-weight all-reduce's whole; FSDP2's HSDP all-reduce, its reduce-scatter too where the plan holds
     the unsharded gradients (`accumulation` hold_unsharded)."""
     import contextlib
 
     if isinstance(module, DDP) and not last_micro_batch:
         return module.no_sync()
+    if reducer_of(module) is not None:
+        reducer_of(module).arm(last_micro_batch)
+        return contextlib.nullcontext()
     if plan.holds_unsharded_gradients and hasattr(module, "set_requires_gradient_sync"):
         module.set_requires_gradient_sync(last_micro_batch)
     elif hasattr(module, "set_requires_all_reduce"):  # FSDP2 sharded: reduce-scatter always, HSDP's all-reduce once

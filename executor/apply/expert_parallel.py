@@ -104,13 +104,13 @@ def expert_parameter_names(module: nn.Module) -> list[str]:
 
 class ExpertGradients:
     """Before each optimizer step: expert gradients summed over the ranks holding the same
-    experts and divided by the data-parallel size (DDP averages the dense ones). Under
-    ZeRO-2/3 the experts' FSDP2 units have already averaged them over those ranks: only the
-    1/ep remains."""
+    experts and divided by the data-parallel size (ZeRO 0/1: DDP or the per-weight all-reduce
+    averages the dense ones). Under ZeRO-2/3 the experts' FSDP2 units have already averaged
+    them over those ranks: only the 1/ep remains."""
 
     def __init__(self, modules: list[nn.Module], mesh: DeviceMesh, plan: Plan) -> None:
         _, edp = ep_meshes(mesh, plan)
-        self.group, self.reduce = edp.get_group(), plan.reduces_through_ddp
+        self.group, self.reduce = edp.get_group(), plan.zero <= 1
         self.scale = 1.0 / plan.data_parallel if self.reduce else 1.0 / plan.ep
         self.params = [p for m in modules for p in m.parameters() if hasattr(p, "expert_parallel")]
 

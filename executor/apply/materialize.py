@@ -29,6 +29,7 @@ from executor.apply.compile import apply_compile
 from executor.apply.context_parallel import apply_context_parallel
 from executor.apply.expert_parallel import ExpertGradients, apply_expert_parallel
 from executor.apply.data_parallel import apply_data_parallel, cast_master_weights
+from executor.apply.gradient_reduce import reducer_of
 from executor.apply.optimizer import ChunkOptimizers, build_optimizer
 from executor.apply.layers import LayerMap, layer_map
 from executor.runtime.mesh import build_mesh, local_device
@@ -83,8 +84,10 @@ class Materialized:
     tied_names: list[tuple[str, ...]] = field(default_factory=list)  # each tied weight's names, canonical first
 
     def sync_gradients(self) -> None:
-        """The gradient sums DDP/FSDP do not do: tied copies across stages, experts across replicas."""
-        for sync in (self.tied, self.experts):
+        """The gradient sums DDP/FSDP do not do: replicated weights outside DDP (their all-reduces
+        launched in the backward), tied copies across stages, experts across replicas."""
+        reducers = [reducer_of(m) for m in self.modules]
+        for sync in (*reducers, self.tied, self.experts):
             if sync is not None:
                 sync.sync()
 

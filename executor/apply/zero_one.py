@@ -78,6 +78,8 @@ class RowShard:
         grad = self.param.grad
         if grad is None:
             return None
+        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.param.placements):
+            grad = grad.redistribute(self.param.device_mesh, self.param.placements)  # a pending (Partial) sum
         grad = _local(grad)
         return grad.narrow(0, self.view_lo, self.view.shape[0]) if self.spans else grad
 
