@@ -21,13 +21,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+
+from executor.apply.zero_one import local_tensor
 
 REDUCER = "parallax_gradient_reducer"
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 class GradientAllReduce:
@@ -55,7 +52,7 @@ class GradientAllReduce:
     def _accumulated(self, param: torch.Tensor) -> None:
         if self.armed and id(param) not in self.launched:
             self.launched.add(id(param))
-            self.works.append(dist.all_reduce(_local(param.grad), group=self.group, async_op=True))
+            self.works.append(dist.all_reduce(local_tensor(param.grad), group=self.group, async_op=True))
 
     @torch.no_grad()
     def sync(self) -> None:
@@ -64,10 +61,10 @@ class GradientAllReduce:
             work.wait()
         for p in self.params:
             if p.grad is not None and id(p) not in self.launched:
-                dist.all_reduce(_local(p.grad), group=self.group)
+                dist.all_reduce(local_tensor(p.grad), group=self.group)
         for p in self.params:
             if p.grad is not None:
-                _local(p.grad).div_(self.size)
+                local_tensor(p.grad).div_(self.size)
         self.works, self.launched = [], set()
         self.armed = False
 

@@ -27,7 +27,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torch.distributed.tensor.placement_types import _StridedShard
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
@@ -43,7 +44,7 @@ class RowShard:
 
     def __init__(self, param: nn.Parameter, zero_mesh: DeviceMesh, root: DeviceMesh | None) -> None:
         self.param, self.zero_mesh = param, zero_mesh
-        local = _local(param).detach()
+        local = local_tensor(param).detach()
         self.size, self.rank = zero_mesh.size(), zero_mesh.get_local_rank()
         self.spans = [row_span(local.shape[0], self.size, r) for r in range(self.size)] if local.dim() else []
         lo, hi = self.spans[self.rank] if self.spans else (0, 0)
@@ -80,7 +81,7 @@ class RowShard:
             return None
         if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.param.placements):
             grad = grad.redistribute(self.param.device_mesh, self.param.placements)  # a pending (Partial) sum
-        grad = _local(grad)
+        grad = local_tensor(grad)
         return grad.narrow(0, self.view_lo, self.view.shape[0]) if self.spans else grad
 
     @property
@@ -109,7 +110,7 @@ class RowShard:
         """Every rank's updated rows into every rank's weight, in place."""
         if not self.spans:
             return  # a 0-d weight: every rank stepped it whole
-        local = _local(self.param).detach()
+        local = local_tensor(self.param).detach()
         rows = local.shape[0]
         if rows % self.size == 0 and local.is_contiguous():
             dist.all_gather_single(local, self.view.clone(), group=group)
