@@ -102,11 +102,12 @@ class Layout(BaseModel):
 
     @property
     def reduces_through_ddp(self) -> bool:
-        """Whether the executor replicates through DDP (one plain-tensor module run once per
-        micro-batch): DTensor parameters (tp > 1) and pipeline stages, whose per-micro-batch
-        backward DDP's reducer does not follow, reduce through the executor's per-weight
-        all-reduce under ZeRO 0/1, through FSDP2 under ZeRO-2/3."""
-        return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
+        """Whether the executor replicates through DDP (ZeRO-0, one plain-tensor module run once
+        per micro-batch). DTensor parameters (tp > 1) and pipeline stages, whose per-micro-batch
+        backward DDP's reducer does not follow, and ZeRO-1, which reduce-scatters, reduce through
+        the executor's per-weight reduction (executor/apply/gradient_reduce.py); ZeRO-2/3 through
+        FSDP2."""
+        return self.data_parallel > 1 and self.zero == 0 and self.tp == 1 and self.pp == 1
 
     @property
     def holds_unsharded_gradients(self) -> bool:

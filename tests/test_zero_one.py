@@ -80,3 +80,46 @@ def test_a_tensor_parallel_weights_rows_are_split_again_and_named_where_they_lie
     count = 8 if dp_rank == 0 else 7
     assert got["boxes"][1] == [[30, 8], [count, 8], [first_row, 0], True]
     assert got["rows"] == [8.0 * (first_row + i) for i in range(count)]
+
+
+REDUCTION = r"""
+import json, sys, torch, torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from executor.apply.gradient_reduce import DataParallelGradients
+
+rows = sys.argv[1] == "rows"
+dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+calls = []
+for name in ("all_reduce", "reduce_scatter_tensor", "reduce"):
+    def spy(*args, _name=name, _real=getattr(dist, name), **kwargs):
+        calls.append(_name)
+        return _real(*args, **kwargs)
+    setattr(dist, name, spy)
+module = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 6, bias=False))  # 8 rows split 2 a rank, 6 rows 2,2,2,0
+reducer = DataParallelGradients(module, dist.group.WORLD, 4, rows)
+for p in module.parameters():
+    p.grad = torch.full_like(p, 4.0)
+reducer.sync()
+mine = [p.grad.flatten().tolist() for p in module.parameters()]
+print(json.dumps({"calls": calls, "grads": mine}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["rows", "whole"])
+def test_zero_one_reduce_scatters_the_rows_each_rank_steps_and_zero_zero_all_reduces(mode):
+    """ZeRO-1's gradients: a reduce-scatter where the rows divide evenly, a reduce to each row's
+    owner where they do not; this rank's rows averaged (the fake group returns the input, so
+    4.0 / 4 ranks), the rest left as they are. ZeRO-0 all-reduces and averages everything."""
+    out = subprocess.run([sys.executable, "-c", REDUCTION, mode], capture_output=True, text=True, timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if mode == "whole":
+        assert got["calls"] == ["all_reduce"] * 3
+        assert all(v == 1.0 for grad in got["grads"] for v in grad)
+        return
+    # weight 8x8 and bias 8: reduce-scatter; weight 6x8: a reduce per non-empty span (3)
+    assert got["calls"] == ["reduce_scatter_tensor", "reduce_scatter_tensor", "reduce", "reduce", "reduce"]
+    weight, bias, second = got["grads"]
+    assert weight[16:32] == [1.0] * 16 and weight[:16] == [4.0] * 16  # rank 1 of 4: rows 2-3
+    assert bias[2:4] == [1.0, 1.0] and bias[:2] == [4.0, 4.0]
+    assert second[16:32] == [1.0] * 16 and second[32:] == [4.0] * 16

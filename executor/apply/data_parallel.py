@@ -55,8 +55,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
                 fully_shard(block, mesh=dp_mesh, **kw)
         fully_shard(module, mesh=dp_mesh, **kw)
         return module
-    if not plan.reduces_through_ddp:  # DTensor weights or pipeline stages (executor/apply/gradient_reduce.py)
-        return attach(module, dp_mesh.get_group(), plan.data_parallel)
+    if not plan.reduces_through_ddp:  # DTensor weights, pipeline stages, ZeRO-1 (executor/apply/gradient_reduce.py)
+        return attach(module, dp_mesh.get_group(), plan.data_parallel, rows=plan.zero == 1)
     experts = expert_parameter_names(module)
     if experts:  # reduced over their own replicas (executor/apply/expert_parallel.py), not over all of dp
         DDP._set_params_and_buffers_to_ignore_for_model(module, experts)

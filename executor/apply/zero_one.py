@@ -32,6 +32,15 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
+def local_grad(param: torch.Tensor) -> torch.Tensor:
+    """The local shard of `param`'s gradient, laid out as `param` is: a tensor-parallel
+    weight's gradient can arrive as a pending sum (Partial), resolved here once and kept."""
+    grad = param.grad
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(param.placements):
+        param.grad = grad = grad.redistribute(param.device_mesh, param.placements)
+    return local_tensor(grad)
+
+
 def row_span(rows: int, size: int, rank: int) -> tuple[int, int]:
     """The rows [lo, hi) that `rank` of `size` holds: torch.chunk's split, empty past the end."""
     per = -(-rows // size)
@@ -76,12 +85,9 @@ class RowShard:
         return mesh, placements
 
     def grad_rows(self) -> torch.Tensor | None:
-        grad = self.param.grad
-        if grad is None:
+        if self.param.grad is None:
             return None
-        if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(self.param.placements):
-            grad = grad.redistribute(self.param.device_mesh, self.param.placements)  # a pending (Partial) sum
-        grad = local_tensor(grad)
+        grad = local_grad(self.param)
         return grad.narrow(0, self.view_lo, self.view.shape[0]) if self.spans else grad
 
     @property
