@@ -280,15 +280,22 @@ def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, c
 
 def gradients_at_peak(plan: Plan) -> bool:
     """Whether gradients exist at the activation peak (`gradients_held`)."""
-    return gradients_held(plan.zero, plan.pp, plan.num_micro_batches)
+    return gradients_held(plan, plan.num_micro_batches)
 
 
-def gradients_held(zero: int, pp: int, num_micro_batches: int) -> bool:
-    """Whether gradients exist at the activation peak: not for a single micro-batch under
-    FSDP2 without pipelining (zero_grad sets them to None and the backward makes them as it
-    frees activations); DDP's buckets, accumulated micro-batches and pipelined FSDP2's
-    unsharded gradients are there."""
-    return not (zero >= 2 and pp == 1 and num_micro_batches == 1)
+def gradients_held(layout, num_micro_batches: int) -> bool:
+    """Whether gradients exist at the activation peak of `layout` (a Layout or Plan). With one
+    micro-batch and no pipeline, not where nothing keeps them between steps: zero_grad sets
+    them to None and the backward makes them as it frees activations (FSDP2, and on the
+    eager and compile stacks every rank outside DDP, executor/apply/gradient_reduce.py).
+    DDP's buckets (its gradients are views into them), Megatron's gradient buffer under
+    ZeRO-0/1 (the fused stack), accumulated micro-batches and pipelined FSDP2's unsharded
+    gradients are there."""
+    if layout.pp > 1 or num_micro_batches > 1:
+        return True
+    if layout.stack == "fused":
+        return layout.zero <= 1
+    return layout.reduces_through_ddp
 
 
 def root_buffer_bytes(root_params: float, dtype: str) -> float:

@@ -158,7 +158,7 @@ def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: di
     shard = layout.shard_degree
     states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
     # gradients where the peak holds them, at most sharded (pipelined FSDP2 holds them whole)
-    held = gradients_held(layout.zero, layout.pp, global_batch // (layout.dp * layout.micro_batch))
+    held = gradients_held(layout, global_batch // (layout.dp * layout.micro_batch))
     state = (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
              + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
     return per_rank[key] / layout.pp * state
