@@ -62,10 +62,10 @@ class RowShard:
 
     @staticmethod
     def _global_layout(param, zero_mesh, root) -> tuple[DeviceMesh, list]:
-        """The mesh and placements that name this rank's rows within the full weight: the
-        weight's own, its replication over the zero dimension (FSDP2's `replicate`) turned
-        into our rows; a tensor-parallel weight outside `replicate` gets the dp dimension
-        of `root` beside its tp."""
+        """The mesh and placements that name this rank's rows within the full weight: a plain
+        weight's are the zero mesh's; a tensor-parallel weight (a DTensor over tp) gets the
+        dp dimension of `root` beside its tp; a DTensor already replicated over the zero
+        dimension has that replication turned into our rows."""
         ours = Shard(0) if param.dim() else Replicate()
         if not isinstance(param, DTensor):
             return zero_mesh, [ours]
