@@ -150,7 +150,7 @@ def test_a_ddp_plan_is_refused_in_one_line(tmp_path, capsys):
     path.write_text(plan.to_json())
     assert main(["dry-run", str(path)]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: zero:") and "zero 2 or 3" in err and len(err.strip().splitlines()) == 1
+    assert err.startswith("error: zero:") and "zero 1 (no DDP), 2 or 3" in err and len(err.strip().splitlines()) == 1
 
 
 def test_tensor_parallel_pipeline_ranks_are_each_measured_with_sp():

@@ -138,7 +138,7 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     if plan.reduces_through_ddp:
         raise PlanError("zero", f"the dry run cannot follow DDP (zero={plan.zero} over plain replicas): its C++ "
                                 "reducer allocates real gradient buckets and fails on the fake process group",
-                        "dry-run the layout with zero 2 or 3 (FSDP2), or measure it with `parallax run`")
+                        "dry-run the layout with zero 1 (no DDP), 2 or 3 (FSDP2), or measure it with `parallax run`")
     plan = with_estimate(plan, name, cluster, trust_module)
     replay = replay_micro_batches(plan)
     short = _shortened(plan, replay)
