@@ -12,10 +12,10 @@ groups once per step. ZeRO-2/3 reduce-scatter every micro-batch's gradients, or 
 reduce-scatter once, in the step's last micro-batch.
 
 Replicated parameters go through DDP where it can hold them (one plain-tensor
-module per rank, `layout.layout.Layout.reduces_through_ddp`) and through a
-per-weight in-place all-reduce otherwise (executor/apply/gradient_reduce.py):
-DTensor parameters under TP, and pipeline stages, whose per-micro-batch backward
-passes DDP's reducer cannot follow.
+module per rank under ZeRO-0, `layout.layout.Layout.reduces_through_ddp`) and
+through a per-weight in-place reduction otherwise (executor/apply/gradient_reduce.py):
+DTensor parameters under TP and pipeline stages, whose per-micro-batch backward
+passes DDP's reducer cannot follow, and ZeRO-1, whose rows it reduce-scatters.
 """
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def expert_units(module: nn.Module, mesh: DeviceMesh, plan: Plan, reshard: bool)
 
 def sync_context(module: nn.Module, last_micro_batch: bool, plan: Plan):
     """Skip gradient synchronisation on all but the last micro-batch of a step: DDP's and
-    the per-weight all-reduce's whole; FSDP2's HSDP all-reduce, its reduce-scatter too where the plan holds
+    the per-weight reduction's whole; FSDP2's HSDP all-reduce, its reduce-scatter too where the plan holds
     the unsharded gradients (`accumulation` hold_unsharded)."""
     import contextlib
 
