@@ -107,7 +107,14 @@ class Layout(BaseModel):
         backward DDP's reducer does not follow, and ZeRO-1, which reduce-scatters, reduce through
         the executor's per-weight reduction (executor/apply/gradient_reduce.py); ZeRO-2/3 through
         FSDP2."""
-        return self.data_parallel > 1 and self.zero == 0 and self.tp == 1 and self.pp == 1
+        return self.replicates_one_plain_module and self.zero == 0
+
+    @property
+    def replicates_one_plain_module(self) -> bool:
+        """Whether each data-parallel rank holds one plain-tensor module, run once per
+        micro-batch (dp > 1, zero 0/1, no TP, no pipeline): DDP's path, and ZeRO-1's without
+        TP or stages, where replicas may run uneven shares of the batch."""
+        return self.data_parallel > 1 and self.zero <= 1 and self.tp == 1 and self.pp == 1
 
     @property
     def holds_unsharded_gradients(self) -> bool:

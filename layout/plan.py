@@ -227,7 +227,7 @@ def plan_problem(plan: Plan, facts: ModelFacts) -> PlanError | None:
     if plan.stack == "fused" and any(p == "op" for stage in plan.stages for p in stage.recompute):
         return PlanError("recompute", "op is torch's op-level checkpointing; the fused stack prices Megatron-LM, "
                          "which recomputes the attention core or whole blocks", "use selective or full, or stack eager")
-    if plan.dp_micro_batches and not (plan.data_parallel > 1 and plan.zero <= 1 and plan.tp == 1 and plan.pp == 1):
+    if plan.dp_micro_batches and not plan.replicates_one_plain_module:
         return PlanError("dp_micro_batches", "uneven data-parallel shares run without TP or pipelines: dp > 1 with zero 0 "
                          "or 1, tp 1, pp 1", "use even shares with this layout, or such a layout")
     return layout_problem(plan, facts, plan.seq_len, plan.num_micro_batches)

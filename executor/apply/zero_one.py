@@ -16,7 +16,6 @@ weight's name and DCP reshards it onto any other layout, FSDP2's included.
 from __future__ import annotations
 
 import itertools
-import math
 
 import torch
 import torch.distributed as dist
@@ -52,47 +51,34 @@ class RowShard:
     """One weight's rows on this rank: the view it steps, and how its state is named globally."""
 
     def __init__(self, param: nn.Parameter, zero_mesh: DeviceMesh, root: DeviceMesh | None) -> None:
-        self.param, self.zero_mesh = param, zero_mesh
+        self.param = param
         local = local_tensor(param).detach()
         self.size, self.rank = zero_mesh.size(), zero_mesh.get_local_rank()
         self.spans = [row_span(local.shape[0], self.size, r) for r in range(self.size)] if local.dim() else []
-        lo, hi = self.spans[self.rank] if self.spans else (0, 0)
-        self.view = local.narrow(0, lo, hi - lo) if self.spans else local
+        self.lo, hi = self.spans[self.rank] if self.spans else (0, 0)
+        self.view = local.narrow(0, self.lo, hi - self.lo) if self.spans else local
         self.mesh, self.placements = self._global_layout(param, zero_mesh, root)
 
     @staticmethod
     def _global_layout(param, zero_mesh, root) -> tuple[DeviceMesh, list]:
         """The mesh and placements that name this rank's rows within the full weight: a plain
-        weight's are the zero mesh's; a tensor-parallel weight (a DTensor over tp) gets the
-        dp dimension of `root` beside its tp; a DTensor already replicated over the zero
-        dimension has that replication turned into our rows."""
+        weight's are the zero mesh's; a tensor-parallel weight (a DTensor over tp, the only
+        DTensor weights ZeRO-1 meets) gets the dp dimension of `root` beside its tp."""
         ours = Shard(0) if param.dim() else Replicate()
         if not isinstance(param, DTensor):
             return zero_mesh, [ours]
-        (zero_name,) = zero_mesh.mesh_dim_names
-        mesh, placements = param.device_mesh, list(param.placements)
-        if zero_name not in mesh.mesh_dim_names:
-            if root is None or mesh.mesh_dim_names != ("tp",):
-                raise NotImplementedError(f"ZeRO-1 over a weight on {mesh.mesh_dim_names}, not over {zero_name}")
-            mesh, placements = root["dp", "tp"], [Replicate(), *placements]
-        index = mesh.mesh_dim_names.index(zero_name)
-        if placements[index] != Replicate():
-            raise NotImplementedError(f"ZeRO-1 over a weight already split over {zero_name}")
-        inner = math.prod(mesh.size(d) for d in range(index + 1, mesh.ndim) if placements[d] == Shard(0))
-        if param.dim() and inner > 1:  # our rows split the rows the inner dimensions already split
-            ours = _StridedShard(0, split_factor=inner)
-        placements[index] = ours
-        return mesh, placements
+        if root is None or param.device_mesh.mesh_dim_names != ("tp",):
+            raise NotImplementedError(f"ZeRO-1 over a weight distributed on {param.device_mesh.mesh_dim_names}")
+        (tp_placement,) = param.placements
+        if param.dim() and tp_placement == Shard(0):  # our rows split the rows TP already split
+            ours = _StridedShard(0, split_factor=param.device_mesh.size())
+        return root["dp", "tp"], [ours, tp_placement]
 
     def grad_rows(self) -> torch.Tensor | None:
         if self.param.grad is None:
             return None
         grad = local_grad(self.param)
-        return grad.narrow(0, self.view_lo, self.view.shape[0]) if self.spans else grad
-
-    @property
-    def view_lo(self) -> int:
-        return self.spans[self.rank][0]
+        return grad.narrow(0, self.lo, self.view.shape[0]) if self.spans else grad
 
     def to_global(self, rows: torch.Tensor) -> DTensor:
         """This rank's rows of a moment as a DTensor of the weight's full shape."""
