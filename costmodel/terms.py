@@ -23,7 +23,7 @@ from hardware.schema import Cluster
 
 from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
-from .autocast import autocast_copy_bytes, cast_params_on_rank
+from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
@@ -203,12 +203,13 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
         states["gradients"] = 0.0
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
-    biggest, root, cast, block_slack, end_slack = 0.0, 0.0, 0.0, 0.0, 0.0
+    biggest, root, cast, block_slack, end_slack, cast_back = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     for est in rank.stage_estimates:
         for layer, policy, count in stage_runs(plan, workload, est.index):
             kept = activation_bytes(layer, policy, **kw)
             per_mb += kept * count
             cast += cast_params_on_rank(layer, plan.tp, plan.ep) * count
+            cast_back = max(cast_back, cast_back_bytes(layer, plan))
             if layer.kind == "block":
                 block_temporaries = max(block_temporaries, transient_bytes(layer, **kw))
                 block_slack = max(block_slack, allocator_slack_bytes(layer, **kw))
@@ -231,6 +232,10 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     elif not sharded:
         moments = [{"activations": m["activations"]} for m in moments]
     copies = autocast_copy_bytes(cast, plan)
+    pile = cast_gradient_pile_bytes(cast, plan)
+    if pile:  # a backward's end: every gradient, the cast copies and their gradients, no activations
+        closing = {**stepping, "activations": cast_back, "buffers": copies + pile}
+        stepping = max(stepping, closing, key=lambda m: sum(m.values()))
     if copies:  # autocast's compute-dtype weights, from the first forward to the backward's end
         moments = [{**m, "buffers": m.get("buffers", 0.0) + copies} for m in moments]
     if held_gradients:  # FSDP2's unsharded parameters' gradients, beside its gather buffers

@@ -16,7 +16,7 @@ from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, ca
                                 root_hole_bytes)
 from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
-from costmodel.autocast import autocast_copy_bytes, cast_params_on_rank
+from costmodel.autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
@@ -41,6 +41,8 @@ class LayerCoefficients:
     states: float = 0.0  # bytes of its states on the rank at the activation peak (experts shard over fewer ranks)
     step_states: float = 0.0  # bytes at the optimizer step: every state and AdamW's per-parameter temporaries
     weight_grad: float = 0.0  # of `time`: the weight gradients a zero-bubble schedule moves into the bubble
+    pile: float = 0.0  # bytes at a backward's end beside `states`: autocast's cast gradients (`cast_gradient_pile_bytes`)
+    cast_back: float = 0.0  # and beside the pile while its largest is cast back (`cast_back_bytes`): the rank's largest counts
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class RankFixed:
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
     weight_grad: float = 0.0
+    pile: float = 0.0  # with the largest `cast_back` of its layers and its blocks'
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,8 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
     states, step_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
-    states += autocast_copy_bytes(cast_params_on_rank(layer, plan.tp, plan.ep), plan)  # until the backward ends
+    cast = cast_params_on_rank(layer, plan.tp, plan.ep)
+    states += autocast_copy_bytes(cast, plan)  # until the backward ends
     time, backward, activation = {}, {}, {}
     collectives = sharded_collectives(params, plan, lay)  # the same under every policy
     for policy in POLICIES:
@@ -168,7 +172,8 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
         activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
                              step_states=step_states, expert_params=layer.expert_params / plan.ep,
-                             weight_grad=times(layer, ctx, "none").weight_grad)
+                             weight_grad=times(layer, ctx, "none").weight_grad, pile=cast_gradient_pile_bytes(cast, plan),
+                             cast_back=cast_back_bytes(layer, plan))
 
 
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
@@ -311,7 +316,8 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
                      + crossing,
                      activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
-                     weight_grad=sum(l.weight_grad for l in layers))
+                     weight_grad=sum(l.weight_grad for l in layers),
+                     pile=sum(l.pile for l in layers) + max(l.cast_back for l in [*layers, data.block]))
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
@@ -425,7 +431,8 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if rebuilt else 0.0)
                 + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
-        headroom = min(headroom, data.capacity - max(used, stepping))
+        closing = blocks * (block.states + block.pile) + f.states + f.pile  # a backward's end (`cast_gradient_pile_bytes`)
+        headroom = min(headroom, data.capacity - max(used, stepping, closing))
     pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
     return pipeline + max(0.0, exposed) + optimizer, headroom
 
@@ -477,6 +484,8 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
+            return None
+        if b * (block.states + block.pile) + sum(l.states + l.pile for l in fixed) > data.capacity:
             return None
         for s in stages:
             take = min(f, blocks[s])

@@ -151,6 +151,10 @@ class StageModel:
             fixed_step = sum(self._fixed(s, "step_states") for s in self._stages_of(r))
             self.model.Add(self._blocks(r) * _i(d.block.step_states, KIB) + _i(d.step_bytes(r, fixed_step), KIB)
                            <= _i(d.capacity, KIB))
+            fixed_pile = sum(self._fixed(s, "pile") for s in self._stages_of(r))
+            if d.block.pile or fixed_pile:  # a backward's end: states, cast copies and their gradients
+                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(fixed_states + fixed_pile, KIB)
+                               <= _i(d.capacity, KIB))
 
     def add_dp_overlap(self):
         E = self.model.NewIntVar(0, self.ub, "E")
