@@ -129,6 +129,9 @@ class LayerProfile(BaseModel):
     attention_path: Literal["fused", "math"] | None = Field(
         None, description="how this profile runs them: one fused kernel (flash, memory-efficient, cuDNN, the CPU's "
         "flash loop: no scores kept) or torch's math path (scores materialised, softmaxed, dropped out, saved)")
+    under_autocast: "LayerProfile | None" = Field(None, description="the same layer traced over fp32 weights under "
+                                                  "torch.autocast: what it keeps where a plan casts its weights per "
+                                                  "use (`costmodel.autocast.under_autocast`)")
     other_path: "LayerProfile | None" = Field(None, description="the same layer on the other attention path, for "
                                               "the device whose kernel choice needs it (`costmodel.attention`)")
 

@@ -26,10 +26,12 @@ def workload():
 
 
 @pytest.mark.parametrize("row", EAGER, ids=[row["name"] for row in EAGER])
-def test_eager_runs_peak_memory_is_priced_within_six_percent_of_the_gpu(row, workload):
+def test_eager_runs_peak_memory_is_priced_within_two_percent_of_the_gpu(row, workload):
+    """-9% to -14% without autocast's copies; -1.2% to -4.7% with them but the bf16 trace's
+    activations (`costmodel.autocast.under_autocast`: the fp32 residual stream and norms)."""
     plan, profile = gpu_runs.plan_of(row, workload)
     priced = estimate(workload, plan, profile).peak_memory_bytes
-    assert priced / (float(row["allocated_mib"]) * gpu_runs.MIB) - 1 == pytest.approx(0, abs=0.06)  # -9% to -14% without autocast's copies
+    assert priced / (float(row["allocated_mib"]) * gpu_runs.MIB) - 1 == pytest.approx(0, abs=0.02)
 
 
 def test_autocast_copies_are_held_only_where_the_gemms_read_fp32_weights(workload):

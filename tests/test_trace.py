@@ -287,3 +287,40 @@ def test_the_loss_temporaries_are_the_fp32_logits_and_their_gradients(llama):
     kw = dict(tp=4, sp=True, micro_batch=2)
     assert transient_bytes(head, **kw) == pytest.approx(2 * head.act_transient)  # whole under DTensor
     assert transient_bytes(head, stack="fused", **kw) == pytest.approx(2 * head.act_transient / 4)  # vocab-parallel
+
+
+def test_the_autocast_trace_keeps_what_a_run_over_fp32_weights_under_autocast_saves():
+    """A plan that casts its weights per use runs the model over fp32 weights under autocast:
+    the embedding's output, the residual stream, norms and rotary stay fp32. The workload's
+    `under_autocast` profiles keep what such a run saves for backward (weights and their cast
+    copies aside, priced apart); the bf16 trace's keep about a sixth less."""
+    from costmodel.memory import activation_bytes
+    from executor.runtime.models import build_model
+    from planner.trace.hf import masks_as_in_a_real_run
+    from planner.trace.module import _default_loss
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    seq = 512
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake:
+        model = build_model("llama-3.2-1b")
+    params = {p.untyped_storage()._cdata for p in model.parameters()}
+    copies = 2 * sum(p.numel() for p in model.parameters() if p.dim() == 2)  # each GEMM's bf16 weight
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage()._cdata not in params:
+            saved[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+        return t
+
+    with fake, masks_as_in_a_real_run(), torch.autocast("cpu", dtype=torch.bfloat16):
+        tokens = torch.zeros(1, seq, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _default_loss(model(tokens), tokens)
+    measured = sum(saved.values()) - copies
+    workload, _ = workload_for("llama-3.2-1b", seq_len=seq, dtype="bf16")
+    kw = dict(tp=1, sp=False, micro_batch=1)
+    autocast = sum(activation_bytes(s.layer.under_autocast, "none", **kw) * s.count for s in workload.segments)
+    bf16 = sum(activation_bytes(s.layer, "none", **kw) * s.count for s in workload.segments)
+    assert autocast == pytest.approx(measured, rel=0.03), (autocast / 2**20, measured / 2**20)
+    assert bf16 < 0.9 * measured

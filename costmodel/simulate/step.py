@@ -11,6 +11,7 @@ from __future__ import annotations
 from hardware.schema import Cluster
 from layout.plan import Plan
 
+from ..autocast import under_autocast
 from ..workload import Workload
 from .mixed import simulate_mixed
 from .ops import DEFAULT_BUCKET_BYTES
@@ -20,6 +21,7 @@ from .playback import SimResult, simulate_uniform
 def simulate(workload: Workload, plan: Plan, cluster, *, bucket_bytes: float = DEFAULT_BUCKET_BYTES) -> SimResult:
     """Simulate one step of `plan` on `cluster` (a `Cluster`, or the `MixedCluster` a plan with
     groups was made for); raises PlanError if the plan does not fit the model or cluster."""
+    workload = under_autocast(workload, plan)
     if plan.groups or not isinstance(cluster, Cluster):
         return simulate_mixed(workload, plan, cluster, bucket_bytes)
     return simulate_uniform(workload, plan, cluster, bucket_bytes)

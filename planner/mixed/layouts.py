@@ -21,6 +21,7 @@ import math
 import time
 from itertools import permutations
 
+from costmodel.autocast import under_autocast
 from costmodel.estimate import estimate
 from costmodel.terms import price_ranks, usable_memory_bytes
 from costmodel.mixed import crossing_seconds, spanning
@@ -192,7 +193,7 @@ def data_split(workload, mixed, *, tp, pp, mb, zero, policy, global_batch, dtype
     paces = []
     for g in mixed.groups:
         try:
-            _, ranks = price_ranks(workload, alone, spanning(mixed, g, alone.n_gpus))
+            _, ranks = price_ranks(under_autocast(workload, alone), alone, spanning(mixed, g, alone.n_gpus))
         except PlanError:
             return None
         totals = [r.per_micro_batch for r in ranks]

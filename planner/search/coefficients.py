@@ -16,7 +16,8 @@ from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, ca
                                 root_hole_bytes)
 from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
                              p2p_time, pipeline_seconds, root_buffer_bytes)
-from costmodel.autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
+from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
+                               under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
@@ -206,6 +207,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     """`plan` carries the layout (its stages are ignored); `times` shares layer prices across
     the layouts of one search."""
     times = times if times is not None else LayerTimes()
+    workload = under_autocast(workload, plan)
     cluster = cluster.for_stack(plan.stack)
     lay = layout_of(plan, cluster, workload)
     first, last = block_span(workload)

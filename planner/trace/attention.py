@@ -82,6 +82,11 @@ def sdpa_as(path: Literal["fused", "math"], record: Callable[[dict], None]):
     original = F.scaled_dot_product_attention
 
     def traced(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if torch.is_autocast_enabled("cpu"):  # autocast casts SDPA's inputs; the aten kernels below are not on its list
+            half = torch.get_autocast_dtype("cpu")
+            query, key, value = (t.to(half) for t in (query, key, value))
+            if attn_mask is not None and attn_mask.is_floating_point():
+                attn_mask = attn_mask.to(half)
         record(describe(query, key, value, attn_mask, dropout_p, is_causal, enable_gqa))
         out = _fused(query, key, value, attn_mask, dropout_p, is_causal, scale) if path == "fused" else None
         if out is None:

@@ -64,6 +64,9 @@ class OpGraph:
     meta: dict[str, Any] = field(default_factory=dict)
     attention_calls: list[dict] = field(default_factory=list)  # scaled_dot_product_attention calls, traced order
     math_path: "OpGraph | None" = None  # the same model traced with those calls on torch's math path
+    # the same model with fp32 weights under torch.autocast in this graph's dtype (fused attention): what a
+    # plan that casts its weights per use keeps (`costmodel.autocast.under_autocast`)
+    autocast_path: "OpGraph | None" = None
 
     def warn_once(self, message: str) -> None:
         """Record a problem once on the graph and once through `warnings`."""

@@ -252,17 +252,27 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     args = (module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     og = _trace_once(*args, fake_mode, "fused")
+    split = (og.tp_module_styles, og.tp_gathered)
     if og.attention_calls:
-        og.math_path = _trace_once(*args, fake_mode, "math", split=(og.tp_module_styles, og.tp_gathered))
+        og.math_path = _trace_once(*args, fake_mode, "math", split=split)
+    if dtype in AUTOCAST_DTYPES:  # and over fp32 weights under autocast, on each attention path
+        og.autocast_path = _trace_once(*args, fake_mode, "fused", split=split, weights=torch.float32)
+        if og.attention_calls:
+            og.autocast_path.math_path = _trace_once(*args, fake_mode, "math", split=split, weights=torch.float32)
     return og
 
 
+AUTOCAST_DTYPES = ("bf16", "fp16")  # the half dtypes a plan may compute in under torch.autocast
+
+
 def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs, fake_mode, path,
-                split=None) -> OpGraph:
+                split=None, weights: torch.dtype | None = None) -> OpGraph:
+    """One trace; with `weights` (fp32), the weights in that dtype and the run under
+    torch.autocast in `dtype`, as the executor runs a plan over fp32 master weights."""
     from planner.trace.attention import sdpa_as
     from planner.trace.blocks import analyse
 
-    state, names = _fake_state(module, fake_mode, DTYPES.get(dtype, torch.bfloat16))
+    state, names = _fake_state(module, fake_mode, weights or DTYPES.get(dtype, torch.bfloat16))
     with fake_mode:
         inputs = [_fake_input(fake_mode, t) for t in
                   (example_inputs.values() if isinstance(example_inputs, dict) else example_inputs)]
@@ -278,7 +288,8 @@ def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwar
     handles = tracer.hook(module)
     record = lambda call: og.attention_calls.append({**call, "first_node": og.graph.number_of_nodes()})  # noqa: E731
     try:
-        with sdpa_as(path, record):
+        autocast = torch.autocast("cpu", dtype=DTYPES[dtype], enabled=weights is not None)
+        with sdpa_as(path, record), autocast:
             _run(module, state, inputs, keys, tracer, fake_mode, loss_fn or _default_loss, call_kwargs or {})
     except ModelError:
         raise

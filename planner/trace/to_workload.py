@@ -277,6 +277,25 @@ def _math_names(og: OpGraph) -> list[str | None]:
     return reps + [None] * (len(og.meta.get("blocks", [])) - len(reps))
 
 
+def _with_autocast(workload: Workload, autocast: Workload) -> Workload:
+    """`workload` with each layer's profile under autocast over fp32 weights beside it, on each
+    attention path (`LayerProfile.under_autocast`); unchanged where the two traces' layers differ."""
+    pairs = list(zip(workload.segments, autocast.segments))
+    if len(workload.segments) != len(autocast.segments) or any(
+            a.layer.kind != b.layer.kind or a.count != b.count for a, b in pairs):
+        return workload
+
+    def paired(layer: LayerProfile, under: LayerProfile) -> LayerProfile:
+        other = layer.other_path
+        if other is not None and under.other_path is not None:
+            other = other.model_copy(update={"under_autocast": under.other_path.model_copy(update={"other_path": None})})
+        return layer.model_copy(update={"under_autocast": under.model_copy(update={"other_path": None}),
+                                        "other_path": other})
+
+    segments = [Segment(layer=paired(a.layer, b.layer), count=a.count) for a, b in pairs]
+    return workload.model_copy(update={"segments": segments})
+
+
 def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Workload:
     """Segments: embedding, each block group × its depth, other, head.
 
@@ -290,8 +309,9 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
                          "a transformer: repeated blocks between an embedding and a head")
     counts = _counts(og, n_blocks)
     segments = []
-    if og.math_path is not None:  # the model facts set after tracing (heads, experts...) hold for both paths
-        og.math_path.meta.update({k: v for k, v in og.meta.items() if k not in ("blocks", "flash_attention")})
+    for other in (og.math_path, og.autocast_path):  # the model facts set after tracing (heads, experts...) hold
+        if other is not None:                         # for every trace
+            other.meta.update({k: v for k, v in og.meta.items() if k not in ("blocks", "flash_attention")})
     math_reps = _math_names(og)
     fixed = lambda layer: _profile(og, layer, layer, layer, layer if og.math_path is not None else None)  # noqa: E731
     if "embedding" in present:
@@ -304,7 +324,8 @@ def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Wo
     if "head" in present:
         segments.append(Segment(layer=fixed("head")))
     meta = og.meta
-    return Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
-                    heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
-                    vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)),
-                    max_seq_len=meta.get("max_seq_len"), n_experts=meta.get("n_experts") or 0)
+    workload = Workload(name=og.name, seq_len=og.seq_len, dtype_bytes=og.dtype_bytes, segments=segments,
+                        heads=meta.get("heads"), kv_heads=meta.get("kv_heads"), hidden=meta.get("hidden"),
+                        vocab=meta.get("vocab"), flash_attention=bool(meta.get("flash_attention", True)),
+                        max_seq_len=meta.get("max_seq_len"), n_experts=meta.get("n_experts") or 0)
+    return workload if og.autocast_path is None else _with_autocast(workload, to_workload(og.autocast_path, counts))
