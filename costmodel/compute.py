@@ -18,7 +18,7 @@ from hardware.schema import Cluster
 
 from .collectives import Group, all_gather, all_reduce, all_to_all
 from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
-from .memory import state_bytes_per_param
+from .memory import dense_gradient_split, state_bytes_per_param
 from .workload import LayerProfile
 
 BACKWARD_FACTOR = 2.0
@@ -313,11 +313,11 @@ DENSE_GRADIENT_PASSES = 3  # zero-fill, scatter-add of the rows used, accumulate
 
 def dense_gradient_time(layer: LayerProfile, ctx: Context) -> float:
     """An embedding backward's dense table gradient: memory traffic per micro-batch that
-    does not shrink with the batch (vocabulary-split under TP like the table)."""
+    does not shrink with the batch (`dense_gradient_split`: whole under DTensor's TP)."""
     if not layer.grad_dense_bytes:
         return 0.0
     gpu = ctx.cluster.gpu
-    nbytes = DENSE_GRADIENT_PASSES * layer.grad_dense_bytes / _split(layer, ctx)
+    nbytes = DENSE_GRADIENT_PASSES * layer.grad_dense_bytes / dense_gradient_split(layer, ctx.tp, ctx.stack)
     return nbytes / memory_bandwidth(gpu)
 
 

@@ -154,6 +154,15 @@ def optimizer_step_bytes(owned_params: float, largest_owned: float, device_type:
     return moment_bytes * owned_params
 
 
+def dense_gradient_split(layer: LayerProfile, tp: int, stack: str) -> int:
+    """The TP ranks an embedding's dense gradient (`grad_dense_bytes`) is split over. DTensor's
+    embedding backward (the eager and compile stacks) computes the whole table's gradient on
+    every TP rank and then keeps its vocabulary shard: in the dry run of llama-3-8b tp2,
+    `embedding_dense_backward` writes the whole fp32 table, 2,004 MiB. Megatron's
+    vocabulary-parallel embedding (the fused stack) computes its shard only."""
+    return tp if layer.tp_shardable and stack == "fused" else 1
+
+
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
                      cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of

@@ -26,7 +26,7 @@ from .compute import expert_exchange_time, layer_time, recompute_flops
 from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
-from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, dense_gradient_split, gathered_weight_bytes, held_gradient_bytes,
                      in_flight_micro_batches, model_state_bytes, moment_bytes, optimizer_step_bytes, plan_state_bytes, reduce_bytes,
                      transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
@@ -328,7 +328,8 @@ def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> fl
         for layer, _, _ in stage_runs(plan, workload, est.index):
             split = plan.tp if layer.tp_shardable else 1
             tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0
-            largest = max(largest, max(layer.grad_dense_bytes, tied) / split)
+            largest = max(largest, layer.grad_dense_bytes / dense_gradient_split(layer, plan.tp, plan.stack),
+                          tied / split)
     return largest
 
 

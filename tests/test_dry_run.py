@@ -191,3 +191,35 @@ def test_estimate_checkpoints_every_kth_block(capsys):
     assert [p for s in plan.stages for p in s.recompute][1:-1] == ["full", "none"] * 16  # the embedding, head keep theirs
     assert main(args[:-1] + ["--recompute", "full"]) == 2
     assert "--recompute-every" in capsys.readouterr().err
+
+
+def test_dtensor_shape_propagation_is_not_counted_as_memory():
+    """DTensor derives an op's output metadata on fake tensors of the global shape; in a run
+    those live in a fake mode of DTensor's own, here in the dry run's. The trackers count only
+    the local op: a row-sharded 4096 x 1032 fp32 tensor's exp() writes its 8.1 MiB shard, not
+    the 16.1 MiB global input and output the propagation makes."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from executor.measure.dry_run_trackers import AllocationTrace, CategoryPeaks, tracker_for
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            module = torch.nn.Linear(2, 2)
+            x = distribute_tensor(torch.zeros(4096, 1032), mesh, [Shard(0)])
+            peaks = CategoryPeaks()
+            run = SimpleNamespace(modules=[module], optimizer=torch.optim.SGD(module.parameters(), lr=0.1))
+            with tracker_for(run, peaks, AllocationTrace()):
+                x.exp()
+    finally:
+        dist.destroy_process_group()
+    local = 2048 * 1032 * 4
+    assert local <= peaks.categories["activations"] < 1.5 * local

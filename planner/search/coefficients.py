@@ -20,7 +20,7 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, dense_gradient_split, gathered_weight_bytes, held_gradient_bytes,
                               in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
@@ -341,7 +341,8 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
 
     def largest(layers: list[LayerProfile]) -> float:
         tied = lambda l: l.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0  # noqa: E731
-        return max((max(l.grad_dense_bytes, tied(l)) / (plan.tp if l.tp_shardable else 1) for l in layers), default=0.0)
+        return max((max(l.grad_dense_bytes / dense_gradient_split(l, plan.tp, plan.stack),
+                         tied(l) / (plan.tp if l.tp_shardable else 1)) for l in layers), default=0.0)
 
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
