@@ -293,7 +293,8 @@ def _with_autocast(workload: Workload, autocast: Workload) -> Workload:
                                         "other_path": other})
 
     segments = [Segment(layer=paired(a.layer, b.layer), count=a.count) for a, b in pairs]
-    return workload.model_copy(update={"segments": segments})
+    # a new model, not model_copy: the copy would carry the cached expanded `layers` along
+    return Workload(**{**{name: getattr(workload, name) for name in Workload.model_fields}, "segments": segments})
 
 
 def to_workload(og: OpGraph, n_blocks: int | dict[str, int] | None = None) -> Workload:
