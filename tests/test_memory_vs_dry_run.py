@@ -97,17 +97,20 @@ def test_a_hybrid_sharded_layout_matches_the_dry_run():
 
 
 def test_zero_one_under_autocast_holds_its_cast_gradients_at_a_backwards_end():
-    """dp8 ZeRO-1 in bf16 over fp32 weights, two micro-batches a rank, full recompute: the
-    peak is the second backward's end, where autocast's cast copies and their gradients (the
-    pile `costmodel.autocast.cast_gradient_pile_bytes` prices) sit beside every state, with the
-    tied table's three fp32 gradients (`cast_back_bytes`). Unpriced, the pile left this -11%."""
+    """dp8 ZeRO-1 in bf16 over fp32 weights, two micro-batches a rank, full recompute, on a
+    small GPT whose head is tied to its embedding: the peak is the second backward's end, where
+    autocast's cast copies and their gradients (the pile `cast_gradient_pile_bytes` prices) sit
+    beside every state, with the tied table's three fp32 gradients (`cast_back_bytes`).
+    Unpriced, the pile leaves this -9% and the tied table's gradients -3% (llama-3.2-1b at 512
+    tokens, the README's case, measures 17.41 GiB and is predicted 17.41: a 20 s dry run)."""
+    model = "reference-tiny-tied"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        workload, _ = workload_for(MODEL, seq_len=512, dtype="bf16")  # short: the states outweigh the activations
+        workload, _ = workload_for(model, seq_len=64, dtype="bf16")  # short: the states outweigh the activations
     cluster = hardware.load(f"{RANKS}xh100-sxm")
     layout = next(l for l in sorted(layouts(workload, cluster, GLOBAL_BATCH), key=repr)
                   if l.dp == RANKS and l.tp == 1 and l.pp == 1 and l.zero == 1 and l.micro_batch == 1)
-    plan = to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="bf16", recompute="full", model=MODEL)
+    plan = to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="bf16", recompute="full", model=model)
     assert plan.num_micro_batches == 2
     (rank,) = dry_run(plan).ranks
-    assert abs(rank.error) <= 0.03, (rank.measured_peak, rank.predicted_peak)
+    assert abs(rank.error) <= 0.02, (rank.measured_peak, rank.predicted_peak)

@@ -216,6 +216,7 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
     the difference on: it matches playing all of them."""
     import hardware
     from layout.plan import uniform_stages
+    from costmodel.autocast import under_autocast
     from costmodel.simulate import playback
     from costmodel.simulate.step import simulate
     from costmodel.simulate.repeat import carried, shortened
@@ -231,7 +232,8 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
                     stages=uniform_stages(kinds, pp * vpp, "none"))
         whole = simulate(workload, plan, cluster)
         a, b = 24, 24 + (pp if schedule == "interleaved" else 1)
-        short, longer = (playback._play_uniform(workload, shortened(plan, m), cluster, 25e6) for m in (a, b))
+        run = under_autocast(workload, plan)  # what `simulate` plays: the layers as this plan runs them
+        short, longer = (playback._play_uniform(run, shortened(plan, m), cluster, 25e6) for m in (a, b))
         got = carried(short, longer, a, b, plan)
         # the once-per-step gradient reduction overlaps the last micro-batches' backward differently at 24 and
         # 25 of them than at 96: carried within 0.5% (fp32 gradients on the wire, DDP's and FSDP2's replicate;
