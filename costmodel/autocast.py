@@ -22,10 +22,13 @@ from .workload import LayerProfile, Segment, Workload
 # What a layer keeps and sends in the dtype its ops run in: under autocast over fp32 weights the
 # embedding's output, the residual stream and every op outside autocast's half-precision list (norms,
 # rotary, residual adds) stay fp32, where a half-precision model keeps them in 16 bits. The FLOPs and
-# the kernels' traffic are left as the half-precision trace prices them.
-KEPT_UNDER_AUTOCAST = ("act_sp_whole", "act_sp_dropped", "act_transient", "act_transient_tp", "act_allocator_slack",
-                       "act_replicated", "act_tp_sharded", "act_attention_scores", "act_compiled_share", "act_input",
-                       "act_op_split", "act_op_whole", "act_op_reduced", "boundary_bytes", "grad_dense_bytes")
+# the kernels' traffic are left as the half-precision trace prices them, and so are a layer's
+# temporaries and allocator slack: the autocast trace's are set by each weight's fp32 gradient cast
+# back from its copy's, which the first micro-batch keeps as `.grad` and later ones cast at the
+# backward's end (`cast_back_bytes`), not beside the layer's ops.
+KEPT_UNDER_AUTOCAST = ("act_sp_whole", "act_sp_dropped", "act_replicated", "act_tp_sharded", "act_attention_scores",
+                       "act_compiled_share", "act_input", "act_op_split", "act_op_whole", "act_op_reduced",
+                       "boundary_bytes", "grad_dense_bytes")
 
 
 def casts_weights_per_use(plan) -> bool:
