@@ -1,4 +1,5 @@
-"""torch.autocast's copies of the weights, held through a step's forward and backward.
+"""What torch.autocast over fp32 master weights holds: the weights' compute-dtype copies, their
+gradients at a backward's end, and the fp32 activations the layers keep.
 
 A half-precision plan whose GEMMs read fp32 master weights as they are (DDP, TP or
 pipeline stages without ZeRO-2/3, a single rank) computes under
@@ -12,6 +13,9 @@ ranks, or offloaded) casts at the gather instead, and bf16 master weights need n
 Seen on one H200 (benchmarks/data/h200_gpu_runs.csv): llama-3.2-1b at 2 x 2048 tokens on one
 rank held 1.8 GiB of bf16 block weights and the tied table's 0.49 GiB copy at its peak,
 measured and dry-run alike.
+
+Later micro-batches hold the copies' gradients to the backward's end (`cast_gradient_pile_bytes`,
+`cast_back_bytes`), and the residual stream and norms stay fp32 (`under_autocast`).
 """
 from __future__ import annotations
 
