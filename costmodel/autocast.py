@@ -94,8 +94,13 @@ def cast_gradient_pile_bytes(cast_params: float, plan) -> float:
     2-layer HF Llama, two micro-batches: 20.0 MiB of temporaries beside 17.0 MiB of cast
     weights) and in the dry run (llama-3-8b dp8 ZeRO-1, 8 micro-batches: 29.95 GiB of cast
     copies and temporaries at the peak, 13.98 GiB of copies)."""
-    piles = casts_weights_per_use(plan) and plan.num_micro_batches >= 2
-    return WEIGHT_BYTES[plan.dtype] * cast_params if piles else 0.0
+    return WEIGHT_BYTES[plan.dtype] * cast_params if holds_cast_gradients(plan) else 0.0
+
+
+def holds_cast_gradients(plan) -> bool:
+    """Whether a backward of `plan` holds its cast weights' gradients to its end
+    (`cast_gradient_pile_bytes`): autocast's copies reused by a later micro-batch."""
+    return casts_weights_per_use(plan) and plan.num_micro_batches >= 2
 
 
 def cast_back_bytes(layer: LayerProfile, plan) -> float:
@@ -108,7 +113,7 @@ def cast_back_bytes(layer: LayerProfile, plan) -> float:
     their sum, the head's compute-dtype gradient freed by then. Seen in the dry run of
     llama-3.2-1b dp8 ZeRO-1 at 512 tokens (2.45 GiB above the pile: ten bytes per element of
     the tied table, three fp32 tables less its bf16 gradient)."""
-    if not cast_gradient_pile_bytes(1.0, plan) or layer.kind == "embedding":
+    if not holds_cast_gradients(plan) or layer.kind == "embedding":
         return 0.0
     split = plan.tp if layer.tp_shardable else 1
     master = DTYPE_BYTES[plan.master_dtype]

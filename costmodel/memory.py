@@ -163,6 +163,14 @@ def dense_gradient_split(layer: LayerProfile, tp: int, stack: str) -> int:
     return tp if layer.tp_shardable and stack == "fused" else 1
 
 
+def new_gradient_bytes(layer: LayerProfile, plan) -> float:
+    """The largest weight gradient `layer` computes into a new tensor before it is added to
+    `.grad`, on one TP rank: the embedding's dense table (`dense_gradient_split`) or, where a
+    pipeline cuts a tied head from its embedding, the head's own copy of the table."""
+    tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] / (plan.tp if layer.tp_shardable else 1) if plan.pp > 1 else 0.0
+    return max(layer.grad_dense_bytes / dense_gradient_split(layer, plan.tp, plan.stack), tied)
+
+
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
                      cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of

@@ -26,9 +26,9 @@ from .compute import expert_exchange_time, layer_time, recompute_flops
 from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
-from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, dense_gradient_split, gathered_weight_bytes, held_gradient_bytes,
-                     in_flight_micro_batches, model_state_bytes, moment_bytes, optimizer_step_bytes, plan_state_bytes, reduce_bytes,
-                     transient_bytes)
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+                     in_flight_micro_batches, model_state_bytes, moment_bytes, new_gradient_bytes, optimizer_step_bytes,
+                     plan_state_bytes, reduce_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
 from .reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
@@ -323,14 +323,8 @@ def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> fl
     an embedding table (or its tied copy) being the one these profiles know of."""
     if plan.num_micro_batches < 2:
         return 0.0
-    largest = 0.0
-    for est in rank.stage_estimates:
-        for layer, _, _ in stage_runs(plan, workload, est.index):
-            split = plan.tp if layer.tp_shardable else 1
-            tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0
-            largest = max(largest, layer.grad_dense_bytes / dense_gradient_split(layer, plan.tp, plan.stack),
-                          tied / split)
-    return largest
+    return max((new_gradient_bytes(layer, plan) for est in rank.stage_estimates
+                for layer, _, _ in stage_runs(plan, workload, est.index)), default=0.0)
 
 
 def price_ranks(workload: Workload, plan: Plan, cluster: Cluster) -> tuple[Layout, list[RankTime]]:

@@ -76,7 +76,7 @@ def pipeline_balance(workload, stage_data: list[StageModelData], policy) -> list
                 + (data.rebuild_bytes(s) if policy in REBUILT else 0.0))
         at_peak = (data.capacity - used) / (block.states + block.activation[policy] * inflight)
         at_step = (data.capacity - data.step_bytes(s, fixed.step_states)) / max(block.step_states, 1e-30)
-        at_end = (data.capacity - fixed.states - fixed.pile) / max(block.states + block.pile, 1e-30)  # a backward's end
+        at_end = (data.capacity - fixed.closing) / max(block.states + block.pile, 1e-30)  # a backward's end
         mem_cap.append(math.floor(min(at_peak, at_step, at_end)))  # the blocks its peaks and its optimizer step hold
     n = workload.n_blocks
     if min(mem_cap) < 1 or sum(mem_cap) < n:

@@ -20,8 +20,9 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, dense_gradient_split, gathered_weight_bytes, held_gradient_bytes,
-                              in_flight_micro_batches, moment_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
+from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+                              in_flight_micro_batches, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
+                              transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -58,7 +59,7 @@ class RankFixed:
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
     weight_grad: float = 0.0
-    pile: float = 0.0  # with the largest `cast_back` of its layers and its blocks'
+    closing: float = 0.0  # at a backward's end, besides its blocks (`StageModelData.closing_fixed`)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,12 @@ class StageModelData:
         """Rank r's memory at its optimizer step (`costmodel.terms.peak_moments`'s stepping moment):
         activations gone, its layers' `step_states` and the temporaries of its largest weight."""
         return step_states + (self.step_fixed[r] if self.step_fixed else 0.0)
+
+    def closing_fixed(self, fixed: list[LayerCoefficients]) -> float:
+        """A rank's memory at a backward's end (`costmodel.terms.peak_moments`' closing moment)
+        besides its blocks' `states + pile` each: its embedding and head layers' states and
+        piles, and the largest cast-back of those and its blocks (`cast_back_bytes`)."""
+        return sum(l.states + l.pile for l in fixed) + max(l.cast_back for l in [*fixed, self.block])
 
     def rebuild_bytes(self, r: int) -> float:
         """What rank r's peak grows by once it fully recomputes a block (`_rank_extra_bytes`)."""
@@ -319,7 +326,7 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
                      activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
                      weight_grad=sum(l.weight_grad for l in layers),
-                     pile=sum(l.pile for l in layers) + max(l.cast_back for l in [*layers, data.block]))
+                     closing=data.closing_fixed(layers))
 
 
 def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
@@ -340,9 +347,7 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
 
     def largest(layers: list[LayerProfile]) -> float:
-        tied = lambda l: l.tied_params * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0  # noqa: E731
-        return max((max(l.grad_dense_bytes / dense_gradient_split(l, plan.tp, plan.stack),
-                         tied(l) / (plan.tp if l.tp_shardable else 1)) for l in layers), default=0.0)
+        return max((new_gradient_bytes(l, plan) for l in layers), default=0.0)
 
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
@@ -434,7 +439,7 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if rebuilt else 0.0)
                 + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
-        closing = blocks * (block.states + block.pile) + f.states + f.pile  # a backward's end (`cast_gradient_pile_bytes`)
+        closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)
         headroom = min(headroom, data.capacity - max(used, stepping, closing))
     pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
     return pipeline + max(0.0, exposed) + optimizer, headroom
@@ -488,7 +493,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
             return None
-        if b * (block.states + block.pile) + sum(l.states + l.pile for l in fixed) > data.capacity:
+        if b * (block.states + block.pile) + data.closing_fixed(fixed) > data.capacity:
             return None
         for s in stages:
             take = min(f, blocks[s])

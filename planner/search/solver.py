@@ -98,15 +98,19 @@ class StageModel:
         """Contribution of the embedding/head layers that sit on stage s (and, for time, the
         stage's unhidden sharded collectives)."""
         d = self.ranks[self.rank_of[s]]
-        layers = (d.prefix if s == 0 else []) + (d.suffix if s == self.S - 1 else [])
         value = d.stage_fill(s, self.S) if attr == "time" else 0.0
-        for layer in layers:
+        for layer in self._fixed_layers(s):
             field = getattr(layer, attr)
             value += field[policy] if isinstance(field, dict) else field
         return value
 
     def _blocks(self, r: int):
         return sum(self.n[s][k] for s in self._stages_of(r) for k in POLICIES)
+
+    def _fixed_layers(self, s: int) -> list:
+        """The embedding/head layers that sit on stage s."""
+        d = self.ranks[self.rank_of[s]]
+        return (d.prefix if s == 0 else []) + (d.suffix if s == self.S - 1 else [])
 
     def _fixed_params(self, r: int) -> float:
         return sum(self._fixed(s, "params") for s in self._stages_of(r))
@@ -151,9 +155,9 @@ class StageModel:
             fixed_step = sum(self._fixed(s, "step_states") for s in self._stages_of(r))
             self.model.Add(self._blocks(r) * _i(d.block.step_states, KIB) + _i(d.step_bytes(r, fixed_step), KIB)
                            <= _i(d.capacity, KIB))
-            fixed_pile = sum(self._fixed(s, "pile") for s in self._stages_of(r))
-            if d.block.pile or fixed_pile:  # a backward's end: states, cast copies and their gradients
-                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(fixed_states + fixed_pile, KIB)
+            if d.block.pile:  # a backward's end: states, cast copies, their gradients and the largest cast back
+                fixed = [layer for s in self._stages_of(r) for layer in self._fixed_layers(s)]
+                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(d.closing_fixed(fixed), KIB)
                                <= _i(d.capacity, KIB))
 
     def add_dp_overlap(self):
