@@ -27,7 +27,7 @@ from costmodel.inference import KV_DTYPE_BYTES, SERVING_MEMORY_RESERVE, ServingE
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
 from hardware.engines import ServingEngine, quantization_names, resolve_engine, weight_quantization
-from hardware.errors import InfeasibleError, ModelError, PlanError
+from hardware.errors import InfeasibleError, ModelError, ParallaxError, PlanError
 from hardware.limits import MAX_GPUS, MAX_REQUESTS, MAX_SEQ_LEN, check_count, check_positive
 from hardware.schema import Cluster
 from hardware.untrusted import SafeName
@@ -35,7 +35,8 @@ from hardware.untrusted import SafeName
 from layout.plan import DTYPES
 from planner.resolve import model_name, resolve_hardware, resolve_workload
 from planner.search.space import divisors
-from planner.serving_points import Point, distinct, layouts, priced_points, rank_key, slo_ratio, total_tps
+from planner.serving_points import (Point, distinct, layouts, priced_points, rank_key, rate_capacity, slo_ratio,
+                                    total_tps)
 
 GIB = 2**30
 SCHEMA_VERSION = 5  # 2: kv_dtype; 3: engine; 4: quantization; 5: expert_parallel
@@ -153,6 +154,26 @@ def _pins_fit_nothing(fixed: dict, workload: Workload, cluster: Cluster) -> Plan
                      f"valid layouts: {valid}")
 
 
+def _pins_take_nothing(fixed: dict, floor: list[Point], sm: ServingModel, cluster: Cluster, batch: int | None,
+                       rate: float | None) -> ParallaxError:
+    """The pinned deployment fits, but not the load asked of it: a rate beyond its replicas'
+    capacity, or a batch of fewer sequences than the replicas pinned."""
+    pins = " ".join(f"{k}={v}" for k, v in fixed.items())
+    if rate is None:
+        return PlanError("replicas", f"{pins}: a batch of {batch} sequences leaves some of the {fixed['replicas']} "
+                         "replicas pinned without one", f"a batch of at least {fixed['replicas']}, or --replicas {batch} "
+                         "or fewer")
+    best = max(floor, key=lambda p: rate_capacity(sm, p.tp, p.pp) * fixed.get("replicas", cluster.n_gpus // (p.tp * p.pp)))
+    replicas = fixed.get("replicas", cluster.n_gpus // (best.tp * best.pp))
+    capacity = rate_capacity(sm, best.tp, best.pp) * replicas
+    return InfeasibleError(
+        "request_rate", f"{pins}: {rate:g} requests/s overloads it: {replicas} replica(s) of tp={best.tp} pp={best.pp} "
+        f"take at most {capacity:.3g} requests/s of {sm.prompt_len} + {sm.output_len} tokens on {cluster.spec()}",
+        f"a rate below {capacity:.3g}, more replicas or GPUs, or `parallax serve-load --rates {rate:g}` to see the "
+        "queue it builds", report={"capacity_requests_per_s": capacity, "tp": best.tp, "pp": best.pp,
+                                   "replicas": replicas})
+
+
 def plan_inference(
     model: Any,
     hw: str | Cluster,
@@ -191,7 +212,7 @@ def plan_inference(
     if not floor:
         raise _nothing_fits(sm, workload, cluster) if not fixed else _pins_fit_nothing(fixed, workload, cluster)
     if fixed and not points:
-        raise _pins_fit_nothing(fixed, workload, cluster)
+        raise _pins_take_nothing(fixed, floor, sm, cluster, batch, request_rate)
     notes = [engine_note] if engine_note else []
     price = cluster.price_per_gpu_hour
     if price is None:

@@ -81,6 +81,16 @@ def little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float |
     return hi
 
 
+def rate_capacity(sm: ServingModel, tp: int, pp: int) -> float:
+    """The most requests/s one replica takes (`little`'s bound): the sequences its KV cache holds
+    over a request's lifetime at that batch, its TTFT plus output_len TPOTs."""
+    cap = sm.max_sequences(tp, pp)
+    if cap < 1:
+        return 0.0
+    e = sm.estimate(tp, pp, cap)
+    return cap / (e.ttft_s + sm.output_len * e.tpot_s)
+
+
 def queued(sm: ServingModel, tp: int, pp: int, concurrency: int, cap: int) -> ServingEstimate:
     """A replica serving `concurrency` requests in a closed loop: an engine admits as many as
     their KV cache fits (`cap`) and queues the rest, so the batch is the smaller of the two and

@@ -175,6 +175,22 @@ def test_a_closed_loop_beyond_the_kv_cache_queues_instead_of_being_refused():
     assert over.estimate.ttft_s == pytest.approx(full.estimate.ttft_s + 20 / cap * lifetime)
 
 
+def test_a_pinned_deployment_refuses_a_load_it_cannot_take_by_naming_the_load():
+    """A deployment that fits but is pinned under a rate past its replicas' capacity, or a batch
+    smaller than its replicas, is refused for that load (its capacity stated), never as a layout
+    that does not fit; a rate just under the capacity it states is planned."""
+    kw = dict(prompt_len=1000, output_len=200, fixed={"tp": 1, "replicas": 8})
+    with pytest.raises(InfeasibleError) as over:
+        plan_inference("llama-3-8b", "8xh100-sxm", request_rate=5000.0, **kw)
+    capacity = over.value.report["capacity_requests_per_s"]
+    assert over.value.field == "request_rate" and "overloads it" in str(over.value) and f"{capacity:.3g}" in str(over.value)
+    assert (over.value.report["tp"], over.value.report["replicas"]) == (1, 8)
+    assert plan_inference("llama-3-8b", "8xh100-sxm", request_rate=0.95 * capacity, **kw).replicas == 8
+    with pytest.raises(PlanError) as few:
+        plan_inference("llama-3-8b", "8xh100-sxm", batch=4, **kw)
+    assert few.value.field == "replicas" and "--replicas 4 or fewer" in str(few.value)
+
+
 def test_published_serving_prices_each_row_as_it_ran(tmp_path, capsys):
     import sys
     from pathlib import Path
