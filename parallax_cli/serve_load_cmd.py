@@ -50,7 +50,7 @@ def render_load(report: LoadReport) -> Table:
 
 
 def _row(label: str, sim, replicas: int, met: str) -> list[str]:
-    return [label, f"{sim.rate * replicas:.3g}", *(f"{v:,.0f}" for v in (sim.ttft_ms.p50, sim.ttft_ms.p90,
+    return [label, f"{sim.rate * replicas:,.4g}", *(f"{v:,.0f}" for v in (sim.ttft_ms.p50, sim.ttft_ms.p90,
             sim.ttft_ms.p99)), *(f"{v:,.1f}" for v in (sim.tpot_ms.p50, sim.tpot_ms.p90, sim.tpot_ms.p99)),
             f"{sim.output_tokens_per_s * replicas:,.0f}", f"{sim.mean_batch:.1f}", str(sim.preemptions), met]
 

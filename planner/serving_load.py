@@ -24,6 +24,7 @@ from hardware.limits import MAX_SEQ_LEN, check_count, check_positive
 from hardware.untrusted import read_text
 from planner.inference import expert_models, layouts, plan_inference, serving_model_for
 from planner.resolve import model_name, resolve_hardware
+from planner.serving_points import meets_pins
 
 MAX_LENGTH_ROWS = 100_000
 
@@ -118,7 +119,7 @@ def _model_and_layouts(model: Any, hw, lengths, dtype: str, kv_dtype: str, fixed
                               engine=engine, quantization=quantization)
     sm = expert_models(sm, expert_parallel, cluster)[0]
     chosen = [(tp, pp) for tp, pp in layouts(sm.w, cluster, expert_parallel)
-              if fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp and sm.max_sequences(tp, pp) >= 1]
+              if meets_pins(fixed, tp, pp, cluster.n_gpus) and sm.max_sequences(tp, pp) >= 1]
     if not chosen:
         raise PlanError("tp" if "tp" in fixed else "hw", f"no serving layout of {sm.w.name} fits {cluster.spec()}"
                         + (f" with {fixed}" if fixed else ""), "add GPUs, or pin a layout `serve-plan` lists")

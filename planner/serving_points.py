@@ -42,6 +42,12 @@ def layouts(workload: Workload, cluster: Cluster, expert_parallel: bool = False)
     return out
 
 
+def meets_pins(fixed: dict, tp: int, pp: int, n_gpus: int) -> bool:
+    """Whether a (tp, pp) replica is the one `fixed` pins, its pinned replicas within the GPUs."""
+    return (fixed.get("tp", tp) == tp and fixed.get("pp", pp) == pp
+            and fixed.get("replicas", 1) * tp * pp <= n_gpus)
+
+
 def meets(est: ServingEstimate, tpot_ms, ttft_ms) -> str:
     why = []
     if tpot_ms is not None and est.tpot_s * 1e3 > tpot_ms * (1 + 1e-9):
@@ -111,9 +117,7 @@ def priced_points(sm: ServingModel, workload: Workload, cluster: Cluster, batch,
     points, floor = [], []
     for tp, pp in layouts(workload, cluster, sm.expert_parallel):
         cap = sm.max_sequences(tp, pp)
-        pinned_out = fixed.get("tp", tp) != tp or fixed.get("pp", pp) != pp or \
-            fixed.get("replicas", 1) > cluster.n_gpus // (tp * pp)
-        if cap < 1 or pinned_out:
+        if cap < 1 or not meets_pins(fixed, tp, pp, cluster.n_gpus):
             continue
         floor.append(Point(tp, pp, 1, sm.estimate(tp, pp, 1), True))
         max_replicas = min(cluster.n_gpus // (tp * pp), fixed.get("replicas", cluster.n_gpus))

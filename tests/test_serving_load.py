@@ -83,6 +83,17 @@ def test_a_deployment_under_load_is_priced_from_the_serving_model():
     assert settings_of(plan).max_sequences == plan.estimate.max_concurrent_sequences  # bursts admitted, as simulated
 
 
+def test_pinned_replicas_keep_every_layout_within_the_gpus():
+    """Pinning the replicas and tp leaves pp free, but only where the replicas still fit the GPUs:
+    8 replicas of tp=1 on 8 GPUs are pp=1, never pp=8 (64 GPUs)."""
+    report = load_report("llama-3.2-1b", "8xh100-sxm", lengths=[(256, 32)], rates=[8.0], requests=100,
+                         fixed={"tp": 1, "replicas": 8})
+    assert [(lay.tp, lay.pp, lay.replicas) for lay in report.layouts] == [(1, 1, 8)]
+    with pytest.raises(ParallaxError):
+        load_report("llama-3.2-1b", "8xh100-sxm", lengths=[(256, 32)], rates=[8.0], requests=100,
+                    fixed={"tp": 2, "replicas": 8})
+
+
 def test_a_target_rate_takes_the_fewest_replicas_that_meet_the_slos():
     """Each layout's replicas for the target are the fewest whose highest SLO rate covers it;
     one replica fewer would not. Layouts rank by the GPUs they need, and the plan written is the
