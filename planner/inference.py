@@ -159,13 +159,18 @@ def _pins_take_nothing(fixed: dict, floor: list[Point], sm: ServingModel, cluste
     """The pinned deployment fits, but not the load asked of it: a rate beyond its replicas'
     capacity, or a batch of fewer sequences than the replicas pinned."""
     pins = " ".join(f"{k}={v}" for k, v in fixed.items())
+    if rate is None and "replicas" not in fixed:
+        return _pins_fit_nothing(fixed, sm.w, cluster)
     if rate is None:
         return PlanError("replicas", f"{pins}: a batch of {batch} sequences leaves some of the {fixed['replicas']} "
                          "replicas pinned without one", f"a batch of at least {fixed['replicas']}, or --replicas {batch} "
                          "or fewer")
-    best = max(floor, key=lambda p: rate_capacity(sm, p.tp, p.pp) * fixed.get("replicas", cluster.n_gpus // (p.tp * p.pp)))
-    replicas = fixed.get("replicas", cluster.n_gpus // (best.tp * best.pp))
-    capacity = rate_capacity(sm, best.tp, best.pp) * replicas
+    def capacity_of(p: Point) -> tuple[float, int]:
+        replicas = fixed.get("replicas", cluster.n_gpus // (p.tp * p.pp))
+        return rate_capacity(sm.with_expert_parallel(p.expert_parallel), p.tp, p.pp) * replicas, replicas
+
+    best = max(floor, key=lambda p: capacity_of(p)[0])
+    capacity, replicas = capacity_of(best)
     return InfeasibleError(
         "request_rate", f"{pins}: {rate:g} requests/s overloads it: {replicas} replica(s) of tp={best.tp} pp={best.pp} "
         f"take at most {capacity:.3g} requests/s of {sm.prompt_len} + {sm.output_len} tokens on {cluster.spec()}",
