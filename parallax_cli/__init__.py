@@ -144,6 +144,10 @@ def _read_plan(path):
     try:
         return Plan.model_validate(data)
     except ValidationError as error:
+        if isinstance(data, dict) and "prompt_len" in data:  # what `serve-plan --out` writes
+            raise PlanError("plan", f"{path} is a serving plan (from `parallax serve-plan`), not a training plan",
+                            "export it with `parallax export FILE --to vllm`, sglang or trtllm; plan training with "
+                            "`parallax plan ... --out FILE`") from None
         mixed = _mixed_mode(data)
         if mixed:  # the report an older Parallax's mixed search wrote, before mixed plans were Plans
             raise PlanError("plan", f"{path} is an older mixed-cluster report ({mixed}), not a plan",

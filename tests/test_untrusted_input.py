@@ -131,6 +131,18 @@ def test_broken_files_are_one_line(tmp_path, capsys, content, needle):
         assert needle in _one_line(capsys, argv)
 
 
+def test_a_serving_plan_given_to_a_training_command_is_named_as_one(tmp_path, capsys):
+    """`serve-plan --out` writes a plan of its own kind: run, simulate and dry-run name it and the
+    command that takes it, not the training plan's first missing field."""
+    path = tmp_path / "serve.json"
+    assert main(["serve-plan", "llama-3.2-1b", "--hw", "1xh100-sxm", "--prompt-len", "256", "--output-len", "32",
+                 "--out", str(path)]) == 0
+    capsys.readouterr()
+    for command in ("run", "simulate", "dry-run"):
+        line = _one_line(capsys, [command, str(path)])
+        assert "is a serving plan" in line and "parallax export" in line, (command, line)
+
+
 def test_an_empty_onnx_file_and_an_unwritable_out_are_one_line(tmp_path, capsys):
     (tmp_path / "empty.onnx").write_bytes(b"")
     assert "holds no graph" in _one_line(capsys, ["plan", str(tmp_path / "empty.onnx"), "--hw", "8xh100-sxm",
