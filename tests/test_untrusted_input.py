@@ -45,6 +45,21 @@ def test_names_with_shell_payloads_are_refused_where_plans_and_profiles_are_read
     assert not (tmp_path / "s").exists() and not Path("pwned").exists()
 
 
+def test_the_batch_script_asks_no_gpus_for_a_calibrated_cpu_profile():
+    """A plan on a profile `calibrate --device cpu` wrote (named calibrated-cpu, not cpu) runs gloo
+    on CPU ranks: its job asks SLURM for no GPUs and sets no NCCL transport."""
+    plan = make_plan("reference-tiny", dp=2)
+    cluster = plan.cluster()
+    calibrated = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"name": "calibrated-cpu"})})
+    plan = plan.model_copy(update={"hardware": "2xcalibrated-cpu", "hardware_profile": calibrated})
+    text = batch_script(plan, "plan.json", steps=1, checkpoint_dir=None, checkpoint_every=1, max_restarts=0)
+    assert "--gpus-per-node" not in text and "NCCL_IB_DISABLE" not in text and "GLOO_SOCKET_IFNAME" in text
+    gpu_plan = plan.model_copy(update={"hardware_profile": calibrated.model_copy(update={
+        "gpu": calibrated.gpu.model_copy(update={"name": "calibrated-cuda", "device_type": "cuda"})})})
+    assert "--gpus-per-node" in batch_script(gpu_plan, "plan.json", steps=1, checkpoint_dir=None, checkpoint_every=1,
+                                             max_restarts=0)
+
+
 def test_the_batch_script_quotes_every_value_and_runs_no_payload(tmp_path):
     """Paths the user names (with spaces, quotes, `$( )` and `;`) reach sbatch quoted: the script
     parses, and run against stand-ins for scontrol and srun it executes nothing else."""

@@ -64,7 +64,7 @@ def batch_script(plan: Plan, plan_path: str, *, steps: int, checkpoint_dir: str 
     low = nodes if min_nodes is None else min_nodes
     if not 1 <= low <= nodes:
         raise PlanError("min_nodes", f"{low} is not between 1 and the plan's {nodes} nodes", f"use 1..{nodes}")
-    gpu = cluster.gpu.name != "cpu"
+    gpu = cluster.gpu.device_type == "cuda"  # a calibrated CPU profile is named calibrated-cpu
     run = [python or sys.executable, "-m", "parallax_cli", "run", plan_path, "--steps", str(steps),
            "--nproc", str(per_node), "--nnodes", f"{low}:{nodes}" if low < nodes else str(nodes)]
     if checkpoint_dir:
