@@ -163,8 +163,10 @@ def _recompute(plan: Plan, losses: Losses) -> str:
 
 
 def read(text: str, suffix: str = "") -> Stated:
-    """torchtitan overrides (a file of lines or a command line), or an older release's TOML file."""
-    if suffix == ".toml":
+    """torchtitan overrides (a file of lines or a command line), or an older release's TOML file;
+    a `.toml` file whose first statement is an override (`parallax export --out run.toml` writes
+    overrides whatever the name) is read as overrides."""
+    if suffix == ".toml" and not _overrides(text):
         found, mode = _toml(text)
     else:
         words = argv.split(text, NAME)
@@ -266,6 +268,12 @@ def _read_parts(value) -> list[int] | None:
         return None
     parts = value if isinstance(value, list) else [value]
     return [sum(name.strip().startswith("layers.") for name in str(part).split(",")) for part in parts]
+
+
+def _overrides(text: str) -> bool:
+    """Whether the text's first line that is not blank or a comment is a command-line override."""
+    first = next((line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")), "")
+    return first.startswith("--")
 
 
 def _toml(text: str) -> tuple[dict, str]:

@@ -44,6 +44,19 @@ def test_an_exported_plan_is_priced_back_as_planned(plan_file, tool, tmp_path, c
     assert priced["peak_memory_bytes"] == pytest.approx(planned["peak_memory_bytes"], rel=1e-9)
 
 
+def test_torchtitan_overrides_saved_under_a_toml_name_are_read_as_overrides(plan_file, tmp_path, capsys):
+    """`export --to torchtitan --out run.toml` writes overrides whatever the name; `--from run.toml`
+    reads them back as such, where it once refused them as a broken TOML file."""
+    out = tmp_path / "run.toml"
+    assert main(["export", str(plan_file), "--to", "torchtitan", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert main(["estimate", "--hw", "8xh100-sxm", "--from", str(out), "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)["estimate"]
+    assert priced["step_time_s"] == pytest.approx(json.loads(plan_file.read_text())["estimate"]["step_time_s"], rel=1e-9)
+    out.write_text("[training]\nlocal_batch_size = 2\nseq_len = 4096\n[parallelism]\ndata_parallel_shard_degree = 8\n")
+    assert formats.torchtitan.read(out.read_text(), ".toml").local_batch == 2  # an older release's TOML still reads
+
+
 def test_plan_from_a_users_config_proposes_a_faster_layout_in_the_same_format(tmp_path, capsys):
     mine = tmp_path / "ds_config.json"  # ZeRO-3 with one sequence per micro-batch and every block recomputed
     mine.write_text(json.dumps({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 1,
