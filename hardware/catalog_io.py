@@ -56,7 +56,7 @@ def read_json(path: Path) -> object:
     if not path.exists():
         raise HardwareError("hw", f"profile file {path} does not exist",
                             "give a catalog name such as 8xh100-sxm or an existing JSON file")
-    return untrusted.read_json(path, "hw", "profile file", error=HardwareError)
+    return untrusted.read_json(path, "hw", "profile", error=HardwareError)
 
 
 def with_library(data: dict, origin: str) -> dict:

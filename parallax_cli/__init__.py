@@ -140,7 +140,7 @@ def _read_plan(path):
     from layout.plan import Plan
     from hardware.errors import PlanError
 
-    data = read_json(path, "plan", "plan file")
+    data = read_json(path, "plan", "plan")
     try:
         return Plan.model_validate(data)
     except ValidationError as error:

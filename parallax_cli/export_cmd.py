@@ -15,7 +15,7 @@ FORMATS_HELP = "torchtitan, deepspeed, accelerate or megatron (training plans); 
 
 def load_any_plan(path: Path):
     """A training plan, or a serving plan (`parallax serve-plan --out`), from its JSON file."""
-    data = read_json(path, "plan", "plan file")
+    data = read_json(path, "plan", "plan")
     if isinstance(data, dict) and "prompt_len" in data:
         from pydantic import ValidationError
 
