@@ -144,7 +144,7 @@ def _read_plan(path):
     try:
         return Plan.model_validate(data)
     except ValidationError as error:
-        if isinstance(data, dict) and "prompt_len" in data:  # what `serve-plan --out` writes
+        if is_serving_plan(data):
             raise PlanError("plan", f"{path} is a serving plan (from `parallax serve-plan`), not a training plan",
                             "export it with `parallax export FILE --to vllm`, sglang or trtllm; plan training with "
                             "`parallax plan ... --out FILE`") from None
@@ -154,6 +154,11 @@ def _read_plan(path):
                             "plan the mixed cluster again with `parallax plan MODEL --hw A+B --out FILE`") from None
         raise PlanError("plan", f"{path} is not a valid plan: {_one_line(error)}",
                         "write one with `parallax plan ... --out FILE`") from None
+
+
+def is_serving_plan(data: object) -> bool:
+    """Whether a plan file's JSON is what `serve-plan --out` writes (a serving plan states its prompt length)."""
+    return isinstance(data, dict) and "prompt_len" in data
 
 
 def _mixed_mode(data: object) -> str | None:

@@ -8,7 +8,7 @@ import typer
 
 from hardware.errors import PlanError
 from hardware.untrusted import read_json
-from parallax_cli import _one_line, app, load_plan, write_output
+from parallax_cli import _one_line, app, is_serving_plan, load_plan, write_output
 
 FORMATS_HELP = "torchtitan, deepspeed, accelerate or megatron (training plans); vllm, sglang or trtllm (serving plans)"
 
@@ -16,7 +16,7 @@ FORMATS_HELP = "torchtitan, deepspeed, accelerate or megatron (training plans); 
 def load_any_plan(path: Path):
     """A training plan, or a serving plan (`parallax serve-plan --out`), from its JSON file."""
     data = read_json(path, "plan", "plan")
-    if isinstance(data, dict) and "prompt_len" in data:
+    if is_serving_plan(data):
         from pydantic import ValidationError
 
         from planner.inference import InferencePlan
