@@ -25,10 +25,8 @@ from layout.rules import EXECUTED_STACKS, allowed_recompute, layout_problem, moe
 from planner.executable import facts_of_workload
 
 MAX_MICRO_BATCH = 16
+CP_CHOICES = (2, 4, 8, 16)
 CP_MIN_SEQ = 16384  # pruning: below it the K/V all-gathers cost more than the activations they save
-# pruning: context parallelism splits a sequence no finer than this per rank (16 ranks at CP_MIN_SEQ);
-# a million-token sequence on 64 GPUs fits only at cp 64 (llama-3-8b, 64 H100s: 56.9 GiB of 74.9)
-CP_MIN_TOKENS_PER_RANK = 1024
 
 
 def to_plan(layout: Layout, workload: Workload, cluster: Cluster, *, global_batch: int, dtype: str, recompute: str,
@@ -234,19 +232,9 @@ def _pp_cp(ranks: int, workload: Workload, fixed: dict) -> Iterator[tuple[int, i
         if pp <= workload.n_blocks:
             yield pp, 1
     long = workload.seq_len >= CP_MIN_SEQ or fixed.get("cp", 1) > 1
-    for cp in ((fixed["cp"],) if fixed.get("cp", 1) > 1 else cp_choices(workload.seq_len, ranks)) if long else ():
+    for cp in ((fixed["cp"],) if fixed.get("cp", 1) > 1 else CP_CHOICES) if long else ():
         if ranks % cp == 0:
             yield 1, cp
-
-
-def cp_choices(seq_len: int, ranks: int) -> tuple[int, ...]:
-    """Context-parallel degrees searched: powers of two up to `ranks` that leave each rank at
-    least CP_MIN_TOKENS_PER_RANK of the sequence."""
-    out, cp = [], 2
-    while cp <= ranks and seq_len // cp >= CP_MIN_TOKENS_PER_RANK:
-        out.append(cp)
-        cp *= 2
-    return tuple(out)
 
 
 def ep_choices(workload: Workload, dp: int, fixed: dict) -> tuple[int, ...]:
