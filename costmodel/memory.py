@@ -202,9 +202,29 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
             kept += layer.act_sp_whole - layer.act_sp_dropped / t
         if recompute in ("none", "op"):  # op on a layer not traced for it: priced as none, as its time is
             kept += layer.act_attention_scores / t
-            if cp > 1 and layer.attention_flops:
-                kept += kv_bytes * (cp - 1) / t
+        if cp > 1 and layer.attention_flops:
+            kept += (kv_bytes * (cp - 1) if recompute == "op" else kv_bytes * (cp * kv_groups(layer) - 1)) / t
+            return kept * micro_batch + (0.0 if recompute == "op" else cp_mask_bias_bytes(layer, cp))
     return kept * micro_batch
+
+
+def kv_groups(layer: LayerProfile) -> int:
+    """Query heads per key/value head: the executor's context-parallel attention repeats the
+    gathered keys and values to every query head before its SDPA, which saves them so."""
+    call = layer.attention
+    return call.heads // call.kv_heads if call is not None else 1
+
+
+def cp_mask_bias_bytes(layer: LayerProfile, cp: int) -> float:
+    """The context-parallel attention's mask of a rank's queries over the whole sequence (its two
+    chunks against all 2*cp): SDPA turns the boolean mask into an additive bias of the queries'
+    dtype, which its kernel saves for the backward. One per layer and micro-batch, whatever its
+    sequences (broadcast over them and the heads), whole on every TP rank. Not under `op`
+    checkpointing, which recomputes it with the attention."""
+    call = layer.attention
+    if call is None:
+        return 0.0
+    return call.q_len / cp * call.kv_len * call.element_bytes
 
 
 def fused_saved_bytes(layer: LayerProfile, kept: float, stack: str, dtype: str, t: int) -> float:

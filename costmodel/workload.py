@@ -37,6 +37,11 @@ class AttentionCall(BaseModel):
         "QKV projection, or anything else")
     count: int = Field(1, ge=1, description="calls per layer")
 
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one element of its queries, keys and values."""
+        return {"float64": 8, "float32": 4}.get(self.dtype, 2)
+
 
 class LayerProfile(BaseModel):
     """One layer's forward work, parameters and saved activations, per sequence."""

@@ -41,15 +41,18 @@ def test_cp_divides_activations_and_adds_the_key_value_gathers(long_llama):
 
 
 def test_unrecomputed_cp_attention_keeps_the_gathered_keys_and_values(long_llama):
-    """The attention saves the keys and values all-gathered from the other cp ranks for its backward."""
+    """The attention saves for its backward the whole sequence's keys and values repeated to every
+    query head (32 of llama-3-8b's 8 kv heads: 4 groups), less the rank's own already counted, and
+    the mask of its queries over the sequence as a bf16 bias, whole on every TP rank."""
     cluster = hardware.load("64xh100-sxm")
     plans = {cp: _plan(long_llama, cluster, dp=8 // cp, cp=cp, tp=8, zero=3) for cp in (1, 4)}
     for plan in plans.values():
         plan.stages[0].recompute[:] = ["none"] * len(plan.stages[0].recompute)
     one, four = (estimate(long_llama, plans[cp], cluster).stages[0].memory_bytes["activations"] for cp in (1, 4))
     kv = 2 * 8 * 128 * 131072 * 2  # one sequence's keys and values of one layer: 8 kv heads of 128, bf16
-    gathered = kv * 3 / 4 / 8 * 32  # three other chunks, split over tp=8, in each of 32 layers
-    assert four == pytest.approx(one / 4 + gathered, rel=0.02)
+    gathered = kv * (4 * 4 - 1) / 4 / 8 * 32  # repeated to 4 groups over 4 ranks, less its own; tp=8; 32 layers
+    bias = 131072 / 4 * 131072 * 2 * 32  # the rank's queries x the sequence's keys, bf16, in each of 32 layers
+    assert four == pytest.approx(one / 4 + gathered + bias, rel=0.02)
 
 
 def test_estimate_and_simulator_agree_on_cp_plans(long_llama):
