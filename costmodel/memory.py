@@ -179,9 +179,11 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
     Sequence parallelism splits the replicated activations over TP; under DTensor (the eager
     and compile stacks) each column-split linear still saves its all-gathered input whole, and
     a gathered output's loss stays whole (`act_sp_whole` in place of `act_sp_dropped`); the
-    fused stack (Megatron) saves the shards. Context parallelism's attention also saves the
-    keys and values it all-gathered from the other cp ranks (`kv_bytes`: one whole sequence's,
-    per attention layer) unless the layer is recomputed, which gathers them again.
+    fused stack (Megatron) saves the shards. Context parallelism's attention, kept whole, also
+    saves the keys and values it all-gathered from the other cp ranks (`kv_bytes`: one whole
+    sequence's, per attention layer), repeated to every query head (`kv_groups`), and its mask
+    as a bias (`cp_mask_bias_bytes`); a checkpointed layer (full, or op's saved products)
+    gathers and masks again in its backward.
 
     A layer kept whole saves less on the stacks that fuse each chain of pointwise ops into one
     kernel (`fused_saved_bytes`)."""
@@ -203,8 +205,8 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         if recompute in ("none", "op"):  # op on a layer not traced for it: priced as none, as its time is
             kept += layer.act_attention_scores / t
         if cp > 1 and layer.attention_flops:
-            kept += (kv_bytes * (cp - 1) if recompute == "op" else kv_bytes * (cp * kv_groups(layer) - 1)) / t
-            return kept * micro_batch + (0.0 if recompute == "op" else cp_mask_bias_bytes(layer, cp))
+            kept += kv_bytes * (cp * kv_groups(layer) - 1) / t
+            return kept * micro_batch + cp_mask_bias_bytes(layer, cp)
     return kept * micro_batch
 
 
@@ -218,13 +220,12 @@ def kv_groups(layer: LayerProfile) -> int:
 def cp_mask_bias_bytes(layer: LayerProfile, cp: int) -> float:
     """The context-parallel attention's mask of a rank's queries over the whole sequence (its two
     chunks against all 2*cp): SDPA turns the boolean mask into an additive bias of the queries'
-    dtype, which its kernel saves for the backward. One per layer and micro-batch, whatever its
-    sequences (broadcast over them and the heads), whole on every TP rank. Not under `op`
-    checkpointing, which recomputes it with the attention."""
+    dtype, which its kernel saves for the backward. One per attention call and micro-batch,
+    whatever its sequences (broadcast over them and the heads), whole on every TP rank."""
     call = layer.attention
     if call is None:
         return 0.0
-    return call.q_len / cp * call.kv_len * call.element_bytes
+    return call.q_len / cp * call.kv_len * call.element_bytes * call.count
 
 
 def fused_saved_bytes(layer: LayerProfile, kept: float, stack: str, dtype: str, t: int) -> float:
