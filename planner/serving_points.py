@@ -74,8 +74,7 @@ def largest_batch(sm: ServingModel, tp: int, pp: int, cap: int, tpot_ms, ttft_ms
 def little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float | None:
     """Mean concurrency B with B = rate * (TTFT + N * TPOT); None when the replica is overloaded."""
     def excess(b: float) -> float:
-        e = sm.estimate(tp, pp, b)
-        return rate * (e.ttft_s + sm.output_len * e.tpot_s) - b
+        return rate * request_lifetime(sm.estimate(tp, pp, b), sm.output_len) - b
     if cap < 1 or excess(cap) > 0:
         return None
     lo, hi = 1e-6, float(cap)
@@ -87,14 +86,16 @@ def little(sm: ServingModel, tp: int, pp: int, rate: float, cap: int) -> float |
     return hi
 
 
+def request_lifetime(est: ServingEstimate, output_len: int) -> float:
+    """Seconds a request lives at `est`'s operating point: its TTFT plus output_len TPOTs."""
+    return est.ttft_s + output_len * est.tpot_s
+
+
 def rate_capacity(sm: ServingModel, tp: int, pp: int) -> float:
     """The most requests/s one replica takes (`little`'s bound): the sequences its KV cache holds
-    over a request's lifetime at that batch, its TTFT plus output_len TPOTs."""
+    over a request's lifetime at that batch."""
     cap = sm.max_sequences(tp, pp)
-    if cap < 1:
-        return 0.0
-    e = sm.estimate(tp, pp, cap)
-    return cap / (e.ttft_s + sm.output_len * e.tpot_s)
+    return cap / request_lifetime(sm.estimate(tp, pp, cap), sm.output_len) if cap >= 1 else 0.0
 
 
 def queued(sm: ServingModel, tp: int, pp: int, concurrency: int, cap: int) -> ServingEstimate:
@@ -106,7 +107,7 @@ def queued(sm: ServingModel, tp: int, pp: int, concurrency: int, cap: int) -> Se
     est = sm.estimate(tp, pp, running)
     if concurrency <= cap:
         return est
-    lifetime = est.ttft_s + sm.output_len * est.tpot_s
+    lifetime = request_lifetime(est, sm.output_len)
     wait = (concurrency / cap - 1) * lifetime
     return est.model_copy(update={"ttft_s": est.ttft_s + wait, "queued_sequences": float(concurrency - cap)})
 
