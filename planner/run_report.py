@@ -28,27 +28,32 @@ def timelines(traces: list[RankTrace], sim: SimResult, cp: bool = False):
     lanes = len(traces) + len(sim.ranks)
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(12, 1.2 + 0.45 * lanes), sharex=True,
                                       gridspec_kw={"height_ratios": [len(traces), max(1, len(sim.ranks))]})
-    seen: set[str] = set()
+    # one collection per lane and phase: a bar per segment is thousands of artists, minutes to draw
     for lane, trace in enumerate(traces):
         origin = min(a for a, _ in trace.steps.values())
+        pieces: dict[str, list[tuple[float, float]]] = {}
         for step in sorted(trace.steps):
             for a, b, phase in phase_segments(trace, step, cp):
-                top.broken_barh([((a - origin) / 1e6, (b - a) / 1e6)], (lane, 0.8), facecolors=COLORS[phase],
-                                label=None if phase in seen else phase)
-                seen.add(phase)
+                pieces.setdefault(phase, []).append(((a - origin) / 1e6, (b - a) / 1e6))
+        for phase, spans in pieces.items():
+            top.broken_barh(spans, (lane, 0.8), facecolors=COLORS[phase], label=phase)
     top.set_yticks([i + 0.4 for i in range(len(traces))], [f"rank {t.rank}" for t in traces])
     top.set_title("measured (torch.profiler, training thread)")
+    predicted: dict[tuple[float, str], list[tuple[float, float]]] = {}
     for start in starts:
         for e in sim.events:
-            phase = KIND_PHASE.get(e.kind, "idle")
             lane = e.rank + (0.0 if e.stream == "compute" else 0.45)
-            bottom.broken_barh([(start + e.start, e.duration)], (lane, 0.4), facecolors=COLORS[phase])
+            predicted.setdefault((lane, KIND_PHASE.get(e.kind, "idle")), []).append((start + e.start, e.duration))
+    for (lane, phase), spans in predicted.items():
+        bottom.broken_barh(spans, (lane, 0.4), facecolors=COLORS[phase])
     bottom.set_yticks([r + 0.4 for r in range(len(sim.ranks))], [f"pp rank {r}" for r in range(len(sim.ranks))])
     bottom.set_title(f"predicted (simulator, {sim.step_time_s * 1e3:.1f} ms per step; links below compute)")
     bottom.set_xlabel("seconds from the first profiled step")
     for ax in (top, bottom):
         ax.invert_yaxis()
     handles, labels = top.get_legend_handles_labels()
+    firsts = {label: handle for handle, label in zip(handles, labels)}  # one entry per phase, not per lane
+    handles, labels = list(firsts.values()), list(firsts)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.legend(handles, labels, ncol=len(labels), fontsize=8, loc="lower center")
     return fig

@@ -38,3 +38,27 @@ def test_a_profiled_run_writes_the_merged_trace_the_phase_table_and_the_report(t
     assert len(steps) == 4 * 3  # three profiled steps on each rank
     page = (folder / "report.html").read_text()
     assert "<table>" in page and "data:image/png;base64," in page and "largest miss" in page
+
+
+def test_the_report_draws_one_collection_per_lane_and_phase_however_many_segments():
+    """A profiled step of a real model has thousands of segments; a bar each took minutes to draw."""
+    from types import SimpleNamespace
+
+    from planner.run_report import timelines
+
+    events, steps = [], {}
+    for step in range(3):
+        lo = step * 10_000
+        steps[step] = (lo, lo + 10_000)
+        events.append(dict(name=f"parallax.step.{step}", ts=lo, dur=10_000, tid=1))
+        for i in range(500):  # forward, then idle between, 500 times a step
+            events.append(dict(name="parallax.forward", ts=lo + 20 * i, dur=10, tid=1))
+    traces = [RankTrace(rank=r, steps=steps, events=events, main_tid=1) for r in range(2)]
+    sim = SimpleNamespace(ranks=[0], step_time_s=0.01, events=[
+        SimpleNamespace(rank=0, stream="compute", kind="forward", start=i * 1e-4, duration=5e-5) for i in range(300)])
+    fig = timelines(traces, sim)
+    top, bottom = fig.axes
+    assert len(top.collections) == 2 * 2  # two ranks x (forward, idle)
+    assert len(bottom.collections) == 1
+    assert sum(len(c.get_paths()) for c in top.collections) >= 2 * 3 * 500
+    assert sorted(t.get_text() for t in fig.legends[0].get_texts()) == ["forward", "idle"]
