@@ -17,6 +17,7 @@ from dataclasses import dataclass, replace
 from hardware.schema import Cluster
 
 from .collectives import Group, all_gather, all_reduce, all_to_all
+from .autocast import cast_params_on_rank
 from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
 from .memory import dense_gradient_split, state_bytes_per_param
 from .workload import LayerProfile
@@ -51,6 +52,7 @@ class Context:
     expert_share: float = 1.0
     expert_slices: int = 1
     block_gemms: str | None = None  # the dtype a served quantization runs the blocks' GEMMs in (W8A8: int8)
+    cast_back_bytes: float = 0.0  # per cast weight element, each backward (`autocast.cast_back_bytes_per_element`)
 
 
 @dataclass(frozen=True)
@@ -260,11 +262,12 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     compute = gemm + attention + memory
     comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
-    backward = (BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + dense_gradient_time(layer, ctx)
+    weight_grad = gemm + dense_gradient_time(layer, ctx) + cast_back_time(layer, ctx)
+    backward = (BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + weight_grad - gemm
                 + fresh_backward + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0))
     plain = LayerTime(
         forward=max(compute + fresh_forward, host_issue_time(layer.host_ops_forward, ctx)),
-        weight_grad=gemm + dense_gradient_time(layer, ctx),
+        weight_grad=weight_grad,
         backward=max(backward, host_issue_time(layer.host_ops_backward, ctx)),
         recompute=0.0,
         tp_comm=(comm + backward_tp_collectives(layer, ctx) + cp_gather_time(layer, ctx)
@@ -309,6 +312,15 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
 
 
 DENSE_GRADIENT_PASSES = 3  # zero-fill, scatter-add of the rows used, accumulate into .grad
+
+
+def cast_back_time(layer: LayerProfile, ctx: Context) -> float:
+    """A micro-batch's backward turning the gradients of the layer's autocast weight copies back
+    into the master dtype (`autocast.cast_back_bytes_per_element`), memory-bound; a weight-gradient
+    cost, run with the W of a zero-bubble schedule."""
+    if not ctx.cast_back_bytes:
+        return 0.0
+    return cast_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.cast_back_bytes / memory_bandwidth(ctx.cluster.gpu)
 
 
 def dense_gradient_time(layer: LayerProfile, ctx: Context) -> float:

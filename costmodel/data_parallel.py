@@ -17,19 +17,14 @@ from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time, memory_bandwidth
 from .fp8 import weight_cast_bytes_per_param
-from .memory import gathered_weight_element_bytes, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
+from .autocast import step_cast_bytes_per_param
+from .memory import DTYPE_BYTES, gathered_weight_element_bytes, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_copy_time, host_optimizer_seconds_per_param
+from .workload import layer_params_on_rank
 from layout.plan import Plan
 
 if TYPE_CHECKING:
     from .layout import Layout, RankTime
-
-
-def layer_params_on_rank(layer, tp: int, ep: int = 1) -> float:
-    """A rank's share of the layer's weights: the TP-split ones / tp, the experts / ep
-    (whole under TP, as DTensor leaves them)."""
-    split = tp if layer.tp_shardable else 1
-    return (layer.params - layer.expert_params) / split + layer.expert_params / ep
 
 
 def expert_reduction_time(expert_params: float, plan: Plan, lay: Layout) -> float:
@@ -211,15 +206,30 @@ def reduction_copy_passes(plan: Plan) -> float:
     return 2.0 if plan.zero <= 1 else 6.0
 
 
+def accumulation_bytes_per_param(plan: Plan) -> float:
+    """Bytes a step moves per parameter adding each micro-batch's gradient after the first into
+    `.grad` (torch's AccumulateGrad: the held gradient and the new one read, the sum written, in the
+    master dtype): over the whole gradient where the rank holds it whole between micro-batches, over
+    FSDP2's shard where each micro-batch is reduce-scattered first. Megatron's fused stack
+    accumulates inside the weight-gradient GEMM (`gradient_accumulation_fusion`): nothing apart."""
+    if plan.num_micro_batches < 2 or plan.stack == "fused":
+        return 0.0
+    sharded = plan.gathers_weights and held_zero(plan) >= 2 and not plan.holds_unsharded_gradients
+    share = 1.0 / plan.shard_degree if sharded else 1.0
+    return (plan.num_micro_batches - 1) * 3 * DTYPE_BYTES[plan.master_dtype] * share
+
+
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """The step's seconds per parameter a rank holds: the optimizer over its owned share,
-    plus the reduction's gradient copies and a recipe's once-a-step FP8 weight cast (the solver's
-    linear model uses the same number);
+    plus the reduction's gradient copies, a recipe's once-a-step FP8 weight cast, autocast's first
+    cast of the master weights and the micro-batches' gradient accumulation (the solver's linear
+    model uses the same number);
     offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
     bandwidth = memory_bandwidth(gpu)
     copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
     copies += weight_cast_bytes_per_param(plan.dtype, plan.stack) / bandwidth  # FP8 weights recast once a step
+    copies += (step_cast_bytes_per_param(plan) + accumulation_bytes_per_param(plan)) / bandwidth
     if plan.offload:
         return host_optimizer_seconds_per_param(plan, cluster) + copies
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound

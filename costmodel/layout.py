@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
+from .autocast import cast_back_bytes_per_element
 from .compute import Context
 from layout.plan import Plan
 from layout.results import StageEstimate
@@ -64,7 +65,8 @@ def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None =
                    cp_group=coll.group_of(layout.cp, layout.tp, cluster),
                    cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
                    ep=layout.ep, ep_group=coll.group_of(layout.ep, layout.tp, cluster), stack=layout.stack,
-                   tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None)
+                   tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None,
+                   cast_back_bytes=cast_back_bytes_per_element(layout, dtype))
 
 
 def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:

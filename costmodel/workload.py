@@ -141,6 +141,13 @@ class LayerProfile(BaseModel):
                                               "the device whose kernel choice needs it (`costmodel.attention`)")
 
 
+def layer_params_on_rank(layer: LayerProfile, tp: int, ep: int = 1) -> float:
+    """A rank's share of the layer's weights: the TP-split ones / tp, the experts / ep
+    (whole under TP, as DTensor leaves them)."""
+    split = tp if layer.tp_shardable else 1
+    return (layer.params - layer.expert_params) / split + layer.expert_params / ep
+
+
 class Segment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     layer: LayerProfile

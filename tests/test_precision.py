@@ -119,3 +119,25 @@ def test_a_checkpoint_holds_the_recipes_weights_and_moments(llama):
     assert plan_checkpoint_bytes(eager.with_overrides(master_dtype="bf16", optimizer_dtype="bf16")) == 6
     assert plan_checkpoint_bytes(eager.with_overrides(stack="fused", zero=1)) == 14
     assert plan_checkpoint_bytes(eager.with_overrides(stack="fused", zero=1, dtype="fp8")) == 14
+
+
+def test_autocast_prices_casting_its_weights_back_and_accumulation_prices_each_added_micro_batch(llama):
+    """Autocast over fp32 weights runs a ToCopyBackward0 per cast weight every backward, and each
+    micro-batch after the first adds its gradient into `.grad`: both memory-bound, both priced."""
+    from costmodel.compute import cast_back_time, memory_bandwidth
+    from costmodel.data_parallel import accumulation_bytes_per_param
+    from costmodel.layout import layout_of
+
+    workload, cluster = llama
+    block = next(layer for layer in workload.layers if layer.kind == "block")
+    zero1 = _plan(llama, dp=8, zero=1, micro_batch=1)  # two micro-batches, autocast over fp32 weights
+    seconds = cast_back_time(block, layout_of(zero1, cluster, workload).ctx)
+    assert seconds == pytest.approx(block.params * (2 + 4) / memory_bandwidth(cluster.gpu))
+    gathered = zero1.with_overrides(zero=3)  # FSDP2 gathers bf16 weights: no autocast cast
+    bf16 = zero1.with_overrides(master_dtype="bf16", optimizer_dtype="bf16")
+    for plan in (gathered, bf16):
+        assert cast_back_time(block, layout_of(plan, cluster, workload).ctx) == 0.0
+    assert accumulation_bytes_per_param(zero1) == 3 * 4  # one added micro-batch, fp32 gradients whole
+    assert accumulation_bytes_per_param(gathered) == pytest.approx(3 * 4 / 8)  # FSDP2 adds its shard
+    assert accumulation_bytes_per_param(zero1.with_overrides(micro_batch=2)) == 0.0  # one micro-batch
+    assert accumulation_bytes_per_param(zero1.with_overrides(stack="fused")) == 0.0  # inside Megatron's GEMM
