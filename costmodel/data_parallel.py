@@ -19,7 +19,7 @@ from .compute import LayerTime, fresh_page_time, memory_bandwidth
 from .fp8 import weight_cast_bytes_per_param
 from .autocast import step_cast_bytes_per_param
 from .memory import DTYPE_BYTES, gathered_weight_element_bytes, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
-from .offload import host_copy_time, host_optimizer_seconds_per_param
+from .offload import host_bandwidths, host_copy_time, host_optimizer_seconds_per_param
 from .workload import layer_params_on_rank
 from layout.plan import Plan
 
@@ -210,13 +210,18 @@ def accumulation_bytes_per_param(plan: Plan) -> float:
     """Bytes a step moves per parameter adding each micro-batch's gradient after the first into
     `.grad` (torch's AccumulateGrad: the held gradient and the new one read, the sum written, in the
     master dtype): over the whole gradient where the rank holds it whole between micro-batches, over
-    FSDP2's shard where each micro-batch is reduce-scattered first. Megatron's fused stack
-    accumulates inside the weight-gradient GEMM (`gradient_accumulation_fusion`): nothing apart."""
+    FSDP2's shard where each micro-batch is reduce-scattered first (offloaded, on the host, where
+    that shard lives: `accumulates_shards`). Megatron's fused stack accumulates inside the
+    weight-gradient GEMM (`gradient_accumulation_fusion`): nothing apart."""
     if plan.num_micro_batches < 2 or plan.stack == "fused":
         return 0.0
-    sharded = plan.gathers_weights and held_zero(plan) >= 2 and not plan.holds_unsharded_gradients
-    share = 1.0 / plan.shard_degree if sharded else 1.0
+    share = 1.0 / plan.shard_degree if accumulates_shards(plan) else 1.0
     return (plan.num_micro_batches - 1) * 3 * DTYPE_BYTES[plan.master_dtype] * share
+
+
+def accumulates_shards(plan: Plan) -> bool:
+    """Whether FSDP2 reduce-scatters every micro-batch and adds the shards (not whole gradients)."""
+    return plan.gathers_weights and held_zero(plan) >= 2 and not plan.holds_unsharded_gradients
 
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
@@ -229,9 +234,13 @@ def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     bandwidth = memory_bandwidth(gpu)
     copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
     copies += weight_cast_bytes_per_param(plan.dtype, plan.stack) / bandwidth  # FP8 weights recast once a step
-    copies += (step_cast_bytes_per_param(plan) + accumulation_bytes_per_param(plan)) / bandwidth
+    copies += step_cast_bytes_per_param(plan) / bandwidth
+    accumulation = accumulation_bytes_per_param(plan)
     if plan.offload:
+        on_host = accumulates_shards(plan)
+        copies += accumulation / (host_bandwidths(cluster)[1] if on_host else bandwidth)
         return host_optimizer_seconds_per_param(plan, cluster) + copies
+    copies += accumulation / bandwidth
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
     return optimizer_traffic_bytes(plan) / plan.shard_degree / speed / bandwidth + copies
 

@@ -260,7 +260,7 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
         whole = simulate(workload, plan, cluster)
         a, b = 24, 24 + (pp if schedule == "interleaved" else 1)
         run = under_autocast(workload, plan)  # what `simulate` plays: the layers as this plan runs them
-        short, longer = (playback._play_uniform(run, shortened(plan, m), cluster, 25e6) for m in (a, b))
+        short, longer = (playback._play_uniform(run, shortened(plan, m), cluster.for_stack(plan.stack), 25e6) for m in (a, b))
         got = carried(short, longer, a, b, plan)
         # the once-per-step gradient reduction overlaps the last micro-batches' backward differently at 24 and
         # 25 of them than at 96: carried within 0.5% (fp32 gradients on the wire, DDP's and FSDP2's replicate;
