@@ -311,7 +311,9 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
     return replace(p.plain, recompute=extra, tp_comm=p.plain.tp_comm + extra_comm)
 
 
-DENSE_GRADIENT_PASSES = 3  # zero-fill, scatter-add of the rows used, accumulate into .grad
+# zero-fill and scatter-add of the rows used; adding it into `.grad` after a step's first micro-batch is
+# every weight's (`data_parallel.accumulation_bytes_per_param`)
+DENSE_GRADIENT_PASSES = 2
 
 
 def cast_back_time(layer: LayerProfile, ctx: Context) -> float:
