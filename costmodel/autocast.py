@@ -57,11 +57,11 @@ def cast_back_bytes_per_element(layout, dtype: str) -> float:
     return WEIGHT_BYTES[dtype] + DTYPE_BYTES[layout.master_dtype]
 
 
-def step_cast_bytes_per_param(plan) -> float:
-    """Bytes a step moves per weight element casting it for the first forward (the master weight
-    read, its compute-dtype copy written); autocast's cache serves the later micro-batches.
-    Counted over every parameter the rank holds, its embedding's (a lookup, not cast) included."""
-    return cast_back_bytes_per_element(plan, plan.dtype)
+def first_cast_bytes_per_element(layout, dtype: str) -> float:
+    """Bytes a step moves per cast weight element casting it in the first forward (the master
+    weight read, its compute-dtype copy written); autocast's cache serves the later micro-batches
+    and a recomputed forward."""
+    return cast_back_bytes_per_element(layout, dtype)
 
 
 def under_autocast(workload: Workload, plan) -> Workload:

@@ -20,7 +20,7 @@ from .collectives import Group, all_gather, all_reduce, all_to_all
 from .autocast import cast_params_on_rank
 from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
 from .memory import dense_gradient_split, state_bytes_per_param
-from .workload import LayerProfile
+from .workload import LayerProfile, layer_params_on_rank
 
 BACKWARD_FACTOR = 2.0
 # A fused attention kernel keeps no scores: its backward recomputes them, five s^2 GEMMs to the
@@ -53,6 +53,10 @@ class Context:
     expert_slices: int = 1
     block_gemms: str | None = None  # the dtype a served quantization runs the blocks' GEMMs in (W8A8: int8)
     cast_back_bytes: float = 0.0  # per cast weight element, each backward (`autocast.cast_back_bytes_per_element`)
+    # a micro-batch's average share of the step's once-a-step work, per weight element on the rank: autocast's
+    # first cast of each cast weight, and adding the gradients of the micro-batches after the first into .grad
+    first_cast_seconds: float = 0.0
+    accumulation_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,7 @@ class LayerParts:
     comm: float
     gather: float
     host_recompute: float = 0.0  # the host's issue of a checkpoint's replay: the forward's ops and a detach per save
+    first_cast: float = 0.0  # of `plain.forward`: autocast's first cast, which a recomputed forward finds cached
 
 
 def host_issue_time(ops: int, ctx: Context) -> float:
@@ -262,11 +267,13 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     compute = gemm + attention + memory
     comm = forward_collectives(layer, ctx)
     gather = tp_gather_time(layer, ctx)
-    weight_grad = gemm + dense_gradient_time(layer, ctx) + cast_back_time(layer, ctx)
+    first_cast = cast_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.first_cast_seconds
+    weight_grad = (gemm + dense_gradient_time(layer, ctx) + cast_back_time(layer, ctx)
+                   + layer_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.accumulation_seconds)
     backward = (BACKWARD_FACTOR * (compute - cast_forward) + cast_backward + weight_grad - gemm
                 + fresh_backward + (FUSED_ATTENTION_BACKWARD - BACKWARD_FACTOR) * attention * (layer.act_attention_scores == 0))
     plain = LayerTime(
-        forward=max(compute + fresh_forward, host_issue_time(layer.host_ops_forward, ctx)),
+        forward=max(compute + fresh_forward + first_cast, host_issue_time(layer.host_ops_forward, ctx)),
         weight_grad=weight_grad,
         backward=max(backward, host_issue_time(layer.host_ops_backward, ctx)),
         recompute=0.0,
@@ -274,7 +281,7 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
                  + expert_exchange_time(layer, ctx) + gather),
     )
     return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather,
-                      host_issue_time(layer.host_ops_forward + layer.host_ops_saved, ctx))
+                      host_issue_time(layer.host_ops_forward + layer.host_ops_saved, ctx), first_cast)
 
 
 def fp8_cast_times(layer: LayerProfile, ctx: Context) -> tuple[float, float]:
@@ -294,7 +301,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
     """The layer's time under `recompute` (`parts`: its `layer_parts`, where already known)."""
     p = parts or layer_parts(layer, ctx)
     if recompute == "full":
-        extra, extra_comm = max(p.plain.forward, p.host_recompute), p.comm + p.gather
+        extra, extra_comm = max(p.plain.forward - p.first_cast, p.host_recompute), p.comm + p.gather
     elif recompute == "selective" and layer.act_attention_scores > 0:
         # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
         # the kernel's backward already recomputes them, so nothing is added.

@@ -17,7 +17,6 @@ from . import collectives as coll
 from .compression import plan_reduction_time
 from .compute import LayerTime, fresh_page_time, memory_bandwidth
 from .fp8 import weight_cast_bytes_per_param
-from .autocast import step_cast_bytes_per_param
 from .memory import DTYPE_BYTES, gathered_weight_element_bytes, optimizer_traffic_bytes, plan_state_bytes, reduce_bytes
 from .offload import host_bandwidths, host_copy_time, host_optimizer_seconds_per_param
 from .workload import layer_params_on_rank
@@ -219,6 +218,18 @@ def accumulation_bytes_per_param(plan: Plan) -> float:
     return (plan.num_micro_batches - 1) * 3 * DTYPE_BYTES[plan.master_dtype] * share
 
 
+def accumulation_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
+    """A step's seconds per parameter the rank holds adding gradients into `.grad`
+    (`accumulation_bytes_per_param`): at the device's bandwidth, or the host's where FSDP2 keeps
+    the offloaded shards there (its foreach_reduce copies each micro-batch's shard to the host
+    and adds it on the CPU, the copy made blocking by the add)."""
+    nbytes = accumulation_bytes_per_param(plan)
+    if not nbytes:
+        return 0.0
+    on_host = plan.offload and accumulates_shards(plan) and cluster.gpu.device_type != "cpu"
+    return nbytes / (host_bandwidths(cluster)[1] if on_host else memory_bandwidth(cluster.gpu))
+
+
 def accumulates_shards(plan: Plan) -> bool:
     """Whether FSDP2 reduce-scatters every micro-batch and adds the shards (not whole gradients)."""
     return plan.gathers_weights and held_zero(plan) >= 2 and not plan.holds_unsharded_gradients
@@ -226,21 +237,15 @@ def accumulates_shards(plan: Plan) -> bool:
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """The step's seconds per parameter a rank holds: the optimizer over its owned share,
-    plus the reduction's gradient copies, a recipe's once-a-step FP8 weight cast, autocast's first
-    cast of the master weights and the micro-batches' gradient accumulation (the solver's linear
-    model uses the same number);
+    plus the reduction's gradient copies and a recipe's once-a-step FP8 weight cast (the solver's
+    linear model uses the same number);
     offloaded, AdamW on the host (costmodel/offload.py) and the copies still on the device."""
     gpu = cluster.gpu
     bandwidth = memory_bandwidth(gpu)
     copies = reduction_copy_passes(plan) * reduce_bytes(plan) / bandwidth
     copies += weight_cast_bytes_per_param(plan.dtype, plan.stack) / bandwidth  # FP8 weights recast once a step
-    copies += step_cast_bytes_per_param(plan) / bandwidth
-    accumulation = accumulation_bytes_per_param(plan)
     if plan.offload:
-        on_host = accumulates_shards(plan)
-        copies += accumulation / (host_bandwidths(cluster)[1] if on_host else bandwidth)
         return host_optimizer_seconds_per_param(plan, cluster) + copies
-    copies += accumulation / bandwidth
     speed = gpu.efficiency.optimizer or 1.0  # measured unfused optimizers run slower than the fused traffic bound
     return optimizer_traffic_bytes(plan) / plan.shard_degree / speed / bandwidth + copies
 

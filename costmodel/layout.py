@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .autocast import cast_back_bytes_per_element
-from .compute import Context
+from .autocast import cast_back_bytes_per_element, first_cast_bytes_per_element
+from .compute import Context, memory_bandwidth
+from .data_parallel import accumulation_seconds_per_param
 from layout.plan import Plan
 from layout.results import StageEstimate
 from .workload import Workload
@@ -59,14 +60,20 @@ def kv_bytes_per_sequence(workload: Workload) -> float:
 
 def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None = None) -> Context:
     """What a layer's cost depends on under `layout` (a `layout.layout.Layout` or a Plan): the
-    TP, CP and EP groups (TP innermost, inside a node first), the tokens per rank, the stack."""
+    TP, CP and EP groups (TP innermost, inside a node first), the tokens per rank, the stack, and
+    each micro-batch's share of the once-a-step casts and accumulation. A bare Layout (the search's
+    floor) has no batch: priced as one micro-batch, which accumulates nothing."""
+    m = layout.num_micro_batches if isinstance(layout, Plan) else 1
+    accumulation = accumulation_seconds_per_param(layout, cluster) / m if isinstance(layout, Plan) else 0.0
     return Context(cluster=cluster, dtype=dtype, tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank,
                    tp_group=coll.group_of(layout.tp, 1, cluster), cp=layout.cp,
                    cp_group=coll.group_of(layout.cp, layout.tp, cluster),
                    cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
                    ep=layout.ep, ep_group=coll.group_of(layout.ep, layout.tp, cluster), stack=layout.stack,
                    tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None,
-                   cast_back_bytes=cast_back_bytes_per_element(layout, dtype))
+                   cast_back_bytes=cast_back_bytes_per_element(layout, dtype),
+                   first_cast_seconds=first_cast_bytes_per_element(layout, dtype) / m / memory_bandwidth(cluster.gpu),
+                   accumulation_seconds=accumulation)
 
 
 def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:

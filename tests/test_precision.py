@@ -141,3 +141,8 @@ def test_autocast_prices_casting_its_weights_back_and_accumulation_prices_each_a
     assert accumulation_bytes_per_param(gathered) == pytest.approx(3 * 4 / 8)  # FSDP2 adds its shard
     assert accumulation_bytes_per_param(zero1.with_overrides(micro_batch=2)) == 0.0  # one micro-batch
     assert accumulation_bytes_per_param(zero1.with_overrides(stack="fused")) == 0.0  # inside Megatron's GEMM
+    # each of the two micro-batches carries half the step's first cast and of its one accumulation
+    ctx = layout_of(zero1, cluster, workload).ctx
+    assert ctx.first_cast_seconds == pytest.approx((4 + 2) / 2 / memory_bandwidth(cluster.gpu))
+    assert ctx.accumulation_seconds == pytest.approx(3 * 4 / 2 / memory_bandwidth(cluster.gpu))
+    assert layout_of(bf16, cluster, workload).ctx.first_cast_seconds == 0.0

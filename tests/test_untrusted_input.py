@@ -268,7 +268,10 @@ def test_a_long_step_played_at_two_lengths_matches_the_whole_step():
         assert got.step_time_s == pytest.approx(whole.step_time_s, rel=5e-3)
         assert got.peak_memory_bytes == pytest.approx(whole.peak_memory_bytes, rel=1e-3)
         assert got.mfu == pytest.approx(whole.mfu, rel=5e-3) and got.played_micro_batches == b
-        assert got.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=1e-2, abs=1e-4)
+        # each micro-batch's share of the once-a-step work (autocast's first cast, adding the gradients of all but
+        # the first into .grad: `costmodel.layout.context_of`) is 1/24 and 23/24 of it played, 1/96 and 95/96 whole:
+        # the bubble carried is 1.4% (relative) off for dp4 pp4 ZeRO-1
+        assert got.bubble_fraction == pytest.approx(whole.bubble_fraction, rel=2e-2, abs=1e-4)
 
 
 def test_piped_tables_keep_each_line_whole(capsys):

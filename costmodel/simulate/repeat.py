@@ -4,7 +4,9 @@ Why: the engine keeps an event per operation, so a step of a million micro-batch
 huge global batch on few GPUs) would hold tens of millions of events and exhaust memory.
 Every micro-batch of a uniform plan is the same work, so past the pipeline's warm-up each
 extra one adds the same steady-state period to every rank: the step is affine in the
-micro-batch count. Playing `a` and `a + unit` micro-batches (unit: what the schedule
+micro-batch count (but for each micro-batch's share of once-a-step work, autocast's first cast and
+the gradients added into `.grad`, which moves as 1/m: past the 256 played, by well under 1% of that
+work). Playing `a` and `a + unit` micro-batches (unit: what the schedule
 needs, pp for the interleaved one) gives that period; every time, busy and memory figure
 is then the played one carried on to the plan's count. The timeline kept (trace, plots)
 is the longer played one, and the result says how many were played.
