@@ -62,9 +62,11 @@ def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None =
     """What a layer's cost depends on under `layout` (a `layout.layout.Layout` or a Plan): the
     TP, CP and EP groups (TP innermost, inside a node first), the tokens per rank, the stack, and
     each micro-batch's share of the once-a-step casts and accumulation. A bare Layout (the search's
-    floor) has no batch: priced as one micro-batch, which accumulates nothing."""
-    m = layout.num_micro_batches if isinstance(layout, Plan) else 1
-    accumulation = accumulation_seconds_per_param(layout, cluster) / m if isinstance(layout, Plan) else 0.0
+    floor) has no batch to share them over: left out, a floor below every batch's price."""
+    planned = isinstance(layout, Plan)
+    m = layout.num_micro_batches if planned else 1
+    accumulation = accumulation_seconds_per_param(layout, cluster) / m if planned else 0.0
+    first_cast = first_cast_bytes_per_element(layout, dtype) / m / memory_bandwidth(cluster.gpu) if planned else 0.0
     return Context(cluster=cluster, dtype=dtype, tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank,
                    tp_group=coll.group_of(layout.tp, 1, cluster), cp=layout.cp,
                    cp_group=coll.group_of(layout.cp, layout.tp, cluster),
@@ -72,7 +74,7 @@ def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None =
                    ep=layout.ep, ep_group=coll.group_of(layout.ep, layout.tp, cluster), stack=layout.stack,
                    tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None,
                    cast_back_bytes=cast_back_bytes_per_element(layout, dtype),
-                   first_cast_seconds=first_cast_bytes_per_element(layout, dtype) / m / memory_bandwidth(cluster.gpu),
+                   first_cast_seconds=first_cast,
                    accumulation_seconds=accumulation)
 
 
