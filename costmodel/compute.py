@@ -319,7 +319,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
 
 
 # zero-fill and scatter-add of the rows used; adding it into `.grad` after a step's first micro-batch is
-# every weight's (`data_parallel.accumulation_bytes_per_param`)
+# every weight's (`accumulation.accumulation_bytes_per_param`)
 DENSE_GRADIENT_PASSES = 2
 
 

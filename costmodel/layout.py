@@ -11,7 +11,7 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .autocast import cast_back_bytes_per_element, first_cast_bytes_per_element
 from .compute import Context, memory_bandwidth
-from .data_parallel import accumulation_seconds_per_param
+from .accumulation import accumulation_seconds_per_param
 from layout.plan import Plan
 from layout.results import StageEstimate
 from .workload import Workload

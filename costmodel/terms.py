@@ -24,7 +24,8 @@ from hardware.schema import Cluster
 from . import collectives as coll
 from .compute import expert_exchange_time, layer_time, recompute_flops
 from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
-from .data_parallel import (expert_reduction_time, exposed_dp, held_zero, host_copy_seconds, layer_params_on_rank,
+from .accumulation import held_zero
+from .data_parallel import (expert_reduction_time, exposed_dp, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
                      in_flight_micro_batches, model_state_bytes, moment_bytes, new_gradient_bytes, optimizer_step_bytes,

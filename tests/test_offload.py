@@ -42,7 +42,7 @@ def test_a_model_that_fits_only_offloaded_is_planned_offloaded(llama_70b):
                                                          rel=0.02)
     # each micro-batch after the first adds its reduce-scattered fp32 shard into the host's (FSDP2's foreach_reduce),
     # priced in the backward at the host's bandwidth
-    from costmodel.data_parallel import accumulation_seconds_per_param
+    from costmodel.accumulation import accumulation_seconds_per_param
     assert plan.num_micro_batches > 1
     host = accumulation_seconds_per_param(plan, _with_host_memory("8xa100-40g", 2048))
     assert host * llama_70b.params == pytest.approx((plan.num_micro_batches - 1) * 3 * 4 * owned / host_per_rank)

@@ -125,7 +125,7 @@ def test_autocast_prices_casting_its_weights_back_and_accumulation_prices_each_a
     """Autocast over fp32 weights runs a ToCopyBackward0 per cast weight every backward, and each
     micro-batch after the first adds its gradient into `.grad`: both memory-bound, both priced."""
     from costmodel.compute import cast_back_time, memory_bandwidth
-    from costmodel.data_parallel import accumulation_bytes_per_param
+    from costmodel.accumulation import accumulation_bytes_per_param
     from costmodel.layout import layout_of
 
     workload, cluster = llama

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
-from costmodel.data_parallel import (dp_time, expert_reduction_time, held_zero, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
+from costmodel.accumulation import held_zero
+from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
                                 root_hole_bytes)

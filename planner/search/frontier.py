@@ -9,7 +9,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from costmodel.data_parallel import held_zero, layer_params_on_rank
+from costmodel.accumulation import held_zero
+from costmodel.data_parallel import layer_params_on_rank
 from costmodel.layout import kv_bytes_per_sequence
 from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
                               model_state_bytes)
