@@ -46,22 +46,17 @@ def casts_per_use(layout, dtype: str) -> bool:
             and not gathered_in_compute_dtype)
 
 
-def cast_back_bytes_per_element(layout, dtype: str) -> float:
-    """Bytes each micro-batch's backward moves per cast weight element, its ToCopyBackward0 turning
-    the copy's gradient back into the master dtype: the compute-dtype gradient read, the master one
-    written. Zero where the weights are not cast per use. On two CPU cores, llama-160m over four
-    pipeline ranks ran ToCopyBackward0 for 0.92 s of a rank's 3.3 s of backward a step, 112 of
-    its 224 calls the weights' (torch.profiler; the rest cast the GEMMs' fp32 inputs)."""
+def cast_bytes_per_element(layout, dtype: str) -> float:
+    """Bytes one cast of a weight element between the master and the compute dtype moves, one
+    read and one written; autocast casts each cast weight (`casts_per_use`) twice a step and
+    more: forward in the first forward (its cache serves the later micro-batches and a
+    recomputed forward), and its gradient back in every micro-batch's backward
+    (ToCopyBackward0). Zero where the weights are not cast per use. On two CPU cores, llama-160m
+    over four pipeline ranks ran ToCopyBackward0 for 0.92 s of a rank's 3.3 s of backward a step,
+    112 of its 224 calls the weights' (torch.profiler; the rest cast the GEMMs' fp32 inputs)."""
     if not casts_per_use(layout, dtype):
         return 0.0
     return WEIGHT_BYTES[dtype] + DTYPE_BYTES[layout.master_dtype]
-
-
-def first_cast_bytes_per_element(layout, dtype: str) -> float:
-    """Bytes a step moves per cast weight element casting it in the first forward (the master
-    weight read, its compute-dtype copy written); autocast's cache serves the later micro-batches
-    and a recomputed forward."""
-    return cast_back_bytes_per_element(layout, dtype)
 
 
 def under_autocast(workload: Workload, plan) -> Workload:

@@ -52,9 +52,10 @@ class Context:
     expert_share: float = 1.0
     expert_slices: int = 1
     block_gemms: str | None = None  # the dtype a served quantization runs the blocks' GEMMs in (W8A8: int8)
-    cast_back_bytes: float = 0.0  # per cast weight element, each backward (`autocast.cast_back_bytes_per_element`)
-    # a micro-batch's average share of the step's once-a-step work, per weight element on the rank: autocast's
-    # first cast of each cast weight, and adding the gradients of the micro-batches after the first into .grad
+    # seconds per weight element on the rank (`autocast.cast_bytes_per_element`, `accumulation`): each backward's
+    # cast of the weights' gradients back to the master dtype, and a micro-batch's average share of the step's
+    # once-a-step work: autocast's first cast, and adding the gradients of all micro-batches but the first into .grad
+    cast_back_seconds: float = 0.0
     first_cast_seconds: float = 0.0
     accumulation_seconds: float = 0.0
 
@@ -325,11 +326,9 @@ DENSE_GRADIENT_PASSES = 2
 
 def cast_back_time(layer: LayerProfile, ctx: Context) -> float:
     """A micro-batch's backward turning the gradients of the layer's autocast weight copies back
-    into the master dtype (`autocast.cast_back_bytes_per_element`), memory-bound; a weight-gradient
+    into the master dtype (`autocast.cast_bytes_per_element`), memory-bound; a weight-gradient
     cost, run with the W of a zero-bubble schedule."""
-    if not ctx.cast_back_bytes:
-        return 0.0
-    return cast_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.cast_back_bytes / memory_bandwidth(ctx.cluster.gpu)
+    return cast_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.cast_back_seconds
 
 
 def dense_gradient_time(layer: LayerProfile, ctx: Context) -> float:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from hardware.schema import Cluster
 
 from . import collectives as coll
-from .autocast import cast_back_bytes_per_element, first_cast_bytes_per_element
+from .autocast import cast_bytes_per_element
 from .compute import Context, memory_bandwidth
 from .accumulation import accumulation_seconds_per_param
 from layout.plan import Plan
@@ -63,19 +63,17 @@ def context_of(layout, dtype: str, cluster: Cluster, workload: Workload | None =
     TP, CP and EP groups (TP innermost, inside a node first), the tokens per rank, the stack, and
     each micro-batch's share of the once-a-step casts and accumulation. A bare Layout (the search's
     floor) has no batch to share them over: left out, a floor below every batch's price."""
+    cast = cast_bytes_per_element(layout, dtype) / memory_bandwidth(cluster.gpu)
     planned = isinstance(layout, Plan)
     m = layout.num_micro_batches if planned else 1
-    accumulation = accumulation_seconds_per_param(layout, cluster) / m if planned else 0.0
-    first_cast = first_cast_bytes_per_element(layout, dtype) / m / memory_bandwidth(cluster.gpu) if planned else 0.0
     return Context(cluster=cluster, dtype=dtype, tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank,
                    tp_group=coll.group_of(layout.tp, 1, cluster), cp=layout.cp,
                    cp_group=coll.group_of(layout.cp, layout.tp, cluster),
                    cp_kv_bytes=kv_bytes_per_sequence(workload) if workload is not None else 0.0,
                    ep=layout.ep, ep_group=coll.group_of(layout.ep, layout.tp, cluster), stack=layout.stack,
                    tp_overlap=layout.tp_overlap, seq_len=workload.seq_len if workload is not None else None,
-                   cast_back_bytes=cast_back_bytes_per_element(layout, dtype),
-                   first_cast_seconds=first_cast,
-                   accumulation_seconds=accumulation)
+                   cast_back_seconds=cast, first_cast_seconds=cast / m if planned else 0.0,
+                   accumulation_seconds=accumulation_seconds_per_param(layout, cluster) / m if planned else 0.0)
 
 
 def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) -> Layout:
