@@ -48,8 +48,9 @@ allocator holds (costmodel/reserved.py); `nvidia-smi` that and the runtime's mem
 (CUDA context, workspaces, NCCL buffers). Optional master_dtype and optimizer_dtype (fp32, bf16), reduce_dtype
 (fp32, bf16) and accumulation (reduce_each, hold_unsharded) state the run's recipe; blank is the
 stack's default (fp32 weights and moments, each stack's reduction, a reduce-scatter per
-micro-batch); tied_embeddings (yes/no, blank: no for gated rows) ties a Llama-era head to its embedding.
-Other columns (source) are ignored.
+micro-batch); ddp_bucket_view (yes/no, blank: yes) says whether a DDP run's gradients are views
+into its buckets (torch's default, no, keeps a copy beside each); tied_embeddings (yes/no, blank:
+no for gated rows) ties a Llama-era head to its embedding. Other columns (source) are ignored.
 """
 from __future__ import annotations
 
@@ -169,6 +170,9 @@ def row_pins(row: dict) -> dict:
         if value:
             pins[column] = value
     pins.setdefault("accumulation", "reduce_each")  # a published run's own, not the planner's choice
+    view = _yes(row, "ddp_bucket_view")  # torch DDP's gradient_as_bucket_view, where a run's code sets or defaults it
+    if view is not None:
+        pins["ddp_bucket_view"] = view
     pins["stack"] = row_stack(row)
     return pins
 

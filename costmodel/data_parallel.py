@@ -191,10 +191,12 @@ def reduction_copy_passes(plan: Plan) -> float:
     the wire, on the cores or SMs that compute: ZeRO 0/1 divide them in place (DDP's buckets,
     or each gradient, executor/apply/gradient_reduce.py: a read and a write); FSDP2 copies
     gradients into a flat buffer, divides and copies the result back (three reads and three
-    writes). Negligible on HBM, a visible share of a CPU step."""
+    writes); so does DDP without views into its buckets (`Layout.copies_into_buckets`: each
+    gradient copied in, divided there and copied back). Negligible on HBM, a visible share of a
+    CPU step."""
     if plan.data_parallel == 1:
         return 0.0
-    return 2.0 if plan.zero <= 1 else 6.0
+    return 2.0 if plan.zero <= 1 and not plan.copies_into_buckets else 6.0
 
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:

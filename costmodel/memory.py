@@ -103,6 +103,18 @@ def held_gradient_bytes(params: float, plan) -> float:
     return params * reduce_bytes(plan) if plan.holds_unsharded_gradients and plan.num_micro_batches > 1 else 0.0
 
 
+def bucket_copy_bytes(params: float, plan, stepping: bool) -> float:
+    """DDP's buckets beside the gradients (`Layout.copies_into_buckets`), `params` being the
+    rank's dense ones (DDP leaves the experts to their own reduction): every gradient has a copy
+    in the gradient's dtype from DDP's construction on. The gradients themselves come and go
+    (zero_grad sets them to None): at the optimizer step both are there, at the activation peak
+    the buckets alone unless micro-batches accumulate into `.grad` (`stepping` False: the peak).
+    With views (the executor's default) the buckets are the gradients."""
+    if not plan.copies_into_buckets or (not stepping and plan.num_micro_batches < 2):
+        return 0.0
+    return params * reduce_bytes(plan)
+
+
 def model_state_bytes(params: float, dtype: str, zero: int, dp: int, stack: str = "eager",
                       per_param: tuple[float, float, float] | None = None) -> dict[str, float]:
     """Weights, gradients and optimizer state of `params` parameters on one rank

@@ -27,9 +27,9 @@ from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_b
 from .accumulation import held_zero
 from .data_parallel import (expert_reduction_time, exposed_dp, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
-from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
-                     in_flight_micro_batches, model_state_bytes, moment_bytes, new_gradient_bytes, optimizer_step_bytes,
-                     plan_state_bytes, reduce_bytes, transient_bytes)
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
+                     held_gradient_bytes, in_flight_micro_batches, model_state_bytes, moment_bytes, new_gradient_bytes,
+                     optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
 from .reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
@@ -202,6 +202,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     held_gradients = held_gradient_bytes(rank.params, plan)
     if held_gradients:  # unsharded until the last micro-batch reduces them, and no sharded ones yet
         states["gradients"] = 0.0
+    dense = rank.params - rank.expert_params
+    states["gradients"] += bucket_copy_bytes(dense, plan, stepping=False)
+    stepping["gradients"] += bucket_copy_bytes(dense, plan, stepping=True)
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
     biggest, root, cast, block_slack, end_slack, cast_back = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0

@@ -7,7 +7,10 @@ export with Accelerate's loader and builds its FSDP plugin where Accelerate inst
 What maps: DDP (ZeRO-0) as MULTI_GPU, ZeRO-2/3 as FSDP2 (`fsdp_reshard_after_forward`
 false/true), offload (`fsdp_offload_params`), hybrid sharding, tensor and context
 parallelism (`parallelism_config`), the precision (`mixed_precision`), full recomputation
-(`fsdp_activation_checkpointing`) and the compile stack (`dynamo_config`). The batch is the
+(`fsdp_activation_checkpointing`) and the compile stack (`dynamo_config`). Accelerate wraps
+MULTI_GPU models in torch's DDP with its defaults, a bucket copy beside every gradient
+(`ddp_bucket_view` false); views are the training script's to ask for
+(`DistributedDataParallelKwargs`), not the file's. The batch is the
 training script's: the launch line passes it as the Trainer's arguments. Accelerate's
 config has no ZeRO-1, no pipeline, no expert parallelism, no Megatron-style sequence
 parallelism and no gradient compressor.
@@ -92,7 +95,11 @@ def _unsayable(plan: Plan, losses: Losses) -> None:
     for field, lost, what in checks:
         if lost:
             losses.add(field, what)
-    recipe_losses(plan, losses)
+    if plan.reduces_through_ddp and plan.ddp_bucket_view:
+        losses.add("ddp_bucket_view", "gradients as views into DDP's buckets (its file leaves DDP at torch's "
+                   "default, a bucket copy of each; DistributedDataParallelKwargs(gradient_as_bucket_view=True) in the "
+                   "training script asks for views)")
+    recipe_losses(plan, losses, says={"ddp_bucket_view": (False,)})
 
 
 def read(text: str) -> Stated:
@@ -112,6 +119,8 @@ def read(text: str) -> Stated:
                           "use FSDP, DEEPSPEED or MULTI_GPU")
     size = lambda key: _whole(parallel.get(f"parallelism_config_{key}_size", 1), f"{PARALLEL}.{key}_size")
     axes.update(tp=size("tp"), cp=size("cp"))
+    if kind == "MULTI_GPU" and axes["tp"] == axes["cp"] == 1 and (config.get("num_processes") or 1) > 1:
+        axes["ddp_bucket_view"] = False  # torch DDP's default, which Accelerate keeps
     if kind == "FSDP" and size("dp_replicate") > 1:
         axes["dp_shard"] = size("dp_shard") * axes["cp"]
     if _section(config, "dynamo_config").get("dynamo_backend", "NO") not in ("NO", "no"):

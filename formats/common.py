@@ -73,7 +73,7 @@ class Losses:
 
 
 RECIPE_DEFAULTS = {"master_dtype": "fp32", "optimizer_dtype": "fp32", "reduce_dtype": None, "accumulation": "reduce_each",
-                   "tp_overlap": False, "fp8_param_gather": False}
+                   "tp_overlap": False, "fp8_param_gather": False, "ddp_bucket_view": True}
 
 
 def recipe_losses(plan: Plan, losses: Losses, says: dict[str, tuple] | None = None) -> None:

@@ -151,6 +151,11 @@ AXES: tuple[Axis, ...] = (
     Axis("accumulation", str, "reduce_each", "gradient accumulation under FSDP2 (zero 2/3): reduce_each "
          "reduce-scatters after every micro-batch; hold_unsharded holds the unsharded gradients until the step's "
          "last micro-batch and reduces once (more memory, fewer collectives)", choices=ACCUMULATION),
+    Axis("ddp_bucket_view", bool, True, "DDP's gradients as views into its all-reduce buckets (torch DDP's "
+         "gradient_as_bucket_view, as the executor runs it); false is torch DDP's own default, also Lightning's and "
+         "Accelerate's: a bucket copy of every gradient, held from DDP's construction on, and each gradient copied "
+         "in and back once a step; applies where DDP reduces (zero 0, tp 1, pp 1, dp > 1); never chosen by the "
+         "planner", choices=(True, False), searched=(True,)),
     Axis("recompute", str, "none", "activation recomputation of every block: none, selective, op or full (the solver "
          "picks per layer)", choices=RECOMPUTE),
 )

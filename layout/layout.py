@@ -46,6 +46,7 @@ class Layout(BaseModel):
     optimizer_dtype: StateDtype = axis_field("optimizer_dtype")
     reduce_dtype: ReduceDtype | None = axis_field("reduce_dtype")
     accumulation: Accumulation = axis_field("accumulation")
+    ddp_bucket_view: bool = axis_field("ddp_bucket_view")
 
     @property
     def n_gpus(self) -> int:
@@ -110,6 +111,12 @@ class Layout(BaseModel):
         return self.replicates_one_plain_module and self.zero == 0
 
     @property
+    def copies_into_buckets(self) -> bool:
+        """Whether DDP keeps its buckets beside the gradients (`ddp_bucket_view` false where DDP
+        reduces): a gradient-sized buffer for the whole run, and two copies a step."""
+        return self.reduces_through_ddp and not self.ddp_bucket_view
+
+    @property
     def replicates_one_plain_module(self) -> bool:
         """Whether each data-parallel rank holds one plain-tensor module, run once per
         micro-batch (dp > 1, zero 0/1, no TP, no pipeline): DDP's path, and ZeRO-1's without
@@ -156,14 +163,18 @@ class Layout(BaseModel):
             parts.append(f"reduce {self.reduce_dtype}")
         if "fp8_param_gather" in recipe:
             parts.append("fp8-params")
+        if "ddp_bucket_view" in recipe:
+            parts.append("bucket-copies")
         return parts
 
     def recipe_changes(self) -> dict[str, object]:
-        """The precision and accumulation axes off their defaults (accumulation where it applies)."""
+        """The precision and accumulation axes off their defaults (accumulation and DDP's bucket
+        copies where they apply)."""
         changed = {name: getattr(self, name) for name in ("master_dtype", "optimizer_dtype", "reduce_dtype",
                                                           "fp8_param_gather")
                    if getattr(self, name) != AXIS[name].default}
-        return {**changed, **({"accumulation": self.accumulation} if self.holds_unsharded_gradients else {})}
+        return {**changed, **({"accumulation": self.accumulation} if self.holds_unsharded_gradients else {}),
+                **({"ddp_bucket_view": False} if self.copies_into_buckets else {})}
 
     def axes(self) -> dict:
         """The layout's axis values alone (a Plan's too), e.g. to build another Plan from them."""

@@ -29,9 +29,9 @@ from .layout import Layout
 from .results import CheckpointAdvice, Estimate, SolverReport
 from .rules import ModelFacts, layout_problem, precision_problem, structural_problem
 
-SCHEMA_VERSION = 9  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
+SCHEMA_VERSION = 10  # 2: hardware_profile (a plan made on a profile file carries it); 3: dp_shard (HSDP), cp; 4: stack;
 # 5: offload, dp_micro_batches; 6: groups (mixed-GPU clusters), Estimate.groups; 7: master_dtype, optimizer_dtype,
-# reduce_dtype, accumulation; 8: tp_overlap; 9: fp8_param_gather
+# reduce_dtype, accumulation; 8: tp_overlap; 9: fp8_param_gather; 10: ddp_bucket_view
 
 DTYPES = ("bf16", "fp16", "fp32", "fp8")  # the training precisions: fp8 runs its GEMMs in FP8
 DEFAULT_TOPK_FRACTION = 0.01  # k: the fraction of gradient entries Top-K sends
@@ -60,7 +60,7 @@ class StagePlan(BaseModel):
 class Plan(Layout):
     model_config = ConfigDict(frozen=False, extra="forbid")
 
-    schema_version: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9] = SCHEMA_VERSION
+    schema_version: Literal[1, 2, 3, 4, 5, 6, 7, 8, 9, 10] = SCHEMA_VERSION
     model: SafeName
     hardware: SafeName
     hardware_profile: Cluster | None = Field(None, description="the cluster itself, when `hardware` is not a "

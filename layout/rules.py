@@ -46,7 +46,7 @@ class ModelFacts:
 def structural_problem(layout: Layout, seq_len: int | None = None) -> PlanError | None:
     """The first rule `layout` breaks whatever the model, or None (`seq_len`: checked when given)."""
     for check in (_sp_structure, _schedule_structure, _shard_structure, _ep_structure, _accumulation_structure,
-                  _state_structure):
+                  _bucket_structure, _state_structure):
         if (problem := check(layout)) is not None:
             return problem
     if seq_len is not None and layout.cp > 1 and seq_len % (2 * layout.cp):
@@ -135,6 +135,16 @@ def _accumulation_structure(f: Layout) -> PlanError | None:
         return PlanError("accumulation", "a pipeline schedule holds FSDP2's gradients until the step's end itself",
                          "use reduce_each with pp > 1")
     return None
+
+
+def _bucket_structure(f: Layout) -> PlanError | None:
+    if f.ddp_bucket_view or f.reduces_through_ddp:
+        return None
+    off = [f"{name} {value}" for name, value, ddp in (("zero", f.zero, f.zero == 0), ("tp", f.tp, f.tp == 1),
+                                                       ("pp", f.pp, f.pp == 1)) if not ddp]
+    return PlanError("ddp_bucket_view", "false (bucket copies) needs DDP, which reduces only with zero 0, tp 1 and "
+                     f"pp 1 over more than one data-parallel rank ({', '.join(off) or 'one rank'} here)",
+                     "leave ddp_bucket_view true, or pin zero 0, tp 1 and pp 1")
 
 
 def _state_structure(f: Layout) -> PlanError | None:

@@ -198,6 +198,8 @@ def _cases(model: str, names: tuple[str, ...]) -> dict[str, Plan]:
         "zero3_bf16": dict(dp=2, zero=3, dtype="bf16"),
         "zero3_bf16_reduce_bf16": dict(dp=2, zero=3, dtype="bf16", reduce_dtype="bf16"),
         "dp_bf16_states": dict(dp=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16"),
+        # torch DDP's own default: a bucket copy beside every gradient, two micro-batches accumulated into .grad
+        "dp_bucket_copies": dict(dp=2, ddp_bucket_view=False, micro_batch=GLOBAL_BATCH // 4),
         "pp_bf16_states": dict(pp=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16"),  # bf16 between stages
         "zero2_bf16_states_hold": dict(dp=2, zero=2, dtype="bf16", master_dtype="bf16", optimizer_dtype="bf16",
                                        micro_batch=GLOBAL_BATCH // 4, accumulation="hold_unsharded"),
@@ -244,7 +246,7 @@ def test_reference_gpt_two_ranks_matches_single_process():
                                          "pp_gpipe", "pp_1f1b", "pp_interleaved", "dp_full_ac", "zero3_full_ac",
                                          "tp_selective_ac", "pp_selective_ac", "pp_zero_bubble", "pp_zero_bubble_1", "pp_zbv",
                                          "zero3_hold", "zero3_bf16", "zero3_bf16_reduce_bf16", "dp_bf16_states",
-                                         "zero2_bf16_states_hold", *COMPILED)),
+                                         "dp_bucket_copies", "zero2_bf16_states_hold", *COMPILED)),
              # a head tied to the embedding stays one weight when TP splits both
              **_cases("reference-tiny-tied", ("tp", "tp_sp", "zero3", "pp_zbv"))}
     out_dir, cache = launch(2, cases), {}

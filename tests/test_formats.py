@@ -200,3 +200,22 @@ def test_megatrons_fp8_weights_are_read_and_written():
     plan = planner.plan("llama-3-8b", "8xh100-sxm", global_batch=128, seq_len=8192, dtype="fp8", fixed=fixed)
     assert plan.layout_tag == "dp8 tp1 pp1 z1 mb1 fp8-params fp8 fused" and plan.estimate.fits
     assert "--fp8-param-gather" in formats.export(plan, "megatron").text
+
+
+def test_accelerates_ddp_is_read_with_torchs_bucket_copies_and_views_are_not_written():
+    """Accelerate builds DDP with torch's defaults: a MULTI_GPU file states bucket copies, and a
+    plan whose gradients are views into the buckets is refused by name (the script says that)."""
+    from formats import accelerate
+    from formats.stated import merge, to_plan
+    import hardware
+
+    text = "distributed_type: MULTI_GPU\nmixed_precision: bf16\nnum_processes: 8\n"
+    stated = merge(accelerate.read(text), {"model": "gpt2", "global_batch": 16, "seq_len": 1024})
+    assert stated.axes["ddp_bucket_view"] is False
+    plan = to_plan(stated, hardware.load("8xh100-sxm"), ["embedding", *["block"] * 12, "head"])
+    assert plan.copies_into_buckets and plan.dp == 8
+    assert formats.export(plan, "accelerate").lost == []
+    with pytest.raises(ParallaxError) as refused:
+        formats.export(plan.with_overrides(ddp_bucket_view=True), "accelerate")
+    assert refused.value.field == "ddp_bucket_view"
+    assert "ddp_bucket_view" in formats.export(plan, "torchtitan", lossy=True).lost[0]

@@ -38,10 +38,17 @@ def space():
     return workload, cluster, space, {fmt: _spoken(space[::3], fmt, workload, cluster) for fmt in formats.TRAINING}
 
 
+def _as_run(layout, fmt):
+    """`layout` as the tool runs it: Accelerate's DDP keeps torch's bucket copies."""
+    if fmt == "accelerate" and layout.reduces_through_ddp:
+        return layout.model_copy(update={"ddp_bucket_view": False})
+    return layout
+
+
 def _spoken(space, fmt, workload, cluster):
-    """The layouts a tool can say (its own stack, no recomputation): where most draws come from."""
+    """The layouts a tool can say (its own stack, no recomputation), as it runs them: where most draws come from."""
     ours = []
-    for layout in space:
+    for layout in map(lambda layout: _as_run(layout, fmt), space):
         plan = to_plan(layout.model_copy(update={"stack": STACK_OF[fmt][0]}), workload, cluster, global_batch=BATCH,
                        dtype="bf16", recompute="none", model=MODEL)
         try:

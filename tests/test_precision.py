@@ -41,6 +41,8 @@ def _plan(llama, recompute="full", dtype="bf16", **axes) -> Plan:
     ({"zero": 0, "reduce_dtype": "bf16"}, "reduce_dtype"),  # DDP reduces in the weights' dtype
     ({"zero": 1, "accumulation": "hold_unsharded"}, "accumulation"),
     ({"zero": 3, "pp": 2, "accumulation": "hold_unsharded"}, "accumulation"),
+    ({"zero": 3, "ddp_bucket_view": False}, "ddp_bucket_view"),  # only DDP has buckets
+    ({"tp": 2, "ddp_bucket_view": False}, "ddp_bucket_view"),
 ])
 def test_a_recipe_no_stack_runs_is_refused_by_name(pins, field):
     dtype = pins.pop("dtype", "bf16")
@@ -146,3 +148,32 @@ def test_autocast_prices_casting_its_weights_back_and_accumulation_prices_each_a
     assert ctx.first_cast_seconds == pytest.approx((4 + 2) / 2 / memory_bandwidth(cluster.gpu))
     assert ctx.accumulation_seconds == pytest.approx(3 * 4 / 2 / memory_bandwidth(cluster.gpu))
     assert layout_of(bf16, cluster, workload).ctx.first_cast_seconds == 0.0
+
+
+@pytest.mark.parametrize("micro_batch", [2, 1])  # one micro-batch a step, then two accumulated into .grad
+def test_ddps_bucket_copies_hold_a_second_gradient_copied_twice_a_step(llama, micro_batch):
+    """torch DDP's default (gradient_as_bucket_view False): its buckets beside the gradients. At
+    the optimizer step both are there; at the activation peak the buckets alone, unless
+    micro-batches accumulate into .grad. Each step copies every gradient in and back (four more
+    passes of its bytes). The solver's coefficients price it as the estimator does."""
+    from costmodel.compute import memory_bandwidth
+    from costmodel.terms import usable_memory_bytes
+    from planner.search.coefficients import block_span, linear_step, stage_model_data
+
+    workload, cluster = llama
+    views = _plan(llama, dp=8, micro_batch=micro_batch)
+    copies = views.with_overrides(ddp_bucket_view=False)
+    assert copies.copies_into_buckets and "bucket-copies" in copies.layout_tag
+    params = sum(layer.params for layer in workload.layers)
+    a, b = (estimate(workload, p, cluster) for p in (views, copies))
+    held = b.stages[0].memory_bytes["gradients"] - a.stages[0].memory_bytes["gradients"]
+    assert held == pytest.approx(params * 4)  # fp32 copies, at the step (an 8B's peak over DDP)
+    passes = b.breakdown_s["optimizer"] - a.breakdown_s["optimizer"]
+    assert passes == pytest.approx(4 * 4 * params / memory_bandwidth(cluster.for_stack(copies.stack).gpu), rel=1e-6)
+    capacity = usable_memory_bytes(cluster, 0.1, copies, workload)
+    first, last = block_span(workload)
+    counts = [{"full": min(s.end, last) - max(s.start, first)} for s in copies.stages]
+    step, headroom = linear_step(stage_model_data(workload, copies, cluster, capacity), counts, 1, 1,
+                                 copies.num_micro_batches)
+    assert capacity - headroom == pytest.approx(b.peak_reserved_bytes, rel=1e-6)
+    assert step == pytest.approx(b.step_time_s, rel=1e-4)

@@ -60,8 +60,8 @@ def apply_data_parallel(module: nn.Module, mesh: DeviceMesh, plan: Plan, lmap: L
     experts = expert_parameter_names(module)
     if experts:  # reduced over their own replicas (executor/apply/expert_parallel.py), not over all of dp
         DDP._set_params_and_buffers_to_ignore_for_model(module, experts)
-    # Gradients live in DDP's buckets instead of beside them: one copy, as the cost model holds.
-    ddp = DDP(module, process_group=dp_mesh.get_group(), gradient_as_bucket_view=True)
+    # By default gradients live in DDP's buckets instead of beside them: one copy (the cost model prices either).
+    ddp = DDP(module, process_group=dp_mesh.get_group(), gradient_as_bucket_view=plan.ddp_bucket_view)
     if plan.compression != "none":  # gradient compression: DDP comm hooks (executor/apply/compression.py)
         from executor.apply.compression import register_compression
 

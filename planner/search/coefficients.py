@@ -21,7 +21,8 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, held_gradient_bytes,
+from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
+                              held_gradient_bytes,
                               in_flight_micro_batches, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
                               transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
@@ -161,8 +162,8 @@ def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
     return (id(layer), id(cluster), plan.dtype, plan.tp, plan.sp, plan.tp_overlap, plan.micro_batch, plan.cp, plan.ep,
             plan.stack,
             plan.zero, plan.dp_shard, plan.dp, plan.pp > 1, plan.num_micro_batches == 1, plan.offload,
-            plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype,
-            plan.num_micro_batches if plan.holds_unsharded_gradients else 0)
+            plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype, plan.ddp_bucket_view,
+            plan.num_micro_batches if plan.holds_unsharded_gradients or plan.copies_into_buckets else 0)
 
 
 def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
@@ -188,14 +189,16 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """A layer's states on the rank at the activation peak and at the optimizer step, as
     `costmodel.terms.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
-    no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights)."""
+    no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
+    copies, `bucket_copy_bytes`)."""
     device = device_states(params, expert_params, plan, cluster)
     held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     gradients = held_gradient_bytes(params, plan) or (device["gradients"] if gradients_at_peak(plan) else 0.0)
-    at_peak = sum(device.values()) - device["gradients"] + gradients + held
+    dense = params - expert_params
+    at_peak = sum(device.values()) - device["gradients"] + gradients + held + bucket_copy_bytes(dense, plan, stepping=False)
     temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
         params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack, moment_bytes(plan))
-    return at_peak, sum(device.values()) + temporaries
+    return at_peak, sum(device.values()) + temporaries + bucket_copy_bytes(dense, plan, stepping=True)
 
 
 def block_span(workload: Workload) -> tuple[int, int]:

@@ -114,9 +114,14 @@ def _check_recipe_pins(fixed: dict) -> None:
     with SP, where every pin can hold)."""
     keys = (*RECIPE, "accumulation", "zero", "pp", "tp", "sp")
     probe = Layout(**{"zero": 3, **({"tp": 2, "sp": True} if fixed.get("tp_overlap") else {}),
-                      **{k: fixed[k] for k in keys if k in fixed}})
+                      **{k: fixed[k] for k in keys if k in fixed}, "ddp_bucket_view": True})
     if (problem := structural_problem(probe)) is not None:
         raise problem
+    if fixed.get("ddp_bucket_view") is False:  # DDP's own layouts: zero 0, tp 1, pp 1 over more than one rank
+        ddp = Layout(dp=fixed.get("dp", 2), ddp_bucket_view=False,
+                     **{k: fixed.get(k, 0 if k == "zero" else 1) for k in ("zero", "tp", "pp")})
+        if (problem := structural_problem(ddp)) is not None:
+            raise problem
 
 
 def _check_pins_fit(fixed: dict, workload: Workload, cluster: Cluster) -> None:
@@ -296,7 +301,8 @@ def accumulation_choices(layout: Layout, m: int, fixed: dict) -> tuple[str, ...]
     return ("reduce_each",)
 
 
-RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype", "tp_overlap", "fp8_param_gather")  # pinned or the default, never searched
+RECIPE = ("stack", "master_dtype", "optimizer_dtype", "reduce_dtype", "tp_overlap", "fp8_param_gather",
+          "ddp_bucket_view")  # pinned or the default, never searched
 
 
 def _recipe(fixed: dict) -> dict:
