@@ -74,8 +74,12 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     # FSDP2 gathers into a new flat buffer and copies out into the unsharded parameters' new storage,
     # and reduce-scatters from a new flat copy of the gradients: on a host allocator, fresh pages each time.
     gather = coll.all_gather(nbytes, lay.shard_group, cluster) + fresh_page_time(nbytes, 2, cluster) + copy
-    scatter = copy if plan.pp > 1 else (  # pipelined, the reduce-scatter itself is dp_time's
-        coll.reduce_scatter(scattered, lay.shard_group, cluster) + fresh_page_time(scattered, 1, cluster) + copy)
+    wire = 0.0 if plan.pp > 1 else (  # pipelined, the reduce-scatter itself is dp_time's
+        coll.reduce_scatter(scattered, lay.shard_group, cluster) + fresh_page_time(scattered, 1, cluster))
+    scatter = wire + copy
+    if plan.stack != "fused":  # FSDP2's copies beside its collectives; Megatron's buffers are the collectives' own
+        gather += fsdp_gather_copy_in_seconds(params, plan, cluster)
+        scatter += fsdp_reduce_stream_seconds(params, plan, cluster)
     forward, backward, handoffs = sharded_passes(plan)
     return gather * forward, gather * backward, scatter * handoffs
 
@@ -114,15 +118,21 @@ def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout,
     prefetch a layer's gathers run beside its neighbour's whole forward (with its TP
     collectives) and whole backward (with recomputation), the reduce-scatter beside the
     next backward; gathers and scatters share the one link, so they add up
-    (`collectives`: the layer's `sharded_collectives`, where already known)."""
+    (`collectives`: the layer's `sharded_collectives`, where already known). FSDP2's copies out
+    of each gather and of the gradients into each reduce-scatter's buffer run on the stream that
+    computes: never hidden."""
     fwd_gather, bwd_gather, scatter = collectives or sharded_collectives(params, plan, lay)
     if not (fwd_gather or scatter):
         return 0.0
     forward = t.forward + t.tp_comm / 2
     backward = t.backward + t.recompute + t.tp_comm / 2
     cluster = lay.ctx.cluster
+    forward_gathers, backward_gathers, handoffs = sharded_passes(plan)
+    serial = 0.0 if plan.stack == "fused" else (  # Megatron's buffers are the collectives' own
+        (forward_gathers + backward_gathers) * fsdp_copy_out_seconds(params, plan, cluster)
+        + handoffs * fsdp_copy_in_seconds(params, plan, cluster))
     return (exposed_after_overlap(fwd_gather, forward, cluster)
-            + exposed_after_overlap(bwd_gather + scatter, backward, cluster))
+            + exposed_after_overlap(bwd_gather + scatter, backward, cluster) + serial)
 
 
 def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:
@@ -187,16 +197,50 @@ def exposed_dp(ranks: list[RankTime], plan: Plan, lay: Layout | list[Layout]) ->
 
 
 def reduction_copy_passes(plan: Plan) -> float:
-    """Memory passes over a rank's gradients that the data-parallel reduction makes beside
-    the wire, on the cores or SMs that compute: ZeRO 0/1 divide them in place (DDP's buckets,
-    or each gradient, executor/apply/gradient_reduce.py: a read and a write); FSDP2 copies
-    gradients into a flat buffer, divides and copies the result back (three reads and three
-    writes); so does DDP without views into its buckets (`Layout.copies_into_buckets`: each
-    gradient copied in, divided there and copied back). Negligible on HBM, a visible share of a
-    CPU step."""
-    if plan.data_parallel == 1:
+    """Memory passes over a rank's gradients that ZeRO 0/1's once-a-step reduction makes beside
+    the wire, on the cores or SMs that compute: they divide them in place (DDP's buckets, or each
+    gradient, executor/apply/gradient_reduce.py: a read and a write), or, DDP without views into
+    its buckets (`Layout.copies_into_buckets`), copy each in, divide it there and copy it back
+    (three reads and three writes). FSDP2's come with each reduce-scatter (`fsdp_copy_in_seconds`).
+    Negligible on HBM, a visible share of a CPU step."""
+    if plan.data_parallel == 1 or plan.zero >= 2:
         return 0.0
-    return 2.0 if plan.zero <= 1 and not plan.copies_into_buckets else 6.0
+    return 6.0 if plan.copies_into_buckets else 2.0
+
+
+def fsdp_gather_copy_in_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """FSDP2's all-gather of a unit of `params` parameters, before the collective, on its own
+    copy-in stream: the rank's shard read in the master dtype and written into the flat input in
+    the compute copy's (the cast), hidden as the all-gather is."""
+    shard = params / plan.shard_degree
+    write = gathered_weight_element_bytes(plan.dtype, plan.fp8_param_gather)
+    return shard * (plan_state_bytes(plan)[0] + write) / memory_bandwidth(cluster.gpu)
+
+
+def fsdp_copy_out_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """FSDP2's all-gather of a unit of `params` parameters, after the collective
+    (`foreach_all_gather_copy_out`, on the stream that computes): the flat output read and
+    split into each parameter's unsharded storage, in the compute copy's dtype."""
+    return params * 2 * gathered_weight_element_bytes(plan.dtype, plan.fp8_param_gather) / memory_bandwidth(cluster.gpu)
+
+
+def fsdp_copy_in_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """FSDP2's foreach_reduce each time a unit hands its gradients over
+    (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py), over the unit's `params`
+    (unsharded) parameters: their gradients copied into a new flat buffer in the reduce dtype, on
+    the stream that computes (nothing hides it). They are read in the compute copy's dtype, or in
+    the reduce dtype where the units held them between micro-batches (upcast as they accumulate)."""
+    read = reduce_bytes(plan) if plan.holds_unsharded_gradients else gathered_weight_element_bytes(plan.dtype)
+    return params * (read + reduce_bytes(plan)) / memory_bandwidth(cluster.gpu)
+
+
+def fsdp_reduce_stream_seconds(params: float, plan: Plan, cluster: Cluster) -> float:
+    """FSDP2's copies beside the reduce-scatter on its own stream, each hand-off: on one rank
+    (an offloaded unit) the flat input copied to the output in place of the collective, and in
+    fp16 the division before the reduce-scatter (fp32 and bf16 divide inside the collective,
+    `_get_gradient_divide_factors`); a read and a write each, in the reduce dtype."""
+    passes = (2.0 if plan.shard_degree == 1 else 0.0) + (2.0 if plan.reduce_dtype == "fp16" else 0.0)
+    return passes * params * reduce_bytes(plan) / memory_bandwidth(cluster.gpu)
 
 
 def optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:

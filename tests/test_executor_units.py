@@ -152,15 +152,12 @@ def test_comm_overlap_and_optimizer_speed_are_priced():
     assert serial.breakdown_s["zero_comm"] >= base.breakdown_s["zero_comm"]
     assert serial.breakdown_s["zero_comm"] > 0
     slow = estimate(workload, plan, with_eff(optimizer=0.25))
-    # the AdamW traffic takes 4x as long; FSDP2's gradient copies (reduction_copy_passes) do not change
-    from costmodel.data_parallel import optimizer_seconds_per_param, reduction_copy_passes
-    from costmodel.memory import WEIGHT_BYTES
+    # the AdamW traffic takes 4x as long; FSDP2's gradient copies are its reduce-scatters', not the step's
+    from costmodel.data_parallel import reduction_copy_passes
 
-    bandwidth = cluster.gpu.hbm_gbps * 1e9 * cluster.gpu.efficiency.memory_bound
-    held_params = base.breakdown_s["optimizer"] / optimizer_seconds_per_param(plan, cluster)
-    copies = held_params * reduction_copy_passes(plan) * WEIGHT_BYTES[plan.dtype] / bandwidth
-    assert reduction_copy_passes(plan) == 6  # zero 3 reduces through FSDP2
-    assert slow.breakdown_s["optimizer"] - copies == pytest.approx(4 * (base.breakdown_s["optimizer"] - copies))
+    assert reduction_copy_passes(plan) == 0  # zero 3 reduces through FSDP2
+    assert reduction_copy_passes(plan.with_overrides(zero=0)) == 2  # DDP divides its buckets in place
+    assert slow.breakdown_s["optimizer"] == pytest.approx(4 * base.breakdown_s["optimizer"])
 
 
 def _workload(plan):
@@ -327,3 +324,30 @@ def test_a_pipeline_step_keeps_no_outputs_the_plan_does_not_price():
     loss = _pipeline_step(run, plan, torch.zeros(2, 4), torch.zeros(2, 4), pp_rank=1)
     assert _pipeline_step(run, plan, torch.zeros(2, 4), None, pp_rank=0) is None
     assert float(loss) == 3.0 and all(call["return_outputs"] is False for call in calls)
+
+
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_fsdp2s_copies_on_the_computing_stream_are_priced_each_gather_and_hand_off(micro_batches):
+    """FSDP2 copies each gather's flat output into the parameters' storage, and each unit's
+    gradients into the reduce-scatter's flat input, on the stream that computes: nothing hides
+    them, however long the compute; ZeRO-3 gathers twice a micro-batch and hands over once, so
+    they grow with the micro-batches. One offloaded rank runs them too; Megatron's buffers
+    (the fused stack) are the collectives' own."""
+    from costmodel.compute import LayerTime, memory_bandwidth
+    from costmodel.data_parallel import sharded_exposed
+    from costmodel.layout import layout_of
+    from hardware import load
+
+    cluster = load("8xh100-sxm")
+    plan = Plan(model="gpt-85m", hardware="8xh100-sxm", global_batch=8 * micro_batches, seq_len=256, dtype="bf16", dp=8,
+                zero=3, micro_batch=1, stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
+    long = LayerTime(forward=1e3, backward=1e3, recompute=0.0, tp_comm=0.0)  # hides every collective
+    params = 1e9
+    bandwidth = memory_bandwidth(cluster.gpu)
+    per_micro_batch = params * (2 * 2 * 2 + (2 + 4)) / bandwidth  # 2 gathers' bf16 copy-out, bf16 -> fp32 copy-in
+    for layout in (plan, plan.with_overrides(dp=1, global_batch=micro_batches, offload=True)):
+        assert layout.num_micro_batches == micro_batches
+        exposed = sharded_exposed(params, long, layout, layout_of(layout, cluster))
+        assert exposed == pytest.approx(per_micro_batch, rel=1e-9)  # each micro-batch's share
+    fused = plan.with_overrides(stack="fused")
+    assert sharded_exposed(params, long, fused, layout_of(fused, cluster)) == 0.0

@@ -246,11 +246,12 @@ def llama_70b_plans():
 
 
 @pytest.mark.parametrize("stack, layout, policies", [
-    # eager: the states offloaded to the hosts, over dp64 without TP: 16 micro-batches a step, not dp32 tp2's 32,
-    # each after the first adding its gradient shard on the host (FSDP2's foreach_reduce), 0.9% faster; torch's
-    # op-level checkpointing (every second multiply's output and the attention kernels' kept, the rest recomputed)
-    # on most blocks, a full recompute where its third of a block's activations does not fit
-    ("eager", dict(dp=64, tp=1, sp=False, pp=1, zero=3, micro_batch=1, offload=True), {"op", "full"}),
+    # eager: the states offloaded to the hosts under ZeRO-2 inside an 8-stage pipeline over TP2+SP: each stage
+    # gathers its weights and reduces its gradients once a step, where dp64 ZeRO-3's 16 micro-batches each gather
+    # every weight twice and hand every gradient over, each time through FSDP2's copies on the computing stream
+    # (out of the gather's flat buffer, into the reduce-scatter's); torch's op-level checkpointing (every second
+    # multiply's output and the attention kernels' kept, the rest recomputed) where a block's activations do not fit
+    ("eager", dict(dp=4, tp=2, sp=True, pp=8, zero=2, micro_batch=1, offload=True), {"op"}),
     # fused: Megatron/TE speeds (no op-level policy there); its fused kernels save a block's
     # min-cut share, so ZeRO-3 over TP4+SP keeps every block without recomputation
     ("fused", dict(dp=16, tp=4, sp=True, pp=1, zero=3, micro_batch=1), set()),
