@@ -127,12 +127,20 @@ def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout,
     forward = t.forward + t.tp_comm / 2
     backward = t.backward + t.recompute + t.tp_comm / 2
     cluster = lay.ctx.cluster
-    forward_gathers, backward_gathers, handoffs = sharded_passes(plan)
-    serial = 0.0 if plan.stack == "fused" else (  # Megatron's buffers are the collectives' own
-        (forward_gathers + backward_gathers) * fsdp_copy_out_seconds(params, plan, cluster)
-        + handoffs * fsdp_copy_in_seconds(params, plan, cluster))
     return (exposed_after_overlap(fwd_gather, forward, cluster)
-            + exposed_after_overlap(bwd_gather + scatter, backward, cluster) + serial)
+            + exposed_after_overlap(bwd_gather + scatter, backward, cluster) + sum(fsdp_serial_copies(params, plan, cluster)))
+
+
+def fsdp_serial_copies(params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
+    """(forward, backward) seconds per micro-batch of FSDP2's copies on the stream that computes,
+    over a unit of `params` parameters: out of each gather's flat buffer, and (backward) into
+    each reduce-scatter's. None without FSDP2's gathers, nor on the fused stack, whose Megatron
+    buffers are the collectives' own."""
+    if not plan.gathers_weights or plan.stack == "fused":
+        return 0.0, 0.0
+    forward_gathers, backward_gathers, handoffs = sharded_passes(plan)
+    out = fsdp_copy_out_seconds(params, plan, cluster)
+    return forward_gathers * out, backward_gathers * out + handoffs * fsdp_copy_in_seconds(params, plan, cluster)
 
 
 def prefetch_fill(runs, times, plan: Plan, lay: Layout) -> float:

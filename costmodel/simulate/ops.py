@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from .. import collectives as coll
 from ..compression import reduction_element_bytes
 from ..compute import LayerTime, forward_collectives, layer_time
-from ..data_parallel import layer_params_on_rank, sharded_collectives
+from ..data_parallel import fsdp_serial_copies, layer_params_on_rank, sharded_collectives
 from ..layout import Layout
 from ..memory import activation_bytes, activation_keywords, reduce_bytes
 from layout.plan import Plan
@@ -80,7 +80,10 @@ class Pricer:
         if key not in self._layers:
             lt = layer_time(layer, self.lay.ctx, policy)
             fwd_comm = forward_collectives(layer, self.lay.ctx)
-            sharded = sharded_collectives(layer_params_on_rank(layer, self.plan.tp, self.plan.ep), self.plan, self.lay)
+            params = layer_params_on_rank(layer, self.plan.tp, self.plan.ep)
+            sharded = sharded_collectives(params, self.plan, self.lay)
+            forward, backward = fsdp_serial_copies(params, self.plan, self.lay.ctx.cluster)  # on the compute stream
+            lt = LayerTime(lt.forward + forward, lt.backward + backward, lt.recompute, lt.tp_comm, lt.weight_grad)
             self._layers[key] = (lt, fwd_comm, sharded)
         return self._layers[key]
 
