@@ -14,7 +14,7 @@ from __future__ import annotations
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from .memory import WEIGHT_BYTES, model_state_bytes
+from .memory import WEIGHT_BYTES, model_state_bytes, reduce_bytes
 from layout.plan import Plan
 
 
@@ -65,13 +65,13 @@ def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
 
 def device_state_bytes(params: float, plan: Plan) -> dict[str, float]:
     """What of an offloaded rank's states stays on the device: pipelined, FSDP2 keeps a stage's
-    weights gathered and its gradients unsharded (both in the compute dtype) from the first
-    micro-batch to the step's one reduce-scatter; otherwise nothing beyond the units' gather
-    buffers, which the peak moments count."""
+    weights gathered (in the compute dtype) and its gradients unsharded from the first
+    micro-batch to the step's one reduce-scatter, upcast to the reduce dtype as they accumulate
+    (`FSDPParam.to_accumulated_grad_if_needed`; the dry run of llama-3.2-1b pp2 reads fp32);
+    otherwise nothing beyond the units' gather buffers, which the peak moments count."""
     if plan.pp == 1:
         return {"weights": 0.0, "gradients": 0.0, "optimizer": 0.0}
-    unsharded = WEIGHT_BYTES[plan.dtype] * params
-    return {"weights": unsharded, "gradients": unsharded, "optimizer": 0.0}
+    return {"weights": WEIGHT_BYTES[plan.dtype] * params, "gradients": reduce_bytes(plan) * params, "optimizer": 0.0}
 
 
 def states_on_host(plan: Plan, cluster: Cluster) -> bool:

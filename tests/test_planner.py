@@ -251,7 +251,8 @@ def llama_70b_plans():
     # every weight twice and hand every gradient over, each time through FSDP2's copies on the computing stream
     # (out of the gather's flat buffer, into the reduce-scatter's); torch's op-level checkpointing (every second
     # multiply's output and the attention kernels' kept, the rest recomputed) where a block's activations do not fit
-    ("eager", dict(dp=4, tp=2, sp=True, pp=8, zero=2, micro_batch=1, offload=True), {"op"}),
+    # beside the stage's held weights and fp32 gradients, a full recompute where that is not enough
+    ("eager", dict(dp=4, tp=2, sp=True, pp=8, zero=2, micro_batch=1, offload=True), {"op", "full"}),
     # fused: Megatron/TE speeds (no op-level policy there); its fused kernels save a block's
     # min-cut share, so ZeRO-3 over TP4+SP keeps every block without recomputation
     ("fused", dict(dp=16, tp=4, sp=True, pp=1, zero=3, micro_batch=1), set()),
