@@ -184,7 +184,8 @@ def new_gradient_bytes(layer: LayerProfile, plan) -> float:
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
-                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16") -> float:
+                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16",
+                     pipelined: bool = False) -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of
     tokens: micro_batch / cp under context parallelism), on one TP rank.
 
@@ -198,8 +199,12 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
     gathers and masks again in its backward.
 
     A layer kept whole saves less on the stacks that fuse each chain of pointwise ops into one
-    kernel (`fused_saved_bytes`)."""
+    kernel (`fused_saved_bytes`). Pipelined, the last stage also keeps its output, the head's
+    logits, for that micro-batch's backward (`pipeline_held_logits_bytes`)."""
     t = tp if layer.tp_shardable else 1
+    if pipelined and layer.kind == "head":
+        return (activation_bytes(layer, recompute, tp=tp, sp=sp, micro_batch=1.0, cp=cp, kv_bytes=kv_bytes, stack=stack,
+                                 dtype=dtype) + pipeline_held_logits_bytes(layer, t, dtype)) * micro_batch
     replicated_split = t if sp else 1
     if recompute == "full":
         kept = layer.act_input / replicated_split
@@ -220,6 +225,17 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
             kept += kv_bytes * (cp * kv_groups(layer) - 1) / t
             return kept * micro_batch + cp_mask_bias_bytes(layer, cp)
     return kept * micro_batch
+
+
+def pipeline_held_logits_bytes(layer: LayerProfile, tp: int, dtype: str) -> float:
+    """Per sequence, the head's output a pipeline's last stage keeps until that micro-batch's
+    backward (torch.distributed.pipelining's forward cache holds each stage's output; the
+    schedule computes the loss from it): the logits in the compute dtype, whole on every TP
+    rank where the executor gathers them (`tp_gather_bytes`), else the rank's vocabulary shard.
+    The dry run of llama-3.2-1b dp4 pp2 at 4K tokens read this 1 GiB on the last rank."""
+    if layer.tp_gather_bytes:
+        return layer.tp_gather_bytes
+    return layer.gemm_output_elements * WEIGHT_BYTES[dtype] / tp
 
 
 def kv_groups(layer: LayerProfile) -> int:
@@ -314,4 +330,4 @@ def activation_keywords(layout, kv_bytes: float, dtype: str) -> dict:
     """`activation_bytes`'s layout keywords for `layout` in compute `dtype` (`kv_bytes`: one
     sequence's keys and values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
     return dict(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank, cp=layout.cp, kv_bytes=kv_bytes,
-                stack=layout.stack, dtype=dtype)
+                stack=layout.stack, dtype=dtype, pipelined=layout.pp > 1)
