@@ -77,7 +77,7 @@ def sharded_collectives(params: float, plan: Plan, lay: Layout) -> tuple[float, 
     wire = 0.0 if plan.pp > 1 else (  # pipelined, the reduce-scatter itself is dp_time's
         coll.reduce_scatter(scattered, lay.shard_group, cluster) + fresh_page_time(scattered, 1, cluster))
     scatter = wire + copy
-    if plan.stack != "fused":  # FSDP2's copies beside its collectives; Megatron's buffers are the collectives' own
+    if copies_through_fsdp2(plan):  # its copies beside its collectives, on their streams
         gather += fsdp_gather_copy_in_seconds(params, plan, cluster)
         scatter += fsdp_reduce_stream_seconds(params, plan, cluster)
     forward, backward, handoffs = sharded_passes(plan)
@@ -131,12 +131,18 @@ def sharded_exposed(params: float, t: LayerTime, plan: Plan, lay: Layout,
             + exposed_after_overlap(bwd_gather + scatter, backward, cluster) + sum(fsdp_serial_copies(params, plan, cluster)))
 
 
+def copies_through_fsdp2(plan: Plan) -> bool:
+    """Whether the sharded weights and gradients pass through FSDP2's flat buffers: ZeRO-2/3
+    gathers on the eager and compile stacks (the executor's); Megatron's buffers (the fused
+    stack) are the collectives' own."""
+    return plan.gathers_weights and plan.stack != "fused"
+
+
 def fsdp_serial_copies(params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """(forward, backward) seconds per micro-batch of FSDP2's copies on the stream that computes,
     over a unit of `params` parameters: out of each gather's flat buffer, and (backward) into
-    each reduce-scatter's. None without FSDP2's gathers, nor on the fused stack, whose Megatron
-    buffers are the collectives' own."""
-    if not plan.gathers_weights or plan.stack == "fused":
+    each reduce-scatter's (`copies_through_fsdp2`)."""
+    if not copies_through_fsdp2(plan):
         return 0.0, 0.0
     forward_gathers, backward_gathers, handoffs = sharded_passes(plan)
     out = fsdp_copy_out_seconds(params, plan, cluster)

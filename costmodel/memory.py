@@ -202,9 +202,7 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
     kernel (`fused_saved_bytes`). Pipelined, the last stage also keeps its output, the head's
     logits, for that micro-batch's backward (`pipeline_held_logits_bytes`)."""
     t = tp if layer.tp_shardable else 1
-    if pipelined and layer.kind == "head":
-        return (activation_bytes(layer, recompute, tp=tp, sp=sp, micro_batch=1.0, cp=cp, kv_bytes=kv_bytes, stack=stack,
-                                 dtype=dtype) + pipeline_held_logits_bytes(layer, t, dtype)) * micro_batch
+    held = pipeline_held_logits_bytes(layer, t, dtype) if pipelined and layer.kind == "head" else 0.0
     replicated_split = t if sp else 1
     if recompute == "full":
         kept = layer.act_input / replicated_split
@@ -224,7 +222,7 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         if cp > 1 and layer.attention_flops:
             kept += kv_bytes * (cp * kv_groups(layer) - 1) / t
             return kept * micro_batch + cp_mask_bias_bytes(layer, cp)
-    return kept * micro_batch
+    return (kept + held) * micro_batch
 
 
 def pipeline_held_logits_bytes(layer: LayerProfile, tp: int, dtype: str) -> float:
