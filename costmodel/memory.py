@@ -184,8 +184,7 @@ def new_gradient_bytes(layer: LayerProfile, plan) -> float:
 
 
 def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, micro_batch: float,
-                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16",
-                     pipelined: bool = False) -> float:
+                     cp: int = 1, kv_bytes: float = 0.0, stack: str = "eager", dtype: str = "bf16") -> float:
     """Bytes one layer keeps for backward, per micro-batch (`micro_batch` sequences' worth of
     tokens: micro_batch / cp under context parallelism), on one TP rank.
 
@@ -200,9 +199,9 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
 
     A layer kept whole saves less on the stacks that fuse each chain of pointwise ops into one
     kernel (`fused_saved_bytes`). Pipelined, the last stage also keeps its output, the head's
-    logits, for that micro-batch's backward (`pipeline_held_logits_bytes`)."""
+    logits (`costmodel.in_flight.pipeline_held_logits_bytes`), counted apart: to the backward,
+    not to the weight gradients."""
     t = tp if layer.tp_shardable else 1
-    held = pipeline_held_logits_bytes(layer, t, dtype) if pipelined and layer.kind == "head" else 0.0
     replicated_split = t if sp else 1
     if recompute == "full":
         kept = layer.act_input / replicated_split
@@ -222,18 +221,7 @@ def activation_bytes(layer: LayerProfile, recompute: str, *, tp: int, sp: bool, 
         if cp > 1 and layer.attention_flops:
             kept += kv_bytes * (cp * kv_groups(layer) - 1) / t
             return kept * micro_batch + cp_mask_bias_bytes(layer, cp)
-    return (kept + held) * micro_batch
-
-
-def pipeline_held_logits_bytes(layer: LayerProfile, tp: int, dtype: str) -> float:
-    """Per sequence, the head's output a pipeline's last stage keeps until that micro-batch's
-    backward (torch.distributed.pipelining's forward cache holds each stage's output; the
-    schedule computes the loss from it): the logits in the compute dtype, whole on every TP
-    rank where the executor gathers them (`tp_gather_bytes`), else the rank's vocabulary shard.
-    The dry run of llama-3.2-1b dp4 pp2 at 4K tokens read this 1 GiB on the last rank."""
-    if layer.tp_gather_bytes:
-        return layer.tp_gather_bytes
-    return layer.gemm_output_elements * WEIGHT_BYTES[dtype] / tp
+    return kept * micro_batch
 
 
 def kv_groups(layer: LayerProfile) -> int:
@@ -290,42 +278,8 @@ def transient_split(layer: LayerProfile, tp: int, sp: bool, stack: str) -> int:
     return t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
 
 
-def in_flight_micro_batches(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> float:
-    """How many micro-batches of a stage's activations pipeline rank `rank` holds at its peak.
-
-    GPipe runs all forwards first; 1F1B holds at most pp - rank; interleaved
-    1F1B warms up with 2*(pp-rank-1) + (vpp-1)*pp chunk forwards (Narayanan et
-    al. 2021), each holding 1/vpp of the rank's layers. torch's zero-bubble ZB1P
-    warms up with (vpp-1)*pp + (pp-rank-1) chunk forwards, then runs a forward and
-    an input-gradient backward (I) each step, each chunk's weight gradients (W)
-    trailing its I by `rank` steps (`costmodel.simulate.schedule.zero_bubble`,
-    torch's own order). Its I keeps the chunk's autograd graph for W
-    (`stage_backward_input` runs with retain_graph), so a chunk's activations are
-    held from its forward to its W: the warm-up plus rank + 1 steps' forwards,
-    pp*vpp chunks once there are pp micro-batches (not the paper's 1x memory).
-    torch's ZB-V runs its weight gradients right after their input gradients but in the
-    cool-down, so each rank holds min(2*pp, m + rank + 1, 2*m) chunks at its peak: with 2*pp
-    micro-batches or more, pp micro-batches of its layers on every rank (1F1B's first rank's).
-    That is its order's own peak (`costmodel.simulate.schedule.zbv`, `held_at_peak`; a test
-    holds the two equal).
-    """
-    m = num_micro_batches
-    if schedule == "gpipe":
-        return float(m)
-    if schedule == "zero-bubble":
-        total = m * vpp
-        warmup = min(total, (vpp - 1) * pp + (pp - rank - 1))
-        return (warmup + min(total - warmup, rank + 1)) / vpp
-    if schedule == "zbv":  # its order's peak (held_at_peak of zbv's), in closed form: the search asks per rank
-        return min(2 * pp, m + rank + 1, 2 * m) / vpp
-    if schedule == "interleaved":
-        chunks = min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
-        return chunks / vpp
-    return float(min(m, pp - rank))
-
-
 def activation_keywords(layout, kv_bytes: float, dtype: str) -> dict:
     """`activation_bytes`'s layout keywords for `layout` in compute `dtype` (`kv_bytes`: one
     sequence's keys and values of one attention layer, `costmodel.compute.Context.cp_kv_bytes`)."""
     return dict(tp=layout.tp, sp=layout.sp, micro_batch=layout.micro_batch_per_rank, cp=layout.cp, kv_bytes=kv_bytes,
-                stack=layout.stack, dtype=dtype, pipelined=layout.pp > 1)
+                stack=layout.stack, dtype=dtype)

@@ -27,8 +27,9 @@ from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_b
 from .accumulation import held_zero
 from .data_parallel import (expert_reduction_time, exposed_dp, host_copy_seconds, layer_params_on_rank,
                             optimizer_time, prefetch_fill, sharded_exposed, weight_gather_time)
+from .in_flight import end_layer_saved_bytes, held_output_bytes, in_flight_micro_batches, stage_in_flight
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
-                     held_gradient_bytes, in_flight_micro_batches, model_state_bytes, moment_bytes, new_gradient_bytes,
+                     held_gradient_bytes, model_state_bytes, moment_bytes, new_gradient_bytes,
                      optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
 from .layout import Layout, RankTime, kv_bytes_per_sequence, layout_of
 from .offload import device_state_bytes, host_memory_per_node, states_on_host
@@ -208,10 +209,15 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
     per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
     biggest, root, cast, block_slack, end_slack, cast_back = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    ends = 0.0  # the embedding's and head's bytes at the peak, each counted by its own stage's micro-batches
     for est in rank.stage_estimates:
+        in_flight = stage_in_flight(plan.schedule, est.index, plan.pp, plan.vpp, plan.num_micro_batches)
         for layer, policy, count in stage_runs(plan, workload, est.index):
             kept = activation_bytes(layer, policy, **kw)
-            per_mb += kept * count
+            if layer.kind == "block":
+                per_mb += kept * count
+            else:
+                ends += end_layer_saved_bytes(layer, policy, in_flight, plan.pp > 1, **kw) * count
             cast += cast_params_on_rank(layer, plan.tp, plan.ep) * count
             cast_back = max(cast_back, cast_back_bytes(layer, plan))
             if layer.kind == "block":
@@ -222,10 +228,11 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                 end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
                 end_slack = max(end_slack, allocator_slack_bytes(layer, **kw))
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
-                head_saved += kept * count if layer.kind == "head" else 0.0
+                if layer.kind == "head":  # its one micro-batch, the logits with it
+                    head_saved += (kept + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
-    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
+    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches) + ends
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
     moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),

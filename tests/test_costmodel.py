@@ -7,7 +7,8 @@ import hardware
 from costmodel import estimate
 from layout.plan import Plan
 from costmodel import collectives as coll
-from costmodel.memory import activation_bytes, in_flight_micro_batches, model_state_bytes
+from costmodel.in_flight import in_flight_micro_batches
+from costmodel.memory import activation_bytes, model_state_bytes
 from layout.plan import StagePlan, uniform_stages
 from hardware.errors import PlanError
 
@@ -95,6 +96,26 @@ def test_the_zero_bubble_order_is_torchs(pp, vpp, m):
         theirs = [(names[a.computation_type.name], a.microbatch_index, a.stage_index)
                   for a in schedule.pipeline_order[rank] if a is not None]
         assert theirs == [tuple(op) for op in zero_bubble(rank, pp, m, vpp)]
+
+
+@pytest.mark.parametrize("schedule, stage, held", [
+    ("interleaved", 7, (1, 1)), ("interleaved", 3, (4, 4)), ("interleaved", 0, (7, 7)),
+    ("zero-bubble", 7, (4, 1)), ("zbv", 7, (1, 1)), ("zbv", 0, (7, 7)), ("1f1b", 3, (1, 1)), ("gpipe", 3, (8, 8))])
+def test_an_end_layers_stage_is_counted_by_its_own_micro_batches(schedule, stage, held):
+    """At a rank's peak its chunks hold unlike counts (pp 4, two chunks a rank, eight micro-batches):
+    the head's stage on an interleaved last rank one, ZB-V's on rank 0 one beside seven of its
+    first stage's; under a split backward the outputs (the head's logits) go at the input
+    gradients, four of the last stage's activations still waiting on their weight gradients.
+    Summed over a rank's stages they are the chunks the closed form counts."""
+    from costmodel.in_flight import stage_in_flight
+    from layout.axes import stage_rank
+
+    pp, vpp, m = 4, 1 if schedule in ("1f1b", "gpipe") else 2, 8
+    assert stage_in_flight(schedule, stage, pp, vpp, m) == held
+    rank = stage_rank(schedule, pp, stage)
+    mine = [s for s in range(pp * vpp) if stage_rank(schedule, pp, s) == rank]
+    assert sum(stage_in_flight(schedule, s, pp, vpp, m)[0] for s in mine) == in_flight_micro_batches(
+        schedule, rank, pp, vpp, m) * vpp
 
 
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 9), (8, 16)])

@@ -84,13 +84,16 @@ def test_a_pipelined_offloaded_stage_holds_its_weights_and_fp32_gradients_on_the
 
 def test_a_pipelines_last_stage_keeps_its_logits_until_their_backward():
     """torch.distributed.pipelining keeps each stage's output for its backward: on the last
-    stage the head's bf16 logits, 1 GiB a sequence of llama-3.2-1b at 4K tokens (priced 7.6%
-    under the dry run's last rank before)."""
-    workload, _ = workload_for("llama-3.2-1b", seq_len=4096, dtype="bf16")
-    plan = to_plan(Layout(dp=4, pp=2, zero=1, micro_batch=1), workload, hardware.load("8xh100-sxm"), global_batch=16,
-                   dtype="bf16", recompute="full", model="llama-3.2-1b")
-    last = dry_run(plan).ranks[-1]
-    assert abs(last.error) <= 0.03, last.error
+    stage the head's bf16 logits, half a GiB a sequence of llama-3.2-1b at 2K tokens. ZB-V puts
+    that stage on rank 0, which holds one of its micro-batches at its peak beside three of its
+    first stage's: counted at the chunks' average (two) the rank read +7.1%, without the logits
+    -3.7%."""
+    workload, _ = workload_for("llama-3.2-1b", seq_len=2048, dtype="bf16")
+    plan = to_plan(Layout(dp=4, pp=2, vpp=2, schedule="zbv", zero=1, micro_batch=1), workload,
+                   hardware.load("8xh100-sxm"), global_batch=32, dtype="bf16", recompute="none", model="llama-3.2-1b")
+    head = dry_run(plan).ranks[plan.stage_rank(plan.n_virtual_stages - 1)]
+    assert head.pp_rank == 0
+    assert abs(head.error) <= 0.03, head.error
 
 
 @pytest.mark.parametrize("schedule", ["interleaved", "zero-bubble", "zbv"])

@@ -24,6 +24,7 @@ from ..compression import reduction_element_bytes
 from ..compute import LayerTime, forward_collectives, layer_time
 from ..data_parallel import fsdp_serial_copies, layer_params_on_rank, sharded_collectives
 from ..layout import Layout
+from ..in_flight import held_output_bytes
 from ..memory import activation_bytes, activation_keywords, reduce_bytes
 from layout.plan import Plan
 from ..workload import LayerProfile, Workload
@@ -151,9 +152,12 @@ def _lay_out(rows, work, gathers, scatters, compute, recompute, phase, pricer) -
 
 
 def stage_activation(plan: Plan, pricer: Pricer, index: int) -> float:
-    """Bytes one in-flight micro-batch of virtual stage `index` keeps until its backward."""
+    """Bytes one in-flight micro-batch of virtual stage `index` keeps until its backward, the
+    head's logits in the forward cache with them (freed with its activations here, at its input
+    gradients' step under a split backward in the executor)."""
     kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes, plan.dtype)
-    return sum(activation_bytes(layer, policy, **kw) for _, layer, policy in pricer.stage_layers(index))
+    return sum(activation_bytes(layer, policy, **kw) + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)
+               for _, layer, policy in pricer.stage_layers(index))
 
 
 def p2p_seconds(plan: Plan, workload: Workload, lay: Layout, boundary_layer: int) -> float:

@@ -135,29 +135,55 @@ def held_at_peak(order: list[Op]) -> int:
     """The most chunk activations a rank holds at once running `order`: each forward's are kept
     to its backward, or to its weight gradients where the backward is split (torch's
     stage_backward_input retains the graph for them)."""
+    return holdings_at_peak(order)[0]
+
+
+def holdings_at_peak(order: list[Op]) -> tuple[int, dict[int, int], dict[int, int]]:
+    """`held_at_peak`, and at the first moment it is reached how many micro-batches of each
+    stage the rank holds: their saved activations (to the backward, or the weight gradients
+    where it is split) and their outputs (torch.distributed.pipelining's forward cache, popped
+    by the backward). A rank's chunks are not alike there: an interleaved last rank holds one
+    micro-batch of its last chunk beside pp of its first."""
     split = any(op.phase == "W" for op in order)
+    saved: dict[int, int] = {}
+    outputs: dict[int, int] = {}
     held = peak = 0
+    at_peak: tuple[dict[int, int], dict[int, int]] = ({}, {})
     for op in order:
-        held += 1 if op.phase == "F" else -1 if op.phase == ("W" if split else "B") else 0
-        peak = max(peak, held)
-    return peak
+        if op.phase == "F":
+            saved[op.stage] = saved.get(op.stage, 0) + 1
+            outputs[op.stage] = outputs.get(op.stage, 0) + 1
+            held += 1
+        if op.phase == "B":
+            outputs[op.stage] -= 1
+        if op.phase == ("W" if split else "B"):
+            saved[op.stage] -= 1
+            held -= 1
+        if held > peak:
+            peak, at_peak = held, (dict(saved), dict(outputs))
+    return peak, *at_peak
+
+
+def rank_order(schedule: str, rank: int, pp: int, m: int, vpp: int = 1) -> list[Op]:
+    """One pipeline rank's op list (`rank_orders` checks the layout first)."""
+    if schedule == "gpipe":
+        return gpipe(rank, pp, m)
+    if schedule == "interleaved":
+        return interleaved(rank, pp, m, vpp)
+    if schedule == "zero-bubble":
+        return zero_bubble(rank, pp, m, vpp)
+    if schedule == "zbv":
+        return zbv(rank, pp, m)
+    return one_f_one_b(rank, pp, m)
 
 
 def rank_orders(schedule: str, pp: int, m: int, vpp: int = 1) -> list[list[Op]]:
     """One op list per pipeline rank."""
-    if schedule == "gpipe":
-        return [gpipe(r, pp, m) for r in range(pp)]
-    if schedule == "1f1b":
-        return [one_f_one_b(r, pp, m) for r in range(pp)]
-    if schedule == "interleaved":
-        if m % pp:
-            # Megatron's constraint: with a partial group of micro-batches the
-            # warm-up counts no longer match and the ranks can deadlock.
-            raise PlanError("micro_batch", f"interleaved needs the {m} micro-batches to be a multiple of pp={pp}",
-                            "change micro_batch or global_batch, or use schedule 1f1b")
-        return [interleaved(r, pp, m, vpp) for r in range(pp)]
-    if schedule == "zero-bubble":
-        return [zero_bubble(r, pp, m, vpp) for r in range(pp)]
-    if schedule == "zbv":
-        return [zbv(r, pp, m) for r in range(pp)]
-    raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b, interleaved, zero-bubble or zbv")
+    if schedule not in ("gpipe", "1f1b", "interleaved", "zero-bubble", "zbv"):
+        raise PlanError("schedule", f"unknown schedule {schedule!r}", "use gpipe, 1f1b, interleaved, zero-bubble or zbv")
+    if schedule == "interleaved" and m % pp:
+        # Megatron's constraint: with a partial group of micro-batches the
+        # warm-up counts no longer match and the ranks can deadlock.
+        raise PlanError("micro_batch", f"interleaved needs the {m} micro-batches to be a multiple of pp={pp}",
+                        "change micro_batch or global_batch, or use schedule 1f1b")
+    return [rank_order(schedule, r, pp, m, vpp) for r in range(pp)]

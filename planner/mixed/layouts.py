@@ -72,7 +72,7 @@ def pipeline_balance(workload, stage_data: list[StageModelData], policy) -> list
         fixed, inflight, block = data.fixed[s], data.in_flight[s], data.block
         t_block.append(block.time[policy])
         extra_t.append(fixed.time)
-        used = (fixed.states + fixed.activation * inflight + data.extra_bytes(s)
+        used = (fixed.states + fixed.saved + data.extra_bytes(s)
                 + (data.rebuild_bytes(s) if policy in REBUILT else 0.0))
         at_peak = (data.capacity - used) / (block.states + block.activation[policy] * inflight)
         at_step = (data.capacity - data.step_bytes(s, fixed.step_states)) / max(block.step_states, 1e-30)

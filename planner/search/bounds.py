@@ -51,7 +51,7 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
     if pp == 1:
         fixed = data.prefix + data.suffix
         room = (data.capacity - _states(data) - data.extra_bytes(0)
-                - sum(l.activation["none"] for l in fixed) * data.in_flight[0])
+                - data.end_saved(0, vpp, data.prefix) - data.end_saved(vpp - 1, vpp, data.suffix))
         work = (cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
                 + sum(data.stage_fill(s, vpp) for s in range(vpp)))
         return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp) + _exposed_reduction(data, pp, vpp)
@@ -212,7 +212,7 @@ class _RankCost:
         self.data, self.r, self.rebuild = data, r, data.rebuild_bytes(r)
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
-        self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.activation * self.in_flight
+        self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.saved
         self.table: _MixTable | None = None
 
     def blocks_time(self, n: int) -> float:

@@ -21,9 +21,9 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
+from costmodel.in_flight import held_output_bytes, in_flight_micro_batches, stage_in_flight
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
-                              held_gradient_bytes,
-                              in_flight_micro_batches, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
+                              held_gradient_bytes, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
                               transient_bytes)
 from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
@@ -47,6 +47,7 @@ class LayerCoefficients:
     weight_grad: float = 0.0  # of `time`: the weight gradients a zero-bubble schedule moves into the bubble
     pile: float = 0.0  # bytes at a backward's end beside `states`: autocast's cast gradients (`cast_gradient_pile_bytes`)
     cast_back: float = 0.0  # and beside the pile while its largest is cast back (`cast_back_bytes`): the rank's largest counts
+    output: float = 0.0  # bytes per micro-batch in the pipeline's forward cache: the head's logits (`held_output_bytes`)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class RankFixed:
     unhidden sharded collectives."""
 
     time: float
-    activation: float  # bytes kept per micro-batch in flight
+    saved: float  # bytes kept at the rank's peak, for its stages' micro-batches in flight (`StageModelData.end_saved`)
     params: float
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
@@ -73,7 +74,7 @@ class StageModelData:
     suffix: list[LayerCoefficients]  # layers after the blocks (last stage)
     n_blocks: int
     p2p: float  # per virtual stage boundary, per micro-batch
-    in_flight: list[float]  # per pipeline rank
+    in_flight: list[float]  # per pipeline rank: its chunks' average, for the blocks
     dp_seconds_per_param: float  # the overlapped reduction of the dense parameters (not the experts)
     dp_latency: float
     optimizer_seconds_per_param: float  # AdamW's step over every parameter the rank holds
@@ -89,6 +90,14 @@ class StageModelData:
     expert_seconds_per_param: float = 0.0  # the experts' reduction after the backward (`expert_reduction_time`)
     expert_latency: float = 0.0
     step_fixed: tuple[float, ...] = ()  # per pipeline rank: the step's temporaries that do not scale with its parameters
+    # the first and the last virtual stage's micro-batches held at their ranks' peaks (`stage_in_flight`)
+    end_in_flight: tuple[tuple[int, int], tuple[int, int]] = ((1, 1), (1, 1))
+
+    def end_saved(self, s: int, S: int, layers: list[LayerCoefficients]) -> float:
+        """The bytes virtual stage s's embedding or head layers (`layers`) keep at their rank's
+        peak (`costmodel.in_flight.end_layer_saved_bytes`), for no recomputation."""
+        saved, outputs = self.end_in_flight[0 if s == 0 else 1]
+        return sum(l.activation["none"] * saved + l.output * outputs for l in layers)
 
     def extra_bytes(self, r: int) -> float:
         """Rank r's memory at its peak besides states and saved activations (`_rank_extra_bytes`)."""
@@ -122,6 +131,10 @@ class StageModelData:
         with unrecomputed blocks, the least a recomputed block can expose."""
         single, first, middle, last = self.fills
         return single if S == 1 else first if s == 0 else last if s == S - 1 else middle
+
+    def end_layers(self, s: int, S: int) -> list[LayerCoefficients]:
+        """The embedding's layers on virtual stage 0 and the head's on the last (of S)."""
+        return (self.prefix if s == 0 else []) + (self.suffix if s == S - 1 else [])
 
     def stages_of(self, r: int, pp: int, S: int) -> list[int]:
         """The virtual stages (of S) pipeline rank r runs, where the schedule places them
@@ -180,7 +193,9 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
+    output = held_output_bytes(layer, pipelined=plan.pp > 1, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
+                             output=output,
                              step_states=step_states, expert_params=layer.expert_params / plan.ep,
                              weight_grad=times(layer, ctx, "none").weight_grad, pile=cast_gradient_pile_bytes(cast, plan),
                              cast_back=cast_back_bytes(layer, plan))
@@ -257,6 +272,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         schedule=plan.schedule,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
+        end_in_flight=tuple(stage_in_flight(plan.schedule, s, plan.pp, plan.vpp, plan.num_micro_batches)
+                            for s in (0, plan.n_virtual_stages - 1)),
     )
     caching = caches_blocks(cluster)
     extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
@@ -322,12 +339,13 @@ def all_rank_fixed(data: StageModelData, pp: int, S: int) -> tuple[RankFixed, ..
 
 def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     stages = data.stages_of(r, pp, S)
-    layers = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+    layers = [l for s in stages for l in data.end_layers(s, S)]
     crossing = data.crossing[r] if data.crossing else 0.0
     return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * data.sends(s, pp, S) + data.stage_fill(s, S)
                                                                    for s in stages)
                      + crossing,
-                     activation=sum(l.activation["none"] for l in layers), params=sum(l.params for l in layers),
+                     saved=sum(data.end_saved(s, S, data.end_layers(s, S)) for s in stages),
+                     params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
                      weight_grad=sum(l.weight_grad for l in layers),
                      closing=data.closing_fixed(layers))
@@ -365,7 +383,8 @@ def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: l
             growth.append(grows)
             continue
         terms = dict(end_temporaries=max((transient_bytes(layer, **kw) for layer in own), default=0.0),
-                     head_saved=sum(activation_bytes(layer, "none", **kw) for layer in own if layer.kind == "head"),
+                     head_saved=sum(activation_bytes(layer, "none", **kw) + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)
+                                    for layer in own if layer.kind == "head"),
                      accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
                      root_buffer=root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0,
                      block_buffer=block_buffer)
@@ -438,9 +457,9 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
         slack += window
         optimizer = max(optimizer, data.after_backward_seconds(params, experts))
-        act = f.activation + sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
+        act = sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
         rebuilt = any(mine.get(k, 0) for k in REBUILT)
-        used = (blocks * block.states + f.states + act * data.in_flight[r] + (data.rebuild_bytes(r) if rebuilt else 0.0)
+        used = (blocks * block.states + f.states + act * data.in_flight[r] + f.saved + (data.rebuild_bytes(r) if rebuilt else 0.0)
                 + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
         closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)

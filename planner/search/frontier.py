@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.layout import kv_bytes_per_sequence
-from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes, in_flight_micro_batches,
+from costmodel.in_flight import in_flight_micro_batches
+from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes,
                               model_state_bytes)
 from costmodel.offload import states_on_host
 from costmodel.terms import gradients_held, usable_memory_bytes
@@ -169,8 +170,9 @@ def _average_activations(workload: Workload, layout: Layout, dtype: str, per_ran
     key = ("activations", layout.tp, layout.sp, layout.micro_batch, layout.cp, layout.stack, dtype)
     if key not in per_rank:
         keywords = activation_keywords(layout, kv_bytes_per_sequence(workload), dtype)
+        # the blocks alone: an end layer's stage may hold fewer of its micro-batches than the chunks' average
         per_rank[key] = sum(min(activation_bytes(s.layer, p, **keywords) for p in RECOMPUTE) * s.count
-                            for s in workload.segments)
+                            for s in workload.segments if s.layer.kind == "block")
     m = global_batch // (layout.dp * layout.micro_batch)
     fewest = min(in_flight_micro_batches(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp))
     return per_rank[key] / layout.pp * fewest

@@ -109,8 +109,7 @@ class StageModel:
 
     def _fixed_layers(self, s: int) -> list:
         """The embedding/head layers that sit on stage s."""
-        d = self.ranks[self.rank_of[s]]
-        return (d.prefix if s == 0 else []) + (d.suffix if s == self.S - 1 else [])
+        return self.ranks[self.rank_of[s]].end_layers(s, self.S)
 
     def _fixed_params(self, r: int) -> float:
         return sum(self._fixed(s, "params") for s in self._stages_of(r))
@@ -137,7 +136,7 @@ class StageModel:
             d = self.ranks[r]
             inflight = d.in_flight[r]
             act = [self.n[s][k] * _i(d.block.activation[k] * inflight, KIB) for s in self._stages_of(r) for k in POLICIES]
-            fixed_act = sum(self._fixed(s, "activation") for s in self._stages_of(r)) * inflight
+            fixed_act = sum(d.end_saved(s, self.S, self._fixed_layers(s)) for s in self._stages_of(r))
             full_here = self.model.NewBoolVar(f"full_{r}")  # some block of the rank is rebuilt in its backward
             for s in self._stages_of(r):
                 for k in REBUILT:
