@@ -12,9 +12,10 @@ Everything comes from the same `Workload` the training cost model prices
   (GEMMs at the calibrated GEMM efficiency, attention core, memory-bound
   ops) against reading the weights once, plus TP all-reduces of the prompt's
   activations; only the last position goes through the LM head.
-* Decode step of b sequences at mean context L, per layer: roofline
-  max(compute at the peak GEMM efficiency, HBM traffic of the weights + the
-  KV cache read + the activations), plus the layer's TP all-reduces of
+* Decode step of b sequences at mean context L, per layer: a roofline per
+  kernel, as they run one after another: the GEMMs' max(compute, weight
+  read), the attention's max(its compute, the KV cache read), the fused
+  activations' traffic, plus the layer's TP all-reduces of
   b * hidden bytes (`costmodel.collectives`, alpha-beta: at small b the
   latency term dominates) and PP point-to-point hops.
 * Pipeline decode keeps k = min(pp, B) micro-batches in flight; one decode
@@ -353,11 +354,11 @@ class ServingModel:
         return weights_read(layer, _params_on_rank(layer, tp), t, self._load(layer, tp, tokens))
 
     # one engine iteration: the running sequences' next tokens and prompt chunks, the weights read once
-    def _prompt_token(self, layer: LayerProfile, tp: int) -> tuple[float, float]:
-        """(compute, TP comm) seconds one prompt token costs `layer` beside the weight read: its
-        GEMMs at the prompt's size, its share of the prompt's attention (a chunk attends over the
-        prompt before it, so a token's mean share is half the prompt's), the fused pointwise
-        traffic; the head runs a prompt's last position only."""
+    def _prompt_token(self, layer: LayerProfile, tp: int) -> tuple[float, float, float]:
+        """(GEMMs, attention and pointwise, TP comm) seconds one prompt token costs `layer` beside
+        the weight read: its GEMMs at the prompt's size; its share of the prompt's attention (a
+        chunk attends over the prompt before it, so a token's mean share is half the prompt's) and
+        the fused pointwise traffic; the head runs a prompt's last position only."""
         key = (id(layer), tp)
         if key not in self._prompt_cache:
             load = self._load(layer, tp, self.prompt_len)
@@ -368,15 +369,16 @@ class ServingModel:
             if layer.kind == "head":
                 gemm, memory = gemm / self.prompt_len, memory / self.prompt_len
             comm = tp_collective_time(layer, ctx) * scale if tp > 1 else 0.0
-            self._prompt_cache[key] = ((gemm + attention + memory) / self.prompt_len, comm / self.prompt_len)
+            self._prompt_cache[key] = (gemm / self.prompt_len, (attention + memory) / self.prompt_len,
+                                       comm / self.prompt_len)
         return self._prompt_cache[key]
 
     def iteration_stage(self, runs, tp: int, b: float, context: float, prompt_tokens: float = 0.0) -> dict[str, float]:
         """One pass of one stage, by part: `b` sequences decode a token at mean `context` while
         `prompt_tokens` of prompts are prefilled beside them, as one batch (TensorRT-LLM's
         in-flight batching, vLLM V1's chunked prefill): each layer reads its weights once, for all
-        the pass's tokens, and takes the longer of its memory traffic and its compute (a roofline
-        per layer)."""
+        the pass's tokens; its GEMMs take the longer of that read and their compute, its attention
+        the longer of the cache read and its own (a roofline per kernel)."""
         ctx = self.ctx(tp, b)
         kv_layer = _kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
         tokens = b + prompt_tokens
@@ -389,15 +391,17 @@ class ServingModel:
                 weight_bytes = self._read(layer, tp, tokens) * self.weight_bytes
             kv_bytes = b * context * kv_layer if layer.kind == "block" else 0.0
             act_bytes = b * elementwise_traffic(layer, ctx) / self.s / t
-            flops_t = self._gemm_seconds(layer, tp, b)
-            flops_t += b * (layer.attention_flops / self.s ** 2 * context) / t / (
+            attention = b * (layer.attention_flops / self.s ** 2 * context) / t / (
                 self.attention_peak * attention_efficiency(layer, self.cluster.gpu))
-            prompt_compute, prompt_comm = (x * prompt_tokens for x in self._prompt_token(layer, tp)) if prompt_tokens \
-                else (0.0, 0.0)
+            prompt_gemm, prompt_rest, prompt_comm = (x * prompt_tokens for x in self._prompt_token(layer, tp)) \
+                if prompt_tokens else (0.0, 0.0, 0.0)
+            gemm = self._gemm_seconds(layer, tp, b) + prompt_gemm
             mem_w, mem_kv, mem_act = weight_bytes / self.hbm, kv_bytes / self.hbm, act_bytes / self.hbm
             out["weights"] += n * (mem_w + mem_act)
             out["kv_cache"] += n * mem_kv
-            out["compute_excess"] += n * max(0.0, flops_t + prompt_compute - (mem_w + mem_kv + mem_act))
+            # each kernel its own roofline: the GEMMs' weight read hides their compute or the reverse,
+            # and so the attention's cache read its scores'; one never hides under the other's
+            out["compute_excess"] += n * (max(0.0, gemm - mem_w) + max(0.0, attention + prompt_rest - mem_kv))
             out["tp_comm"] += n * prompt_comm
             if t > 1 and layer.tp_allreduces_fwd and b:
                 one = coll.all_reduce(layer.tp_comm_bytes / self.s * b, ctx.tp_group, self.cluster)
