@@ -129,6 +129,7 @@ def test_a_rank_that_outgrows_its_device_stops_the_run_in_one_line(reference, tm
     rank stops (none left running), the line names the rank, the step, measured and predicted
     memory and the command that re-plans, and the last good checkpoint is kept."""
     import subprocess
+    import tempfile
 
     from executor.runtime.config import RunConfig
     from executor.runtime.launch import run
@@ -139,13 +140,17 @@ def test_a_rank_that_outgrows_its_device_stops_the_run_in_one_line(reference, tm
     shutil.copytree(folder, work)
     cluster = hardware.load("4xcpu")
     small = cluster.model_copy(update={"gpu": cluster.gpu.model_copy(update={"hbm_gb": 2**-10})})
-    with pytest.raises(RunError) as failed:
+    scratch = tmp_path / "scratch"  # the run's files, named on its workers' command lines
+    scratch.mkdir()
+    with pytest.raises(RunError) as failed, pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tempfile, "tempdir", str(scratch))
         run(make_plan(), RunConfig(steps=STEPS + 2, checkpoint_dir=str(work)), nproc=4, cluster=small, timeout_s=600)
     line = str(failed.value)
     assert "\n" not in line and line.startswith("rank ") and "DoesNotFit" in line, line
     assert f"in step {STEPS} (the run's first), more than the device's 1.0 MiB; predicted" in line, line
     assert "re-plan with more memory kept free: parallax plan reference-tiny" in line, line
-    assert subprocess.run(["pgrep", "-f", "executor.runtime.worker"], capture_output=True).stdout == b""
+    # this run's workers only: another test's may be running beside it
+    assert subprocess.run(["pgrep", "-f", f"executor.runtime.worker {scratch}"], capture_output=True).stdout == b""
     assert latest_valid(work)[0].name == f"step-{STEPS:08d}"
 
 
