@@ -5,6 +5,7 @@ share, the shared-core pipeline model and the simulator.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 
 from hardware.schema import Cluster
 
@@ -14,7 +15,7 @@ from .compute import Context, memory_bandwidth
 from .accumulation import accumulation_seconds_per_param
 from layout.plan import Plan
 from layout.results import StageEstimate
-from .workload import Workload
+from .workload import LayerProfile, Workload
 
 
 @dataclass
@@ -90,3 +91,18 @@ def layout_of(plan: Plan, cluster: Cluster, workload: Workload | None = None) ->
         replicate_group=coll.group_of(plan.dp_replicate if plan.zero >= 2 else 1, plan.tp * plan.shard_degree, cluster),
         expert_group=coll.group_of(plan.data_parallel // plan.ep, plan.tp * plan.ep, cluster),
     )
+
+
+def stage_runs(plan: Plan, workload: Workload, index: int) -> list[tuple[LayerProfile, str, int]]:
+    """Virtual stage `index` as runs of (identical layer, policy, count): repeated layers are priced once."""
+    stage = plan.stages[index]
+    runs = []
+    position = 0
+    for segment in workload.segments:
+        lo, hi = max(stage.start, position), min(stage.end, position + segment.count)
+        position += segment.count
+        if lo >= hi:
+            continue
+        for policy, group in groupby(stage.recompute[lo - stage.start : hi - stage.start]):
+            runs.append((segment.layer, policy, sum(1 for _ in group)))
+    return runs

@@ -25,8 +25,9 @@ from hardware.mixed import MixedCluster
 from hardware.schema import Cluster
 
 from .data_parallel import exposed_dp, host_copy_seconds, optimizer_time, weight_gather_time
-from .terms import (estimate_uniform, p2p_time, peak_moments, pipeline_time, stage_time, step_breakdown, throughput,
-                       usable_memory_bytes)
+from .peak import peak_moments
+from .terms import (estimate_uniform, p2p_time, pipeline_time, stage_time, step_breakdown, throughput,
+                    usable_memory_bytes)
 from .layout import RankTime, layout_of
 from .offload import host_memory_per_node, states_on_host
 from layout.plan import Plan

@@ -1,7 +1,7 @@
 """What torch's caching allocator reserves at a rank's peak beyond the tensors the peak holds:
 the figure `torch.cuda.max_memory_reserved()` reads, and the one a run dies on.
 
-Why: the estimate's moments (`terms.peak_moments`) count live tensors, which is what
+Why: the estimate's moments (`peak.peak_moments`) count live tensors, which is what
 `max_memory_allocated()` reads. The allocator keeps every block it frees, and a block serves
 only requests no larger than itself, on its own stream. The dry run's replay of llama-3-8b's
 allocations (executor.measure.dry_run through costmodel.allocator, expandable segments) shows

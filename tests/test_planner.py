@@ -168,7 +168,7 @@ def test_every_bound_stays_below_every_partition_it_bounds():
     import hardware
     import planner.search.frontier as frontier
     from planner.search.bounds import balanced_split, lower_bound, memory_aware_bound
-    from planner.search.coefficients import linear_step
+    from planner.search.linear_model import linear_step
     from planner.search.solver import StageModel
     from planner.trace.workload_for import workload_for
 

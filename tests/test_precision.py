@@ -158,7 +158,8 @@ def test_ddps_bucket_copies_hold_a_second_gradient_copied_twice_a_step(llama, mi
     passes of its bytes). The solver's coefficients price it as the estimator does."""
     from costmodel.compute import memory_bandwidth
     from costmodel.terms import usable_memory_bytes
-    from planner.search.coefficients import block_span, linear_step, stage_model_data
+    from planner.search.coefficients import block_span, stage_model_data
+    from planner.search.linear_model import linear_step
 
     workload, cluster = llama
     views = _plan(llama, dp=8, micro_batch=micro_batch)

@@ -14,7 +14,8 @@ from hardware.mixed import load_mixed
 from layout.axes import RECOMPUTE
 from planner.mixed.layouts import pipeline_splits, rank_data
 from planner.mixed.refine import counts_of
-from planner.search.coefficients import block_span, linear_step, stage_model_data
+from planner.search.coefficients import block_span, stage_model_data
+from planner.search.linear_model import linear_step
 from planner.search.solver import StageModel
 from planner.search.space import layouts, to_plan
 from planner.trace.workload_for import workload_for

@@ -21,7 +21,8 @@ from hardware.schema import Cluster
 
 from .. import collectives as coll
 from ..data_parallel import expert_reduction_time, optimizer_time, weight_gather_time
-from ..terms import peak_moments, price_ranks
+from ..peak import peak_moments
+from ..terms import price_ranks
 from ..layout import RankTime
 from layout.plan import Plan
 from .engine import Engine, EngineInput, Event

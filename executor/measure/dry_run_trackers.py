@@ -20,7 +20,7 @@ from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker, _FSDPRefT
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
 
-# tracker category -> cost model category (costmodel.memory / terms.peak_moments)
+# tracker category -> cost model category (costmodel.memory / peak.peak_moments)
 CATEGORY = {
     "Sharded Param": "weights", "Parameter": "weights",
     "Sharded Grad": "gradients", "Gradient": "gradients",

@@ -22,7 +22,8 @@ import numpy as np
 
 from costmodel.terms import bubble_fill, pipeline_seconds
 from layout.axes import REBUILT, RECOMPUTE
-from planner.search.coefficients import StageModelData, cheapest_mix, fixed_per_rank
+from planner.search.coefficients import StageModelData, fixed_per_rank
+from planner.search.linear_model import cheapest_mix
 
 # (leaner, middle) policies a rank's whole-block mix draws beside "none" (whole_block_mix)
 MIXES = (("full", "selective"), ("full", "op"), ("op", "selective"))
@@ -162,7 +163,7 @@ def _optimizer(data: StageModelData, params: float, pp: int) -> float:
 
 def _exposed_reduction(data: StageModelData, pp: int, vpp: int) -> float:
     """The least data-parallel reduction the first pipeline rank leaves exposed
-    (`coefficients.rank_step`): no earlier rank's backward hides it, only its own blocks'
+    (`linear_model.rank_step`): no earlier rank's backward hides it, only its own blocks'
     backward, at most the widest policy's each. Its cost is linear in its block count, so the
     least over splits is at the fewest blocks it may hold (one per virtual stage) or the
     most (every other rank holding one per virtual stage)."""

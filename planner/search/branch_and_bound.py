@@ -30,7 +30,8 @@ from layout.results import SolverReport
 
 from planner.request import PlanRequest
 from planner.search.bounds import balanced_split, memory_aware_bound, rank_costs
-from planner.search.coefficients import block_span, least_recompute_counts, linear_step, single_block_profile
+from planner.search.coefficients import block_span, single_block_profile
+from planner.search.linear_model import least_recompute_counts, linear_step
 from planner.search.enumerate import Candidate
 from planner.search.frontier import Entry, EntryBuilder, Frontier
 from planner.search.pinned import is_fully_pinned, pinned_plan

@@ -13,22 +13,22 @@ from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer
 from costmodel.accumulation import held_zero
 from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
-from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
-                                root_hole_bytes)
-from costmodel.terms import (activation_moments, block_buffer_bytes, bubble_fill, device_states, gradients_at_peak, owned_shares,
-                             p2p_time, pipeline_seconds, root_buffer_bytes)
+from costmodel.reserved import caches_blocks
+from costmodel.peak import device_states, gradients_at_peak, owned_shares
+from costmodel.terms import p2p_time
 from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.in_flight import held_output_bytes, in_flight_micro_batches, stage_in_flight
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
-                              held_gradient_bytes, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
-                              transient_bytes)
-from layout.axes import REBUILT, RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
+                              held_gradient_bytes, moment_bytes, optimizer_step_bytes)
+from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
+
+from planner.search.rank_peak import rank_extra_bytes, step_fixed_bytes
 
 POLICIES = RECOMPUTE
 
@@ -81,7 +81,7 @@ class StageModelData:
     capacity: float
     core_sharing: float = 1.0  # how much faster a CPU rank may run while its node's peers wait (Node.oversubscription)
     fills: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # see `stage_fill`
-    extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`_rank_extra_bytes`)
+    extra: tuple[float, ...] = ()  # per pipeline rank: its peak's buffers and transients (`rank_extra_bytes`)
     fixed: tuple[RankFixed, ...] = ()  # per pipeline rank, for the layout's pp and vpp (`rank_fixed`)
     rebuild: tuple[float, ...] = ()  # per pipeline rank: what a fully recomputed block adds to its peak
     schedule: str = "1f1b"  # the layout's: a zero-bubble one fills its ramps with weight gradients (`bubble_fill`)
@@ -100,7 +100,7 @@ class StageModelData:
         return sum(l.activation["none"] * saved + l.output * outputs for l in layers)
 
     def extra_bytes(self, r: int) -> float:
-        """Rank r's memory at its peak besides states and saved activations (`_rank_extra_bytes`)."""
+        """Rank r's memory at its peak besides states and saved activations (`rank_extra_bytes`)."""
         return self.extra[r] if self.extra else 0.0
 
     def after_backward_seconds(self, params: float, experts: float) -> float:
@@ -110,18 +110,18 @@ class StageModelData:
                 + (experts * self.expert_seconds_per_param + self.expert_latency if experts else 0.0))
 
     def step_bytes(self, r: int, step_states: float) -> float:
-        """Rank r's memory at its optimizer step (`costmodel.terms.peak_moments`'s stepping moment):
+        """Rank r's memory at its optimizer step (`costmodel.peak.peak_moments`'s stepping moment):
         activations gone, its layers' `step_states` and the temporaries of its largest weight."""
         return step_states + (self.step_fixed[r] if self.step_fixed else 0.0)
 
     def closing_fixed(self, fixed: list[LayerCoefficients]) -> float:
-        """A rank's memory at a backward's end (`costmodel.terms.peak_moments`' closing moment)
+        """A rank's memory at a backward's end (`costmodel.peak.peak_moments`' closing moment)
         besides its blocks' `states + pile` each: its embedding and head layers' states and
         piles, and the largest cast-back of those and its blocks (`cast_back_bytes`)."""
         return sum(l.states + l.pile for l in fixed) + max(l.cast_back for l in [*fixed, self.block])
 
     def rebuild_bytes(self, r: int) -> float:
-        """What rank r's peak grows by once it fully recomputes a block (`_rank_extra_bytes`)."""
+        """What rank r's peak grows by once it fully recomputes a block (`rank_extra_bytes`)."""
         return self.rebuild[r] if self.rebuild else self.block.activation["none"]
 
     def stage_fill(self, s: int, S: int) -> float:
@@ -203,7 +203,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
 
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
     """A layer's states on the rank at the activation peak and at the optimizer step, as
-    `costmodel.terms.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
+    `costmodel.peak.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
     copies, `bucket_copy_bytes`)."""
     device = device_states(params, expert_params, plan, cluster)
@@ -276,35 +276,11 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
                             for s in (0, plan.n_virtual_stages - 1)),
     )
     caching = caches_blocks(cluster)
-    extra, rebuild = _rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
+    extra, rebuild = rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
                                        caching)
-    return replace(data, extra=extra, rebuild=rebuild, step_fixed=_step_fixed(layers[:first], layers[first], layers[last:],
+    return replace(data, extra=extra, rebuild=rebuild, step_fixed=step_fixed_bytes(layers[:first], layers[first], layers[last:],
                                                                               plan, cluster, caching),
                    fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))
-
-
-def _step_fixed(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
-                cluster: Cluster, caching: bool) -> tuple[float, ...]:
-    """Per pipeline rank, the optimizer step's memory that does not scale with its parameters
-    (`costmodel.terms.optimizer_step_temporaries`: on a CPU, those of its largest weight), and
-    FSDP2's all-gather pool cached beside it (`costmodel.reserved`)."""
-    largest_share, device, S = owned_shares(plan)[1], cluster.gpu.device_type, plan.n_virtual_stages
-    fixed = []
-    for r in range(plan.pp):
-        own = [block] + (prefix if r == 0 else []) + (suffix if r == plan.stage_rank(S - 1) else [])
-        pool = _pool(own, block, plan) if caching else 0.0
-        if states_on_host(plan, cluster):
-            fixed.append(pool)
-            continue
-        largest = max(layer.largest_weight / (plan.tp if layer.tp_shardable else 1) for layer in own)
-        fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack, moment_bytes(plan)) + pool)
-    return tuple(fixed)
-
-
-def _pool(own: list[LayerProfile], block: LayerProfile, plan: Plan) -> float:
-    """FSDP2's all-gather stream's pool on a rank holding `own`'s end layers beside its blocks."""
-    return all_gather_pool_bytes(plan, _params([l for l in own if l is not block], plan),
-                                 layer_params_on_rank(block, plan.tp, plan.ep))
 
 
 def with_crossing(data: StageModelData, crossing: list[float], vpp: int) -> StageModelData:
@@ -351,65 +327,6 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
                      closing=data.closing_fixed(layers))
 
 
-def _rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
-                      rebuilt: float, caching: bool = True) -> tuple[tuple, tuple]:
-    """Each pipeline rank's peak reservation besides states and saved activations, as
-    `costmodel.terms.peak_moments` holds it, without and with a fully recomputed block
-    (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
-    unit's backward (ZeRO-3's gathered embedding and head, the head's saved activations
-    freed) and a block's backward (the block's gather buffers, the accumulation transient,
-    the larger of the block's temporaries and the rebuilt block, the head's saved
-    activations freed), each with the caching allocator's blocks cached then, and FSDP2's
-    all-gather pool beside them (`costmodel.reserved`; none on CPU ranks: `caching`).
-    Returned as (without, with - without) per rank: a constant and the coefficient of the
-    solver's per-rank full-recompute indicator."""
-    kw = activation_keywords(plan, 0.0, plan.dtype)
-    S = plan.n_virtual_stages
-    ends = [(prefix if r == 0 else []) + (suffix if r == plan.stage_rank(S - 1) else []) for r in range(plan.pp)]
-    sharded = held_zero(plan) >= 3 and plan.gathers_weights
-
-    def largest(layers: list[LayerProfile]) -> float:
-        return max((new_gradient_bytes(l, plan) for l in layers), default=0.0)
-
-    accumulating = plan.num_micro_batches >= 2
-    block_temporaries = transient_bytes(block, **kw)
-    block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype,
-                                      reduce_bytes(plan)) if sharded else 0.0
-    without, growth, seen = [], [], {}
-    for own in ends:
-        if len(own) in seen and seen[len(own)][0] == own:  # the middle ranks hold no ends: priced once
-            plain, grows = seen[len(own)][1]
-            without.append(plain)
-            growth.append(grows)
-            continue
-        terms = dict(end_temporaries=max((transient_bytes(layer, **kw) for layer in own), default=0.0),
-                     head_saved=sum(activation_bytes(layer, "none", **kw) + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)
-                                    for layer in own if layer.kind == "head"),
-                     accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
-                     root_buffer=root_buffer_bytes(_params(own, plan), plan.dtype) if sharded else 0.0,
-                     block_buffer=block_buffer)
-        slacks = _slacks(own, block, plan, kw, terms["end_temporaries"], sharded) if caching else [0.0] * 3
-        pool = _pool(own + [block], block, plan) if caching else 0.0
-
-        def held(work: float) -> float:
-            return max(sum(m.values()) + slack for m, slack in zip(activation_moments(0.0, block_work=work, **terms),
-                                                                     slacks)) + pool
-
-        plain, rebuilding = held(block_temporaries), held(max(block_temporaries, rebuilt))
-        without.append(plain)
-        growth.append(rebuilding - plain)
-        seen[len(own)] = (own, (plain, rebuilding - plain))
-    return tuple(without), tuple(growth)
-
-
-def _slacks(own: list[LayerProfile], block: LayerProfile, plan: Plan, kw: dict, end_temporaries: float,
-            sharded: bool) -> list[float]:
-    """The caching allocator's blocks cached at each moment (`costmodel.reserved.moment_slacks`)."""
-    end = max((allocator_slack_bytes(layer, **kw) for layer in own), default=0.0)
-    hole = root_hole_bytes(plan, _params(own, plan), end_temporaries, sharded)
-    return moment_slacks(end, allocator_slack_bytes(block, **kw), hole)
-
-
 def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,
                  times: LayerTimes) -> tuple:
     """`StageModelData.fills`: (single stage, first, middle, last)."""
@@ -421,106 +338,3 @@ def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfil
         return prefetch_fill(runs, [(times(l, lay.ctx, "none"), 1) for l in (a, b)], plan, lay)
 
     return fill(embedding, head), fill(embedding, block), fill(block, block), fill(block, head)
-
-
-
-
-def _params(layers, plan) -> float:
-    return sum(layer_params_on_rank(layer, plan.tp, plan.ep) for layer in layers)
-
-
-def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
-    blocks per virtual stage: the CP-SAT model's objective and memory
-    constraint evaluated directly, to rank layouts without building plans."""
-    per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
-    for s, stage in enumerate(counts):
-        mine = per_rank[stage_rank(data.schedule, pp, s)]
-        for k, n in stage.items():
-            mine[k] += n
-    return rank_step(data, per_rank, pp, vpp, m)
-
-
-def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
-    block = data.block
-    fixed = fixed_per_rank(data, pp, vpp)
-    rank_time, weight_grads = [], 0.0
-    exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
-    for r, (f, mine) in enumerate(zip(fixed, per_rank)):
-        blocks = sum(mine.get(k, 0) for k in POLICIES)
-        rank_time.append(f.time + sum(mine.get(k, 0) * block.time[k] for k in POLICIES))
-        weight_grads += f.weight_grad + blocks * block.weight_grad
-        window = sum(mine.get(k, 0) * block.backward[k] for k in POLICIES)
-        params = blocks * block.params + f.params
-        experts = blocks * block.expert_params
-        exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
-        slack += window
-        optimizer = max(optimizer, data.after_backward_seconds(params, experts))
-        act = sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
-        rebuilt = any(mine.get(k, 0) for k in REBUILT)
-        used = (blocks * block.states + f.states + act * data.in_flight[r] + f.saved + (data.rebuild_bytes(r) if rebuilt else 0.0)
-                + data.extra_bytes(r))
-        stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
-        closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)
-        headroom = min(headroom, data.capacity - max(used, stepping, closing))
-    pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
-    return pipeline + max(0.0, exposed) + optimizer, headroom
-
-
-def cheapest_mix(data: StageModelData, n: float, room: float, in_flight: float) -> float:
-    """Least time of `n` blocks whose activations must fit in `room` bytes.
-
-    The linear relaxation of choosing a checkpointing policy per block: with
-    one memory constraint its optimum mixes at most two policies, so every
-    single policy and every pair is tried. Returns inf when even full
-    recomputation does not fit.
-    """
-    block = data.block
-    cost = {k: block.time[k] for k in POLICIES}
-    size = {k: block.activation[k] * in_flight for k in POLICIES}
-    best = float("inf")
-    for k in POLICIES:
-        if n * size[k] <= room:
-            best = min(best, n * cost[k])
-    for fast in POLICIES:
-        for lean in POLICIES:
-            if size[fast] > size[lean] and cost[fast] < cost[lean]:
-                lean_count = (n * size[fast] - room) / (size[fast] - size[lean])
-                if 0 <= lean_count <= n:
-                    best = min(best, (n - lean_count) * cost[fast] + lean_count * cost[lean])
-    return best
-
-
-def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:
-    """Greedy start for the CP-SAT model: keep the given partition and, rank by
-    rank, checkpoint the fewest blocks that make its memory fit (the leanest
-    allowed policy for those, the fastest for the rest). None if a rank cannot fit."""
-    S, block = len(blocks), data.block
-    fast = min(allowed, key=lambda k: (block.time[k], block.activation[k]))
-    lean = min(allowed, key=lambda k: (block.activation[k], block.time[k]))
-    counts = [{k: 0 for k in POLICIES} for _ in range(S)]
-    for r in range(pp):
-        stages = data.stages_of(r, pp, S)
-        fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
-        b = sum(blocks[s] for s in stages)
-        infl = data.in_flight[r]
-        base = (b * block.states + sum(l.states for l in fixed)
-                + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
-
-        def used(f: int) -> float:
-            rebuilt = (lean in REBUILT and f) or (fast in REBUILT and b - f)
-            transient = data.rebuild_bytes(r) if rebuilt else 0.0
-            return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
-
-        f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
-        if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
-            return None
-        if b * (block.states + block.pile) + data.closing_fixed(fixed) > data.capacity:
-            return None
-        for s in stages:
-            take = min(f, blocks[s])
-            counts[s][lean] += take
-            counts[s][fast] += blocks[s] - take
-            f -= take
-    return counts

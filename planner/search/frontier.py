@@ -16,7 +16,8 @@ from costmodel.in_flight import in_flight_micro_batches
 from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes,
                               model_state_bytes)
 from costmodel.offload import states_on_host
-from costmodel.terms import gradients_held, usable_memory_bytes
+from costmodel.peak import gradients_held
+from costmodel.terms import usable_memory_bytes
 from costmodel.workload import Workload
 from hardware.schema import Cluster
 from layout.axes import RECOMPUTE
@@ -24,8 +25,8 @@ from layout.layout import Layout
 from layout.plan import Plan
 
 from planner.search.bounds import lower_bound
-from planner.search.coefficients import (LayerTimes, StageModelData, block_span, least_recompute_counts, linear_step,
-                                         rank_step, stage_model_data)
+from planner.search.coefficients import LayerTimes, StageModelData, block_span, stage_model_data
+from planner.search.linear_model import least_recompute_counts, linear_step, rank_step
 from planner.search.floor import Floors
 from planner.search.space import layouts, recompute_choices, to_plan
 

@@ -1,0 +1,212 @@
+"""A pipeline rank's memory at its peak, by category, as the dry run measures it: the moments
+a step's memory can peak at (the loss, the root unit's and a block's backward, the optimizer
+step) and what each holds, with what the caching allocator reserves beside them. The solver's
+coefficients (`planner/search/coefficients.py`) call these same terms.
+"""
+from __future__ import annotations
+
+
+from hardware.schema import Cluster
+
+from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
+from .accumulation import held_zero
+from .data_parallel import layer_params_on_rank
+from .in_flight import end_layer_saved_bytes, held_output_bytes, in_flight_micro_batches, stage_in_flight
+from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
+                     held_gradient_bytes, model_state_bytes, moment_bytes, new_gradient_bytes,
+                     optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
+from .layout import RankTime, kv_bytes_per_sequence, stage_runs
+from .offload import device_state_bytes, states_on_host
+from .reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
+                       peak_reserved_bytes, root_hole_bytes)
+from layout.axes import REBUILT
+from layout.plan import Plan
+from .workload import Workload
+
+
+def device_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> dict[str, float]:
+    """The model states of a rank's `params` parameters on its device, by category: expert
+    states shard over the ranks holding the same experts; offloaded ones are on the host."""
+    if states_on_host(plan, cluster):  # offloaded: the sharded states and the optimizer step live on the host
+        return device_state_bytes(params, plan)
+    per_param = plan_state_bytes(plan)
+    states = model_state_bytes(params - expert_params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack,
+                               per_param)
+    if expert_params:
+        experts = model_state_bytes(expert_params, plan.dtype, held_zero(plan), max(1, plan.shard_degree // plan.ep),
+                                    plan.stack, per_param)
+        states = {k: states[k] + experts[k] for k in states}
+    return states
+
+
+def owned_shares(plan: Plan) -> tuple[float, float]:
+    """The fractions of its parameters and of its largest weight a rank owns (steps) under
+    ZeRO: a 1/shard_degree share of each (FSDP2's shards; ZeRO-1's rows of every weight,
+    executor/apply/zero_one.py)."""
+    shard = plan.shard_degree if plan.zero >= 1 else 1
+    return 1 / shard, 1 / shard
+
+
+def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime,
+                 cluster: Cluster) -> tuple[dict, float, float]:
+    """The rank's memory by category at the largest of its four candidate peaks, as the dry
+    run measures them:
+    - the loss, computed outside every FSDP2 unit between forward and backward: every
+      in-flight micro-batch's saved activations and the last layers' temporaries (the loss's
+      fp32 logits and their gradients), no gathered buffers;
+    - the root unit's backward (the head's, after the loss's): the saved activations less
+      the head's one micro-batch (the loss's log-probabilities, its largest, are freed) and
+      ZeRO-3's gathered root weights with their unsharded gradients;
+    - a block's backward: the saved activations less the head's one micro-batch (freed by
+      then), the block's and the next's gathered weights and one block's unsharded gradients,
+      the accumulation transient, and the larger of the block's temporaries and a fully
+      recomputed block being rebuilt (one layer at a time);
+    - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`), or
+      just before it, under ZeRO-3, the root unit's unsharded gradients and the flat copy its
+      reduce-scatter reads (in the reduce dtype) beside every other gradient.
+    Under ZeRO-2 FSDP2 holds the rank's gathered 16-bit weights at all three instead
+    (`gathered_weight_bytes`). Model states are there at each, but for one micro-batch under
+    FSDP2 without pipelining no gradient exists yet (`gradients_at_peak`); held unsharded
+    (`held_gradient_bytes`), they sit beside the gather buffers instead. Returns the peak's categories, every
+    in-flight micro-batch's saved activations (`activations` less them: that moment's transient), and what
+    the caching allocator reserves at its largest (`reserved.peak_reserved_bytes`)."""
+    states = device_states(rank.params, rank.expert_params, plan, cluster)
+    stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
+    if not gradients_at_peak(plan):
+        states["gradients"] = 0.0
+    held_gradients = held_gradient_bytes(rank.params, plan)
+    if held_gradients:  # unsharded until the last micro-batch reduces them, and no sharded ones yet
+        states["gradients"] = 0.0
+    dense = rank.params - rank.expert_params
+    states["gradients"] += bucket_copy_bytes(dense, plan, stepping=False)
+    stepping["gradients"] += bucket_copy_bytes(dense, plan, stepping=True)
+    kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
+    per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
+    biggest, root, cast, block_slack, end_slack, cast_back = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+    ends = 0.0  # the embedding's and head's bytes at the peak, each counted by its own stage's micro-batches
+    for est in rank.stage_estimates:
+        in_flight = stage_in_flight(plan.schedule, est.index, plan.pp, plan.vpp, plan.num_micro_batches)
+        for layer, policy, count in stage_runs(plan, workload, est.index):
+            kept = activation_bytes(layer, policy, **kw)
+            if layer.kind == "block":
+                per_mb += kept * count
+            else:
+                ends += end_layer_saved_bytes(layer, policy, in_flight, plan.pp > 1, **kw) * count
+            cast += cast_params_on_rank(layer, plan.tp, plan.ep) * count
+            cast_back = max(cast_back, cast_back_bytes(layer, plan))
+            if layer.kind == "block":
+                block_temporaries = max(block_temporaries, transient_bytes(layer, **kw))
+                block_slack = max(block_slack, allocator_slack_bytes(layer, **kw))
+                biggest = max(biggest, layer_params_on_rank(layer, plan.tp, plan.ep))
+            else:
+                end_temporaries = max(end_temporaries, transient_bytes(layer, **kw))
+                end_slack = max(end_slack, allocator_slack_bytes(layer, **kw))
+                root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
+                if layer.kind == "head":  # its one micro-batch, the logits with it
+                    head_saved += (kept + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)) * count
+            if policy in REBUILT:
+                rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
+    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches) + ends
+    sharded = held_zero(plan) >= 3 and plan.gathers_weights
+    gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
+    moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),
+                                 accumulation_transient(plan, workload, rank), gathered["root"], gathered["block"])
+    held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    if held:
+        moments = [{**m, "buffers": held} for m in moments]
+    elif not sharded:
+        moments = [{"activations": m["activations"]} for m in moments]
+    copies = autocast_copy_bytes(cast, plan)
+    pile = cast_gradient_pile_bytes(cast, plan)
+    if pile:  # a backward's end: every gradient, the cast copies and their gradients, no activations
+        closing = {**stepping, "activations": cast_back, "buffers": copies + pile}
+        stepping = max(stepping, closing, key=lambda m: sum(m.values()))
+    if copies:  # autocast's compute-dtype weights, from the first forward to the backward's end
+        moments = [{**m, "buffers": m.get("buffers", 0.0) + copies} for m in moments]
+    if held_gradients:  # FSDP2's unsharded parameters' gradients, beside its gather buffers
+        moments = [{**m, "buffers": m.get("buffers", 0.0) + held_gradients} for m in moments]
+    peak = {**states, **max(moments, key=lambda m: sum(m.values()))}
+    if sharded and root:  # the backward's end: every gradient but the root's, which FSDP2 copies for its reduce-scatter
+        closing = {**stepping, "buffers": WEIGHT_BYTES[plan.dtype] * root, "activations": reduce_bytes(plan) * root}
+        stepping = max(stepping, closing, key=lambda m: sum(m.values()))
+    caching = caches_blocks(cluster)
+    slacks = moment_slacks(end_slack, block_slack, root_hole_bytes(plan, root, end_temporaries, sharded))
+    reserved = peak_reserved_bytes([sum(states.values()) + sum(m.values()) for m in moments],
+                                   slacks if caching else [0.0] * len(moments), sum(stepping.values()),
+                                   all_gather_pool_bytes(plan, root, biggest) if caching else 0.0)
+    if sum(stepping.values()) > sum(peak.values()):
+        return stepping, stepping["activations"], reserved  # nothing saved then: no transient beside the ops
+    return peak, saved, reserved
+
+
+def activation_moments(saved: float, end_temporaries: float, head_saved: float, block_work: float,
+                       accumulation: float, root_buffer: float, block_buffer: float) -> list[dict[str, float]]:
+    """The three moments of a rank's activation peak (`peak_moments`), by category: the loss
+    (every in-flight micro-batch's `saved` activations and the last layers' temporaries), the
+    root unit's backward (the head's one micro-batch of saved activations freed, ZeRO-3's
+    gathered root weights), and a block's backward (the larger of its temporaries and a
+    rebuilt block, the accumulation transient, the block's gather buffers). The solver calls
+    it with `saved` 0 and adds its own linear saved term (`rank_extra_bytes`)."""
+    return [
+        {"activations": saved + end_temporaries, "buffers": 0.0},
+        {"activations": saved - head_saved, "buffers": root_buffer},
+        {"activations": saved - head_saved + block_work + accumulation, "buffers": block_buffer},
+    ]
+
+
+def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:
+    """AdamW's temporaries in the rank's step (`memory.optimizer_step_bytes`), over the
+    parameters it owns: a 1/shard_degree share of each under ZeRO (`owned_shares`)."""
+    if states_on_host(plan, cluster):
+        return 0.0
+    largest = 0.0
+    for est in rank.stage_estimates:
+        for layer, _, _ in stage_runs(plan, workload, est.index):
+            largest = max(largest, layer.largest_weight / (plan.tp if layer.tp_shardable else 1))
+    params_share, largest_share = owned_shares(plan)
+    return optimizer_step_bytes(rank.params * params_share, largest * largest_share, cluster.gpu.device_type, plan.stack,
+                                moment_bytes(plan))
+
+
+def gradients_at_peak(plan: Plan) -> bool:
+    """Whether gradients exist at the activation peak (`gradients_held`)."""
+    return gradients_held(plan, plan.num_micro_batches)
+
+
+def gradients_held(layout, num_micro_batches: int) -> bool:
+    """Whether gradients exist at the activation peak of `layout` (a Layout or Plan). With one
+    micro-batch and no pipeline, not where nothing keeps them between steps: zero_grad sets
+    them to None and the backward makes them as it frees activations (FSDP2, and on the
+    eager and compile stacks every rank outside DDP, executor/apply/gradient_reduce.py).
+    DDP's buckets (its gradients are views into them), Megatron's gradient buffer under
+    ZeRO-0/1 (the fused stack), accumulated micro-batches and pipelined FSDP2's unsharded
+    gradients are there."""
+    if layout.pp > 1 or num_micro_batches > 1:
+        return True
+    if layout.stack == "fused":
+        return layout.zero <= 1
+    return layout.reduces_through_ddp
+
+
+def root_buffer_bytes(root_params: float, dtype: str) -> float:
+    """FSDP2's root unit under ZeRO-3 (the stage's embedding, head and norms) during its
+    backward: its gathered 16-bit weights and their unsharded gradients."""
+    return 2 * WEIGHT_BYTES[dtype] * root_params
+
+
+def block_buffer_bytes(block_params: float, dtype: str, reduced: float = 2.0) -> float:
+    """FSDP2 under ZeRO-3 during a block's backward: the block gathered while the next is
+    prefetched, one block's unsharded gradients, and the flat copy of them its reduce-scatter
+    reads, in the reduce dtype (`reduced` bytes each: FSDP2 copies the gradients in before it
+    frees them)."""
+    return (3 * WEIGHT_BYTES[dtype] + reduced) * block_params
+
+
+def accumulation_transient(plan: Plan, workload: Workload, rank: RankTime) -> float:
+    """Accumulating gradients over micro-batches, autograd computes a weight's gradient into a
+    new tensor before adding it to `.grad`: one weight at a time, the largest the rank holds,
+    an embedding table (or its tied copy) being the one these profiles know of."""
+    if plan.num_micro_batches < 2:
+        return 0.0
+    return max((new_gradient_bytes(layer, plan) for est in rank.stage_estimates
+                for layer, _, _ in stage_runs(plan, workload, est.index)), default=0.0)

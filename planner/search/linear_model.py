@@ -1,0 +1,109 @@
+"""The linear stage model's step and memory from block counts per policy on each pipeline rank
+(`linear_step`, `rank_step`), and the cheapest recompute mix that fits a rank's memory: the
+uniform and greedy plans the search starts from and bounds with, priced by the solver's
+coefficients (`planner.search.coefficients`).
+"""
+from __future__ import annotations
+
+
+from costmodel.terms import bubble_fill, pipeline_seconds
+from layout.axes import REBUILT, stage_rank
+
+from planner.search.coefficients import POLICIES, StageModelData, fixed_per_rank
+
+
+def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
+    """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
+    blocks per virtual stage: the CP-SAT model's objective and memory
+    constraint evaluated directly, to rank layouts without building plans."""
+    per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
+    for s, stage in enumerate(counts):
+        mine = per_rank[stage_rank(data.schedule, pp, s)]
+        for k, n in stage.items():
+            mine[k] += n
+    return rank_step(data, per_rank, pp, vpp, m)
+
+
+def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
+    """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
+    block = data.block
+    fixed = fixed_per_rank(data, pp, vpp)
+    rank_time, weight_grads = [], 0.0
+    exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
+    for r, (f, mine) in enumerate(zip(fixed, per_rank)):
+        blocks = sum(mine.get(k, 0) for k in POLICIES)
+        rank_time.append(f.time + sum(mine.get(k, 0) * block.time[k] for k in POLICIES))
+        weight_grads += f.weight_grad + blocks * block.weight_grad
+        window = sum(mine.get(k, 0) * block.backward[k] for k in POLICIES)
+        params = blocks * block.params + f.params
+        experts = blocks * block.expert_params
+        exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
+        slack += window
+        optimizer = max(optimizer, data.after_backward_seconds(params, experts))
+        act = sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
+        rebuilt = any(mine.get(k, 0) for k in REBUILT)
+        used = (blocks * block.states + f.states + act * data.in_flight[r] + f.saved + (data.rebuild_bytes(r) if rebuilt else 0.0)
+                + data.extra_bytes(r))
+        stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
+        closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)
+        headroom = min(headroom, data.capacity - max(used, stepping, closing))
+    pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
+    return pipeline + max(0.0, exposed) + optimizer, headroom
+
+
+def cheapest_mix(data: StageModelData, n: float, room: float, in_flight: float) -> float:
+    """Least time of `n` blocks whose activations must fit in `room` bytes.
+
+    The linear relaxation of choosing a checkpointing policy per block: with
+    one memory constraint its optimum mixes at most two policies, so every
+    single policy and every pair is tried. Returns inf when even full
+    recomputation does not fit.
+    """
+    block = data.block
+    cost = {k: block.time[k] for k in POLICIES}
+    size = {k: block.activation[k] * in_flight for k in POLICIES}
+    best = float("inf")
+    for k in POLICIES:
+        if n * size[k] <= room:
+            best = min(best, n * cost[k])
+    for fast in POLICIES:
+        for lean in POLICIES:
+            if size[fast] > size[lean] and cost[fast] < cost[lean]:
+                lean_count = (n * size[fast] - room) / (size[fast] - size[lean])
+                if 0 <= lean_count <= n:
+                    best = min(best, (n - lean_count) * cost[fast] + lean_count * cost[lean])
+    return best
+
+
+def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:
+    """Greedy start for the CP-SAT model: keep the given partition and, rank by
+    rank, checkpoint the fewest blocks that make its memory fit (the leanest
+    allowed policy for those, the fastest for the rest). None if a rank cannot fit."""
+    S, block = len(blocks), data.block
+    fast = min(allowed, key=lambda k: (block.time[k], block.activation[k]))
+    lean = min(allowed, key=lambda k: (block.activation[k], block.time[k]))
+    counts = [{k: 0 for k in POLICIES} for _ in range(S)]
+    for r in range(pp):
+        stages = data.stages_of(r, pp, S)
+        fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+        b = sum(blocks[s] for s in stages)
+        infl = data.in_flight[r]
+        base = (b * block.states + sum(l.states for l in fixed)
+                + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
+
+        def used(f: int) -> float:
+            rebuilt = (lean in REBUILT and f) or (fast in REBUILT and b - f)
+            transient = data.rebuild_bytes(r) if rebuilt else 0.0
+            return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
+
+        f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
+        if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
+            return None
+        if b * (block.states + block.pile) + data.closing_fixed(fixed) > data.capacity:
+            return None
+        for s in stages:
+            take = min(f, blocks[s])
+            counts[s][lean] += take
+            counts[s][fast] += blocks[s] - take
+            f -= take
+    return counts
