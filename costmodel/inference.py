@@ -69,7 +69,6 @@ from dataclasses import dataclass, replace
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from hardware.errors import ModelError
 from hardware.engines import ServingEngine, WeightQuantization
 from hardware.schema import Cluster
 
@@ -78,8 +77,8 @@ from .compute import (Context, attention_efficiency, elementwise_traffic, forwar
                       tp_collective_time)
 from .experts import ExpertLoad, expert_load, weights_read
 from .terms import GIB
-
-from layout.plan import uniform_stages
+from .serving_memory import (kv_bytes_per_token, kv_bytes_per_token_per_gpu, kv_per_token_per_block_rank,
+                             params_on_tp_rank, served_weight_bytes, stage_runs_of, weight_bytes_per_gpu)
 from .workload import LayerProfile, Workload
 
 # The share of each GPU a serving engine leaves out of its weights and KV cache: vLLM's
@@ -87,8 +86,7 @@ from .workload import LayerProfile, Workload
 # (formats/serving.py: memory_fraction).
 SERVING_MEMORY_RESERVE = 0.10
 
-__all__ = ["ServingEstimate", "ServingLayout", "kv_bytes_per_token", "kv_bytes_per_token_per_gpu",
-           "weight_bytes_per_gpu", "serving_model", "ServingModel"]
+__all__ = ["ServingEstimate", "ServingLayout", "serving_model", "ServingModel"]
 
 
 # The engines page the KV cache in blocks of tokens: vLLM's --block-size defaults to 16 on CUDA (its
@@ -150,83 +148,6 @@ def batched_tokens(prompt_len: int, max_sequences: int, output_len: int) -> int:
     return joining * prompt_len + max_sequences
 
 
-# --- dimensions -----------------------------------------------------------------
-
-def _dims(workload: Workload) -> tuple[int, int, int]:
-    """(heads, kv_heads, head_dim) from the workload's metadata."""
-    if not workload.heads or not workload.hidden:
-        raise ModelError("model", f"{workload.name} does not record heads/hidden", "serving needs an attention model")
-    kv = workload.kv_heads or workload.heads
-    return workload.heads, kv, workload.hidden // workload.heads
-
-
-def kv_heads_per_rank(workload: Workload, tp: int) -> float:
-    _, kv, _ = _dims(workload)
-    return kv / tp if tp <= kv else 1.0
-
-
-KV_DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp8": 1}  # a KV cache element (vLLM's, SGLang's and TensorRT-LLM's fp8 KV)
-
-
-def kv_element_bytes(workload: Workload, kv_dtype: str | None) -> float:
-    """Bytes of one cached key or value element: the KV dtype's, else the workload's activations'
-    (16-bit under FP8 weights: an engine keeps a 16-bit cache unless told otherwise)."""
-    return float(KV_DTYPE_BYTES[kv_dtype]) if kv_dtype else float(workload.dtype_bytes)
-
-
-def kv_bytes_per_token(workload: Workload, kv_dtype: str | None = None) -> float:
-    """K and V of every block for one token, whole model."""
-    _, kv, head_dim = _dims(workload)
-    return 2.0 * workload.n_blocks * kv * head_dim * kv_element_bytes(workload, kv_dtype)
-
-
-def _kv_per_token_per_block_rank(workload: Workload, tp: int, kv_dtype: str | None = None) -> float:
-    _, _, head_dim = _dims(workload)
-    return 2.0 * kv_heads_per_rank(workload, tp) * head_dim * kv_element_bytes(workload, kv_dtype)
-
-
-def _stages(workload: Workload, pp: int) -> list[list[tuple[LayerProfile, int]]]:
-    """Megatron-style uniform partition, each stage as runs of (layer, count)."""
-    kinds = [layer.kind for layer in workload.layers]
-    out = []
-    for stage in uniform_stages(kinds, pp):
-        runs: list[tuple[LayerProfile, int]] = []
-        position = 0
-        for seg in workload.segments:
-            lo, hi = max(stage.start, position), min(stage.end, position + seg.count)
-            position += seg.count
-            if lo < hi:
-                runs.append((seg.layer, hi - lo))
-        out.append(runs)
-    return out
-
-
-def _params_on_rank(layer: LayerProfile, tp: int) -> float:
-    return layer.params / (tp if layer.tp_shardable else 1)
-
-
-def kv_bytes_per_token_per_gpu(workload: Workload, tp: int, pp: int, kv_dtype: str | None = None) -> float:
-    """KV bytes one token adds on the GPU of the stage with the most blocks."""
-    blocks = max(sum(n for layer, n in runs if layer.kind == "block") for runs in _stages(workload, pp))
-    return blocks * _kv_per_token_per_block_rank(workload, tp, kv_dtype)
-
-
-def served_weight_bytes(workload: Workload, dtype: str, quantization: WeightQuantization | None = None) -> float:
-    """Bytes per served weight: FP8 serving stores and reads 1-byte weights, a weight-only method
-    its packed bits and its groups' scales and zero points (the KV cache and activations stay in
-    the workload's 16-bit dtype)."""
-    if quantization is not None:
-        return quantization.bytes_per_weight
-    return 1.0 if dtype == "fp8" else workload.dtype_bytes
-
-
-def weight_bytes_per_gpu(workload: Workload, tp: int, pp: int, dtype: str = "bf16",
-                         quantization: WeightQuantization | None = None) -> float:
-    """Weights of the heaviest stage on one of its TP ranks."""
-    held = max(sum(_params_on_rank(l, tp) * n for l, n in runs) for runs in _stages(workload, pp))
-    return held * served_weight_bytes(workload, dtype, quantization)
-
-
 # --- time -----------------------------------------------------------------------
 
 class ServingModel:
@@ -271,7 +192,7 @@ class ServingModel:
 
     def stages(self, pp: int):
         if pp not in self._stage_cache:
-            self._stage_cache[pp] = _stages(self.w, pp)
+            self._stage_cache[pp] = stage_runs_of(self.w, pp)
         return self._stage_cache[pp]
 
     def ctx(self, tp: int, batch: float = 1) -> Context:
@@ -351,7 +272,7 @@ class ServingModel:
         """Parameters the busiest TP rank reads for `tokens` tokens through `layer` (a mixture of
         experts: the experts they are routed to, `costmodel.experts`)."""
         t = tp if layer.tp_shardable else 1
-        return weights_read(layer, _params_on_rank(layer, tp), t, self._load(layer, tp, tokens))
+        return weights_read(layer, params_on_tp_rank(layer, tp), t, self._load(layer, tp, tokens))
 
     # one engine iteration: the running sequences' next tokens and prompt chunks, the weights read once
     def _prompt_token(self, layer: LayerProfile, tp: int) -> tuple[float, float, float]:
@@ -380,7 +301,7 @@ class ServingModel:
         the pass's tokens; its GEMMs take the longer of that read and their compute, its attention
         the longer of the cache read and its own (a roofline per kernel)."""
         ctx = self.ctx(tp, b)
-        kv_layer = _kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
+        kv_layer = kv_per_token_per_block_rank(self.w, tp, self.kv_dtype)
         tokens = b + prompt_tokens
         out = {"weights": 0.0, "kv_cache": 0.0, "compute_excess": 0.0, "tp_comm": 0.0}
         for layer, n in runs:

@@ -23,7 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from costmodel.inference import KV_DTYPE_BYTES, SERVING_MEMORY_RESERVE, ServingEstimate, ServingModel
+from costmodel.inference import SERVING_MEMORY_RESERVE, ServingEstimate, ServingModel
+from costmodel.serving_memory import KV_DTYPE_BYTES
 from costmodel.validate import check_dtype, check_fp8
 from costmodel.workload import Workload
 from hardware.engines import ServingEngine, quantization_names, resolve_engine, weight_quantization

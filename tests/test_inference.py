@@ -6,8 +6,8 @@ import math
 import pytest
 
 import hardware
-from costmodel.inference import (ServingModel, kv_bytes_per_token, kv_bytes_per_token_per_gpu,
-                                 weight_bytes_per_gpu)
+from costmodel.inference import ServingModel
+from costmodel.serving_memory import kv_bytes_per_token, kv_bytes_per_token_per_gpu, weight_bytes_per_gpu
 from hardware.errors import InfeasibleError, PlanError
 from planner.inference import InferencePlan, plan_inference
 from planner.trace.workload_for import workload_for
