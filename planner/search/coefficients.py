@@ -187,16 +187,15 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     states += autocast_copy_bytes(cast, plan)  # until the backward ends
     time, backward, activation = {}, {}, {}
     collectives = sharded_collectives(params, plan, lay)  # the same under every policy
+    kw = activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype)
     for policy in POLICIES:
         t = times(layer, ctx, policy)
         zero = sharded_exposed(params, t, plan, lay, collectives)
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
-        activation[policy] = activation_bytes(layer, policy, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
-    output = held_output_bytes(layer, pipelined=plan.pp > 1, **activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype))
+        activation[policy] = activation_bytes(layer, policy, **kw)
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
-                             output=output,
-                             step_states=step_states, expert_params=layer.expert_params / plan.ep,
+                             output=held_output_bytes(layer, pipelined=plan.pp > 1, **kw), step_states=step_states, expert_params=layer.expert_params / plan.ep,
                              weight_grad=times(layer, ctx, "none").weight_grad, pile=cast_gradient_pile_bytes(cast, plan),
                              cast_back=cast_back_bytes(layer, plan))
 
