@@ -11,7 +11,7 @@ from hardware.schema import Cluster
 from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from .accumulation import held_zero
 from .data_parallel import layer_params_on_rank
-from .in_flight import end_layer_saved_bytes, held_output_bytes, in_flight_micro_batches, stage_in_flight
+from .in_flight import held_output_bytes, rank_holdings, saved_at_peak
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
                      held_gradient_bytes, model_state_bytes, moment_bytes, new_gradient_bytes,
                      optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
@@ -81,17 +81,16 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     states["gradients"] += bucket_copy_bytes(dense, plan, stepping=False)
     stepping["gradients"] += bucket_copy_bytes(dense, plan, stepping=True)
     kw = activation_keywords(plan, kv_bytes_per_sequence(workload), plan.dtype)
-    per_mb, head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0, 0.0
+    head_saved, rebuild, block_temporaries, end_temporaries = 0.0, 0.0, 0.0, 0.0
     biggest, root, cast, block_slack, end_slack, cast_back = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
-    ends = 0.0  # the embedding's and head's bytes at the peak, each counted by its own stage's micro-batches
+    kept_by_stage, outputs_by_stage = {}, {}  # per micro-batch of each of the rank's stages
     for est in rank.stage_estimates:
-        in_flight = stage_in_flight(plan.schedule, est.index, plan.pp, plan.vpp, plan.num_micro_batches)
+        kept_by_stage[est.index], outputs_by_stage[est.index] = 0.0, 0.0
         for layer, policy, count in stage_runs(plan, workload, est.index):
             kept = activation_bytes(layer, policy, **kw)
-            if layer.kind == "block":
-                per_mb += kept * count
-            else:
-                ends += end_layer_saved_bytes(layer, policy, in_flight, plan.pp > 1, **kw) * count
+            output = held_output_bytes(layer, pipelined=plan.pp > 1, **kw)
+            kept_by_stage[est.index] += kept * count
+            outputs_by_stage[est.index] += output * count
             cast += cast_params_on_rank(layer, plan.tp, plan.ep) * count
             cast_back = max(cast_back, cast_back_bytes(layer, plan))
             if layer.kind == "block":
@@ -103,10 +102,11 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                 end_slack = max(end_slack, allocator_slack_bytes(layer, **kw))
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
                 if layer.kind == "head":  # its one micro-batch, the logits with it
-                    head_saved += (kept + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)) * count
+                    head_saved += (kept + output) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
-    saved = per_mb * in_flight_micro_batches(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches) + ends
+    holdings = rank_holdings(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
+    saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage)
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
     moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),

@@ -7,7 +7,6 @@ import hardware
 from costmodel import estimate
 from layout.plan import Plan
 from costmodel import collectives as coll
-from costmodel.in_flight import in_flight_micro_batches
 from costmodel.memory import activation_bytes, model_state_bytes
 from layout.plan import StagePlan, uniform_stages
 from hardware.errors import PlanError
@@ -52,12 +51,28 @@ def test_korthikanti_activations_sequence_parallel_and_selective(gpt_22b):
     assert activation_bytes(block, "full", tp=1, sp=False, micro_batch=3) == pytest.approx(3 * 2 * s * h)
 
 
-def test_in_flight_micro_batches():
-    assert in_flight_micro_batches("gpipe", 0, 4, 1, 16) == 16
-    assert [in_flight_micro_batches("1f1b", r, 4, 1, 16) for r in range(4)] == [4, 3, 2, 1]
-    assert in_flight_micro_batches("1f1b", 0, 4, 1, 2) == 2
-    # interleaved: first rank holds more than 1F1B's p micro-batches of a stage
-    assert in_flight_micro_batches("interleaved", 0, 4, 2, 16) > 4
+def _chunks_at_peak(schedule: str, rank: int, pp: int, vpp: int, m: int) -> float:
+    """The most chunk activations a rank holds at once in the modelled order, per chunk."""
+    from costmodel.simulate.schedule import held_at_peak, rank_order
+
+    return held_at_peak(rank_order(schedule, rank, pp, m, vpp)) / vpp
+
+
+@pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 12), (4, 2, 16), (8, 2, 16)])
+def test_the_orders_hold_what_the_papers_warm_ups_say(pp, vpp, m):
+    """Each order's peak, per chunk, is its paper's warm-up count: GPipe every micro-batch,
+    1F1B pp - rank (Narayanan et al. 2021), interleaved 1F1B 2*(pp-rank-1) + (vpp-1)*pp chunk
+    forwards and its steady forward, ZB1P (vpp-1)*pp + (pp-rank-1) warm-up forwards and the rank + 1
+    steps its weight gradients trail by, ZB-V min(2*pp, m + rank + 1, 2*m) chunks."""
+    for rank in range(pp):
+        assert _chunks_at_peak("gpipe", rank, pp, 1, m) == m
+        assert _chunks_at_peak("1f1b", rank, pp, 1, m) == min(m, pp - rank)
+        assert _chunks_at_peak("interleaved", rank, pp, vpp, m) == min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1) / vpp
+        warmup = min(m * vpp, (vpp - 1) * pp + (pp - rank - 1))
+        assert _chunks_at_peak("zero-bubble", rank, pp, vpp, m) == (warmup + min(m * vpp - warmup, rank + 1)) / vpp
+        assert _chunks_at_peak("zbv", rank, pp, 2, m) == min(2 * pp, m + rank + 1, 2 * m) / 2
+    if m > pp:  # more than 1F1B's first rank
+        assert _chunks_at_peak("interleaved", 0, pp, vpp, m) > pp
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 2), (2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8), (4, 2, 12), (8, 2, 8)])
@@ -71,7 +86,7 @@ def test_zero_bubble_holds_each_chunk_from_its_forward_to_its_weight_gradients(p
         for op in zero_bubble(rank, pp, m, vpp):
             live += {"F": 1, "W": -1}.get(op.phase, 0)
             peak = max(peak, live)
-        assert in_flight_micro_batches("zero-bubble", rank, pp, vpp, m) == peak / vpp
+        assert _chunks_at_peak("zero-bubble", rank, pp, vpp, m) == peak / vpp
 
 
 @pytest.mark.parametrize("pp, vpp, m", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 4, 8)])
@@ -98,24 +113,32 @@ def test_the_zero_bubble_order_is_torchs(pp, vpp, m):
         assert theirs == [tuple(op) for op in zero_bubble(rank, pp, m, vpp)]
 
 
-@pytest.mark.parametrize("schedule, stage, held", [
-    ("interleaved", 7, (1, 1)), ("interleaved", 3, (4, 4)), ("interleaved", 0, (7, 7)),
-    ("zero-bubble", 7, (4, 1)), ("zbv", 7, (1, 1)), ("zbv", 0, (7, 7)), ("1f1b", 3, (1, 1)), ("gpipe", 3, (8, 8))])
-def test_an_end_layers_stage_is_counted_by_its_own_micro_batches(schedule, stage, held):
-    """At a rank's peak its chunks hold unlike counts (pp 4, two chunks a rank, eight micro-batches):
-    the head's stage on an interleaved last rank one, ZB-V's on rank 0 one beside seven of its
-    first stage's; under a split backward the outputs (the head's logits) go at the input
-    gradients, four of the last stage's activations still waiting on their weight gradients.
-    Summed over a rank's stages they are the chunks the closed form counts."""
-    from costmodel.in_flight import stage_in_flight
-    from layout.axes import stage_rank
+@pytest.mark.parametrize("schedule, rank, held", [
+    ("interleaved", 3, [((4, 4), (1, 1)), ((5, 5), (0, 0))]), ("interleaved", 0, [((7, 7), (4, 4)), ((8, 8), (3, 3))]),
+    ("zbv", 0, [((7, 7), (1, 1)), ((8, 8), (0, 0))]), ("zbv", 3, [((4, 4), (4, 4)), ((5, 5), (3, 3))]),
+    ("zero-bubble", 3, [((4, 4), (4, 1)), ((5, 4), (3, 1)), ((5, 5), (3, 0)), ((6, 4), (2, 1)), ((6, 5), (2, 0)),
+                        ((7, 4), (1, 1)), ((7, 5), (1, 0)), ((8, 5), (0, 0))]),
+    ("1f1b", 3, [((1, 1),)]), ("gpipe", 3, [((8, 8),)])])
+def test_a_ranks_peak_is_where_its_stages_weights_put_it(schedule, rank, held):
+    """A rank's chunks hold unlike counts, and which moment is its peak depends on what each
+    stage keeps (pp 4, two chunks a rank, eight micro-batches): an interleaved last rank holds
+    (4, 1) micro-batches of its stages 3 and 7, or (5, 0) a step later; ZB-V's rank 0 (7, 1) or
+    (8, 0) of its stages 0 and 7. Under a split backward the outputs (the head's logits) go at the
+    input gradients, the activations at the weights'. With the stages alike, the peak is the
+    order's most chunks held; with the head's stage ten times heavier, the moment holding more of
+    it wins."""
+    from costmodel.in_flight import fewest_in_flight, rank_holdings, saved_at_peak
+    from costmodel.simulate.schedule import held_at_peak, rank_order
 
     pp, vpp, m = 4, 1 if schedule in ("1f1b", "gpipe") else 2, 8
-    assert stage_in_flight(schedule, stage, pp, vpp, m) == held
-    rank = stage_rank(schedule, pp, stage)
-    mine = [s for s in range(pp * vpp) if stage_rank(schedule, pp, s) == rank]
-    assert sum(stage_in_flight(schedule, s, pp, vpp, m)[0] for s in mine) == in_flight_micro_batches(
-        schedule, rank, pp, vpp, m) * vpp
+    holdings = rank_holdings(schedule, rank, pp, vpp, m)
+    assert [tuple((saved, outputs) for _, saved, outputs in h) for h in holdings] == held
+    stages = [s for s, _, _ in holdings[0]]
+    alike = saved_at_peak(holdings, dict.fromkeys(stages, 1.0), {})
+    assert alike == held_at_peak(rank_order(schedule, rank, pp, m, vpp))
+    heavy_last = {s: 10.0 if s == stages[-1] else 1.0 for s in stages}
+    assert saved_at_peak(holdings, heavy_last, {}) == max(sum(heavy_last[s] * n for s, n, _ in h) for h in holdings)
+    assert fewest_in_flight(schedule, rank, pp, vpp, m) == max(min(n for _, n, _ in h) for h in holdings)
 
 
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 9), (8, 16)])
@@ -144,9 +167,9 @@ def test_the_zbv_order_is_torchs_and_its_peak_is_priced(pp, m):
                   for a in schedule.pipeline_order[rank] if a is not None]
         order = zbv(rank, pp, m)
         assert theirs == [tuple(op) for op in order]
-        assert in_flight_micro_batches("zbv", rank, pp, 2, m) == held_at_peak(order) / 2
+        assert _chunks_at_peak("zbv", rank, pp, 2, m) == held_at_peak(order) / 2
     if m >= 2 * pp:  # every rank at 1F1B's first rank's peak: pp micro-batches of its layers
-        assert [in_flight_micro_batches("zbv", r, pp, 2, m) for r in range(pp)] == [pp] * pp
+        assert [_chunks_at_peak("zbv", r, pp, 2, m) for r in range(pp)] == [pp] * pp
 
 
 @pytest.fixture(scope="module")

@@ -140,28 +140,38 @@ def held_at_peak(order: list[Op]) -> int:
 
 def holdings_at_peak(order: list[Op]) -> tuple[int, dict[int, int], dict[int, int]]:
     """`held_at_peak`, and at the first moment it is reached how many micro-batches of each
-    stage the rank holds: their saved activations (to the backward, or the weight gradients
-    where it is split) and their outputs (torch.distributed.pipelining's forward cache, popped
-    by the backward). A rank's chunks are not alike there: an interleaved last rank holds one
-    micro-batch of its last chunk beside pp of its first."""
+    stage the rank holds (`forward_moments`)."""
+    held = peak = 0
+    at_peak: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    for saved, outputs in forward_moments(order):
+        held = sum(saved.values())
+        if held > peak:
+            peak, at_peak = held, (saved, outputs)
+    return peak, *at_peak
+
+
+def forward_moments(order: list[Op]) -> list[tuple[dict[int, int], dict[int, int]]]:
+    """After each forward of `order`, how many micro-batches of each stage the rank holds: their
+    saved activations (to the backward, or to the weight gradients where it is split: torch's
+    stage_backward_input retains the graph for them) and their outputs
+    (torch.distributed.pipelining's forward cache, popped by the backward). Only a forward adds,
+    so the rank's activation peak is at one of these moments, whatever its stages weigh; which
+    one depends on the weights (an interleaved last rank holds one micro-batch of its last chunk
+    beside pp of its first at one moment, fewer of the first and more of the last at another)."""
     split = any(op.phase == "W" for op in order)
     saved: dict[int, int] = {}
     outputs: dict[int, int] = {}
-    held = peak = 0
-    at_peak: tuple[dict[int, int], dict[int, int]] = ({}, {})
+    moments = []
     for op in order:
         if op.phase == "F":
             saved[op.stage] = saved.get(op.stage, 0) + 1
             outputs[op.stage] = outputs.get(op.stage, 0) + 1
-            held += 1
+            moments.append((dict(saved), dict(outputs)))
         if op.phase == "B":
             outputs[op.stage] -= 1
         if op.phase == ("W" if split else "B"):
             saved[op.stage] -= 1
-            held -= 1
-        if held > peak:
-            peak, at_peak = held, (dict(saved), dict(outputs))
-    return peak, *at_peak
+    return moments
 
 
 def rank_order(schedule: str, rank: int, pp: int, m: int, vpp: int = 1) -> list[Op]:

@@ -52,7 +52,7 @@ def lower_bound(data: StageModelData, pp: int, vpp: int, m: int) -> float:
     if pp == 1:
         fixed = data.prefix + data.suffix
         room = (data.capacity - _states(data) - data.extra_bytes(0)
-                - data.end_saved(0, vpp, data.prefix) - data.end_saved(vpp - 1, vpp, data.suffix))
+                - data.saved_bytes(0, vpp, {}))
         work = (cheapest_mix(data, data.n_blocks, room, data.in_flight[0]) + sum(l.time["none"] for l in fixed)
                 + sum(data.stage_fill(s, vpp) for s in range(vpp)))
         return _pipeline(work, work, vpp, m) + _optimizer(data, params, pp) + _exposed_reduction(data, pp, vpp)
@@ -163,7 +163,7 @@ def _optimizer(data: StageModelData, params: float, pp: int) -> float:
 
 def _exposed_reduction(data: StageModelData, pp: int, vpp: int) -> float:
     """The least data-parallel reduction the first pipeline rank leaves exposed
-    (`linear_model.rank_step`): no earlier rank's backward hides it, only its own blocks'
+    (`linear_model.linear_step`): no earlier rank's backward hides it, only its own blocks'
     backward, at most the widest policy's each. Its cost is linear in its block count, so the
     least over splits is at the fewest blocks it may hold (one per virtual stage) or the
     most (every other rank holding one per virtual stage)."""

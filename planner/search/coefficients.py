@@ -7,6 +7,7 @@ estimator agree on uniform plans.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
@@ -20,7 +21,7 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.in_flight import held_output_bytes, in_flight_micro_batches, stage_in_flight
+from costmodel.in_flight import Holding, fewest_in_flight, held_output_bytes, rank_holdings
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
                               held_gradient_bytes, moment_bytes, optimizer_step_bytes)
 from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
@@ -57,7 +58,7 @@ class RankFixed:
     unhidden sharded collectives."""
 
     time: float
-    saved: float  # bytes kept at the rank's peak, for its stages' micro-batches in flight (`StageModelData.end_saved`)
+    saved: float  # its embedding's and head's bytes kept at the rank's peak, without blocks (`StageModelData.saved_bytes`)
     params: float
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
@@ -74,7 +75,7 @@ class StageModelData:
     suffix: list[LayerCoefficients]  # layers after the blocks (last stage)
     n_blocks: int
     p2p: float  # per virtual stage boundary, per micro-batch
-    in_flight: list[float]  # per pipeline rank: its chunks' average, for the blocks
+    in_flight: list[float]  # per pipeline rank: the bounds' factor for its blocks (`fewest_in_flight`)
     dp_seconds_per_param: float  # the overlapped reduction of the dense parameters (not the experts)
     dp_latency: float
     optimizer_seconds_per_param: float  # AdamW's step over every parameter the rank holds
@@ -90,14 +91,24 @@ class StageModelData:
     expert_seconds_per_param: float = 0.0  # the experts' reduction after the backward (`expert_reduction_time`)
     expert_latency: float = 0.0
     step_fixed: tuple[float, ...] = ()  # per pipeline rank: the step's temporaries that do not scale with its parameters
-    # the first and the last virtual stage's micro-batches held at their ranks' peaks (`stage_in_flight`)
-    end_in_flight: tuple[tuple[int, int], tuple[int, int]] = ((1, 1), (1, 1))
+    holdings: tuple[tuple[Holding, ...], ...] = ()  # per pipeline rank: the moments it can peak at (`rank_holdings`)
 
-    def end_saved(self, s: int, S: int, layers: list[LayerCoefficients]) -> float:
-        """The bytes virtual stage s's embedding or head layers (`layers`) keep at their rank's
-        peak (`costmodel.in_flight.end_layer_saved_bytes`), for no recomputation."""
-        saved, outputs = self.end_in_flight[0 if s == 0 else 1]
-        return sum(l.activation["none"] * saved + l.output * outputs for l in layers)
+    def holding_terms(self, r: int, S: int) -> list[tuple[dict[int, int], float]]:
+        """Rank r's saved bytes at each moment it can peak at (`costmodel.in_flight.saved_at_peak`),
+        as a linear form in its stages' blocks: per moment, each stage's micro-batches held (what
+        its blocks' bytes per micro-batch are multiplied by) and what its embedding or head layers
+        keep then, for no recomputation (their saved activations and the head's logits)."""
+        terms = []
+        for holding in self.holdings[r]:
+            ends = sum(l.activation["none"] * saved + l.output * outputs
+                       for s, saved, outputs in holding for l in self.end_layers(s, S))
+            terms.append(({s: saved for s, saved, _ in holding}, ends))
+        return terms
+
+    def saved_bytes(self, r: int, S: int, blocks: Mapping[int, float]) -> float:
+        """Rank r's saved bytes at its peak, its blocks keeping `blocks[s]` bytes per micro-batch on
+        each virtual stage s (`holding_terms`)."""
+        return max(sum(blocks.get(s, 0.0) * n for s, n in held.items()) + ends for held, ends in self.holding_terms(r, S))
 
     def extra_bytes(self, r: int) -> float:
         """Rank r's memory at its peak besides states and saved activations (`rank_extra_bytes`)."""
@@ -258,7 +269,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         n_blocks=last - first,
         p2p=p2p_time(layers[first], plan, lay) if plan.pp > 1 else 0.0,
         in_flight=[
-            in_flight_micro_batches(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)
+            fewest_in_flight(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)
         ],
         dp_seconds_per_param=dp_slope,
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 else 0.0,
@@ -271,8 +282,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         schedule=plan.schedule,
         core_sharing=max(1.0, cluster.node.oversubscription or 1.0) if plan.pp > 1 else 1.0,
         fills=_stage_fills(layers[0], layers[first], layers[-1], plan, lay, times),
-        end_in_flight=tuple(stage_in_flight(plan.schedule, s, plan.pp, plan.vpp, plan.num_micro_batches)
-                            for s in (0, plan.n_virtual_stages - 1)),
+        holdings=tuple(rank_holdings(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)),
     )
     caching = caches_blocks(cluster)
     extra, rebuild = rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
@@ -319,7 +329,7 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * data.sends(s, pp, S) + data.stage_fill(s, S)
                                                                    for s in stages)
                      + crossing,
-                     saved=sum(data.end_saved(s, S, data.end_layers(s, S)) for s in stages),
+                     saved=data.saved_bytes(r, S, {}),
                      params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
                      weight_grad=sum(l.weight_grad for l in layers),

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.layout import kv_bytes_per_sequence
-from costmodel.in_flight import in_flight_micro_batches
+from costmodel.in_flight import fewest_in_flight
 from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes,
                               model_state_bytes)
 from costmodel.offload import states_on_host
@@ -26,7 +26,7 @@ from layout.plan import Plan
 
 from planner.search.bounds import lower_bound
 from planner.search.coefficients import LayerTimes, StageModelData, block_span, stage_model_data
-from planner.search.linear_model import least_recompute_counts, linear_step, rank_step
+from planner.search.linear_model import least_recompute_counts, linear_step
 from planner.search.floor import Floors
 from planner.search.space import layouts, recompute_choices, to_plan
 
@@ -175,7 +175,7 @@ def _average_activations(workload: Workload, layout: Layout, dtype: str, per_ran
         per_rank[key] = sum(min(activation_bytes(s.layer, p, **keywords) for p in RECOMPUTE) * s.count
                             for s in workload.segments if s.layer.kind == "block")
     m = global_batch // (layout.dp * layout.micro_batch)
-    fewest = min(in_flight_micro_batches(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp))
+    fewest = min(fewest_in_flight(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp))
     return per_rank[key] / layout.pp * fewest
 
 
@@ -188,9 +188,8 @@ def rank_uniform(workload: Workload, entries: list[Entry], fixed: dict) -> list[
         allowed = recompute_choices(fixed, entry.layout)
         blocks = [min(st.end, last) - max(st.start, first) for st in entry.template.stages]
         lay, m = entry.layout, entry.template.num_micro_batches
-        per_rank = [sum(blocks[s] for s in lay.rank_stages(r)) for r in range(lay.pp)]
         for policy in allowed:
-            step, headroom = rank_step(entry.data, [{policy: b} for b in per_rank], lay.pp, lay.vpp, m)
+            step, headroom = linear_step(entry.data, [{policy: b} for b in blocks], lay.pp, lay.vpp, m)
             if headroom >= 0 and step < entry.uniform_best:
                 entry.uniform_best, entry.uniform_policy = step, policy
         greedy = least_recompute_counts(entry.data, blocks, lay.pp, allowed)

@@ -1,5 +1,5 @@
 """The linear stage model's step and memory from block counts per policy on each pipeline rank
-(`linear_step`, `rank_step`), and the cheapest recompute mix that fits a rank's memory: the
+(`linear_step`), and the cheapest recompute mix that fits a rank's memory: the
 uniform and greedy plans the search starts from and bounds with, priced by the solver's
 coefficients (`planner.search.coefficients`).
 """
@@ -16,17 +16,14 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
     """(step seconds, worst memory headroom in bytes) of `counts[s][policy]`
     blocks per virtual stage: the CP-SAT model's objective and memory
     constraint evaluated directly, to rank layouts without building plans."""
+    block, S = data.block, len(counts)
     per_rank = [dict.fromkeys(POLICIES, 0) for _ in range(pp)]
+    kept: list[dict[int, float]] = [{} for _ in range(pp)]  # per rank: its blocks' bytes per micro-batch, by stage
     for s, stage in enumerate(counts):
-        mine = per_rank[stage_rank(data.schedule, pp, s)]
+        r = stage_rank(data.schedule, pp, s)
         for k, n in stage.items():
-            mine[k] += n
-    return rank_step(data, per_rank, pp, vpp, m)
-
-
-def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp: int, m: int) -> tuple[float, float]:
-    """`linear_step` from the blocks per policy on each pipeline rank (all its virtual stages)."""
-    block = data.block
+            per_rank[r][k] += n
+        kept[r][s] = sum(n * block.activation[k] for k, n in stage.items())
     fixed = fixed_per_rank(data, pp, vpp)
     rank_time, weight_grads = [], 0.0
     exposed, slack, headroom, optimizer = 0.0, 0.0, float("inf"), 0.0
@@ -40,10 +37,9 @@ def rank_step(data: StageModelData, per_rank: list[dict[str, int]], pp: int, vpp
         exposed = max(exposed, (params - experts) * data.dp_seconds_per_param + data.dp_latency - window - slack)
         slack += window
         optimizer = max(optimizer, data.after_backward_seconds(params, experts))
-        act = sum(mine.get(k, 0) * block.activation[k] for k in POLICIES)
         rebuilt = any(mine.get(k, 0) for k in REBUILT)
-        used = (blocks * block.states + f.states + act * data.in_flight[r] + f.saved + (data.rebuild_bytes(r) if rebuilt else 0.0)
-                + data.extra_bytes(r))
+        used = (blocks * block.states + f.states + data.saved_bytes(r, S, kept[r])
+                + (data.rebuild_bytes(r) if rebuilt else 0.0) + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
         closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)
         headroom = min(headroom, data.capacity - max(used, stepping, closing))
@@ -78,32 +74,40 @@ def cheapest_mix(data: StageModelData, n: float, room: float, in_flight: float) 
 def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, allowed: tuple[str, ...]) -> list[dict[str, int]] | None:
     """Greedy start for the CP-SAT model: keep the given partition and, rank by
     rank, checkpoint the fewest blocks that make its memory fit (the leanest
-    allowed policy for those, the fastest for the rest). None if a rank cannot fit."""
+    allowed policy for those, on the stages whose micro-batches it holds most of,
+    the fastest for the rest). None if a rank cannot fit."""
     S, block = len(blocks), data.block
     fast = min(allowed, key=lambda k: (block.time[k], block.activation[k]))
     lean = min(allowed, key=lambda k: (block.activation[k], block.time[k]))
     counts = [{k: 0 for k in POLICIES} for _ in range(S)]
     for r in range(pp):
         stages = data.stages_of(r, pp, S)
-        fixed = [l for s in stages for l in (data.prefix if s == 0 else []) + (data.suffix if s == S - 1 else [])]
+        held_most = {s: max(held[s] for held, _ in data.holding_terms(r, S)) for s in stages}
+        stages.sort(key=lambda s: -held_most[s])
+        fixed = [l for s in stages for l in data.end_layers(s, S)]
         b = sum(blocks[s] for s in stages)
-        infl = data.in_flight[r]
-        base = (b * block.states + sum(l.states for l in fixed)
-                + sum(l.activation["none"] for l in fixed) * infl + data.extra_bytes(r))
+        base = b * block.states + sum(l.states for l in fixed) + data.extra_bytes(r)
+
+        def leaner(f: int) -> dict[int, int]:  # the lean blocks per stage, `f` of them
+            out = {}
+            for s in stages:
+                out[s] = min(f, blocks[s])
+                f -= out[s]
+            return out
 
         def used(f: int) -> float:
             rebuilt = (lean in REBUILT and f) or (fast in REBUILT and b - f)
             transient = data.rebuild_bytes(r) if rebuilt else 0.0
-            return base + infl * ((b - f) * block.activation[fast] + f * block.activation[lean]) + transient
+            kept = {s: n * block.activation[lean] + (blocks[s] - n) * block.activation[fast]
+                    for s, n in leaner(f).items()}
+            return base + data.saved_bytes(r, S, kept) + transient
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
             return None
         if b * (block.states + block.pile) + data.closing_fixed(fixed) > data.capacity:
             return None
-        for s in stages:
-            take = min(f, blocks[s])
-            counts[s][lean] += take
-            counts[s][fast] += blocks[s] - take
-            f -= take
+        for s, n in leaner(f).items():
+            counts[s][lean] += n
+            counts[s][fast] += blocks[s] - n
     return counts

@@ -134,22 +134,17 @@ class StageModel:
     def add_memory(self) -> None:
         for r in range(self.pp):
             d = self.ranks[r]
-            inflight = d.in_flight[r]
-            act = [self.n[s][k] * _i(d.block.activation[k] * inflight, KIB) for s in self._stages_of(r) for k in POLICIES]
-            fixed_act = sum(d.end_saved(s, self.S, self._fixed_layers(s)) for s in self._stages_of(r))
             full_here = self.model.NewBoolVar(f"full_{r}")  # some block of the rank is rebuilt in its backward
             for s in self._stages_of(r):
                 for k in REBUILT:
                     self.model.Add(self.n[s][k] <= d.n_blocks * full_here)
             states = self._blocks(r) * _i(d.block.states, KIB)
             fixed_states = sum(self._fixed(s, "states") for s in self._stages_of(r))
-            self.model.Add(
-                sum(act)
-                + states
-                + full_here * _i(d.rebuild_bytes(r), KIB)
-                + _i(fixed_act + fixed_states + d.extra_bytes(r), KIB)
-                <= _i(d.capacity, KIB)
-            )
+            for held, ends in d.holding_terms(r, self.S):  # each moment the rank can peak at
+                act = [self.n[s][k] * _i(d.block.activation[k] * held[s], KIB) for s in self._stages_of(r)
+                       for k in POLICIES]
+                self.model.Add(sum(act) + states + full_here * _i(d.rebuild_bytes(r), KIB)
+                               + _i(ends + fixed_states + d.extra_bytes(r), KIB) <= _i(d.capacity, KIB))
             # the optimizer step's moment: every state and AdamW's temporaries, no activations
             fixed_step = sum(self._fixed(s, "step_states") for s in self._stages_of(r))
             self.model.Add(self._blocks(r) * _i(d.block.step_states, KIB) + _i(d.step_bytes(r, fixed_step), KIB)
