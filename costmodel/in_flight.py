@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from functools import lru_cache
 
+import numpy as np
+
 from layout.axes import stage_rank
 
 from .memory import WEIGHT_BYTES
@@ -36,21 +38,36 @@ def pipeline_held_logits_bytes(layer: LayerProfile, tp: int, dtype: str) -> floa
 Holding = tuple[tuple[int, int, int], ...]  # per stage of a rank: (stage, saved activations held, outputs held)
 
 
-@lru_cache(maxsize=16384)
 def rank_holdings(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> tuple[Holding, ...]:
     """The moments pipeline rank `rank`'s memory can peak at, whatever its stages weigh: after
     each forward of its order (`forward_moments`), each of its stages' micro-batches held, less
     the moments another holds at least as many of in every count (a sum with weights of zero or
-    more never peaks there alone)."""
+    more never peaks there alone). Read off the order of `moment_micro_batches`, which shows
+    every moment the step's does."""
+    return _holdings(schedule, rank, pp, vpp, moment_micro_batches(schedule, pp, vpp, num_micro_batches))
+
+
+@lru_cache(maxsize=16384)
+def _holdings(schedule: str, rank: int, pp: int, vpp: int, m: int) -> tuple[Holding, ...]:
     stages = [s for s in range(pp * vpp) if stage_rank(schedule, pp, s) == rank]
-    order = rank_order(schedule, rank, pp, num_micro_batches, vpp)
-    moments = {tuple((s, saved.get(s, 0), outputs.get(s, 0)) for s in stages)
-               for saved, outputs in forward_moments(order)}
+    moments = sorted(set(forward_moments(rank_order(schedule, rank, pp, m, vpp), stages)))
+    counts = np.array(moments, dtype=np.int64).reshape(-1, 2 * len(stages))
+    at_least = (counts[:, None, :] >= counts[None, :, :]).all(axis=2)  # [i, j]: i holds as many as j of each
+    covered = (at_least & ~np.eye(len(counts), dtype=bool)).any(axis=0)  # rows unique: a cover holds more of some
+    return tuple(tuple((s, int(row[2 * i]), int(row[2 * i + 1])) for i, s in enumerate(stages))
+                 for row in counts[~covered])
 
-    def covers(a: Holding, b: Holding) -> bool:
-        return a != b and all(x[1] >= y[1] and x[2] >= y[2] for x, y in zip(a, b))
 
-    return tuple(sorted(h for h in moments if not any(covers(other, h) for other in moments)))
+def moment_micro_batches(schedule: str, pp: int, vpp: int, num_micro_batches: int) -> int:
+    """Micro-batches whose order shows every moment a step of `num_micro_batches` does: each
+    order but GPipe's (which holds them all) reaches its steady state within two rounds of pp
+    micro-batches and repeats it round after round until its cool-down, so a longer step adds
+    no moment, given the same remainder of a last partial round (a test holds the two equal up
+    to twelve rounds). Three rounds keep one to spare, and the search's orders short."""
+    rounds = 3
+    if schedule == "gpipe" or num_micro_batches <= rounds * pp:
+        return num_micro_batches
+    return rounds * pp + num_micro_batches % pp
 
 
 def saved_at_peak(holdings: tuple[Holding, ...], saved_bytes: Mapping[int, float],
@@ -62,13 +79,39 @@ def saved_at_peak(holdings: tuple[Holding, ...], saved_bytes: Mapping[int, float
                 for h in holdings), default=0.0)
 
 
-def fewest_in_flight(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> int:
-    """The fewest micro-batches a block of rank `rank` is held for at its peak, however the
-    partition splits its blocks among its stages: at some moment the rank holds at least this
-    many of every stage's. A bound's factor (the solver may load the stages it holds fewest of);
-    with one stage a rank, that stage's count at the peak."""
-    return max(min(saved for _, saved, _ in holding)
-               for holding in rank_holdings(schedule, rank, pp, vpp, num_micro_batches))
+def fewest_in_flight(schedule: str, rank: int, pp: int, vpp: int, num_micro_batches: int) -> tuple[int, int]:
+    """What no split of rank `rank`'s blocks among its stages (one block each at least) holds
+    less of at its peak, as (c, e): every block's bytes per micro-batch c times, and e more of
+    the leanest block's. At the moment holding the most of its least-held stage (c of it), each
+    stage's first block is held as many times as that stage's micro-batches, the rest at least
+    c. A bound's terms (the solver may load the stages it holds fewest of); with one stage a
+    rank, (its count at the peak, 0). The search asks it of every layout it weighs: from two
+    rounds of micro-batches on, in closed form (`_long_step_least`; a test holds the two equal)."""
+    if num_micro_batches >= 2 * pp:
+        return _long_step_least(schedule, rank, pp, vpp, num_micro_batches)
+    holding = max(rank_holdings(schedule, rank, pp, vpp, num_micro_batches),
+                  key=lambda h: (min(n for _, n, _ in h), sum(n for _, n, _ in h)))
+    least = min(n for _, n, _ in holding)
+    return least, sum(n for _, n, _ in holding) - least * len(holding)
+
+
+def _long_step_least(schedule: str, rank: int, pp: int, vpp: int, m: int) -> tuple[int, int]:
+    """`fewest_in_flight` of a step of at least 2*pp micro-batches. 1F1B's rank holds pp - rank,
+    zero-bubble's pp of each chunk at once; ZB-V's rank + 1 of its way back up beside
+    2*pp - 1 - rank of its way down; an interleaved rank in the first half holds pp of every chunk
+    with 2*(pp/2 - rank) - 1 more of its first, one in the second half 2*(pp - rank) - 1 of every
+    chunk with 2*rank + 1 - pp more of each but its last."""
+    if schedule == "gpipe":
+        return m, 0
+    if schedule == "1f1b":
+        return pp - rank, 0
+    if schedule == "zero-bubble":
+        return pp, 0
+    if schedule == "zbv":
+        return rank + 1, 2 * (pp - 1 - rank)
+    if 2 * rank < pp:
+        return pp, pp - 1 - 2 * rank
+    return 2 * (pp - rank) - 1, (vpp - 1) * (2 * rank - pp + 1)
 
 
 def held_output_bytes(layer: LayerProfile, *, pipelined: bool, tp: int, micro_batch: float, dtype: str,

@@ -138,7 +138,11 @@ def test_a_ranks_peak_is_where_its_stages_weights_put_it(schedule, rank, held):
     assert alike == held_at_peak(rank_order(schedule, rank, pp, m, vpp))
     heavy_last = {s: 10.0 if s == stages[-1] else 1.0 for s in stages}
     assert saved_at_peak(holdings, heavy_last, {}) == max(sum(heavy_last[s] * n for s, n, _ in h) for h in holdings)
-    assert fewest_in_flight(schedule, rank, pp, vpp, m) == max(min(n for _, n, _ in h) for h in holdings)
+    least, extra = fewest_in_flight(schedule, rank, pp, vpp, m)
+    assert least == max(min(n for _, n, _ in h) for h in holdings)
+    for first in range(1, 8):  # every split of 8 blocks between two stages holds at least the bound
+        blocks = dict(zip(stages, (first, 8 - first))) if len(stages) == 2 else {stages[0]: 8}
+        assert saved_at_peak(holdings, blocks, {}) >= least * 8 + extra
 
 
 @pytest.mark.parametrize("pp, m", [(2, 1), (2, 2), (2, 4), (3, 5), (4, 4), (4, 8), (4, 9), (8, 16)])
@@ -381,3 +385,48 @@ def test_tp_splits_the_weights_gemm_dimension_never_the_tokens():
     unknown = Context(tp=1, micro_batch=1, **kw)
     assert forward_parts(block, unknown)[0] < g1  # 768 wide when the tokens are not known
     assert gemm_efficiency(one, 64) < gemm_efficiency(one, 768)
+
+
+@pytest.mark.parametrize("schedule, vpps", [("1f1b", [1]), ("interleaved", [2, 3]), ("zero-bubble", [1, 2, 3]),
+                                            ("zbv", [2])])
+def test_a_long_step_holds_no_moment_its_first_rounds_do_not(schedule, vpps):
+    """`rank_holdings` reads a step of many micro-batches off an order of three rounds
+    (`moment_micro_batches`): the whole order's moments, Pareto-reduced by hand, are the same."""
+    from costmodel.in_flight import moment_micro_batches, rank_holdings
+    from costmodel.simulate.schedule import forward_moments, rank_order
+    from layout.axes import stage_rank
+
+    for pp in (2, 3, 4):
+        for vpp in vpps:
+            for m in range(1, 12 * pp + 2):
+                if schedule == "interleaved" and m % pp:
+                    continue
+                for rank in range(pp):
+                    stages = [s for s in range(pp * vpp) if stage_rank(schedule, pp, s) == rank]
+                    moments = {tuple((s, flat[2 * i], flat[2 * i + 1]) for i, s in enumerate(stages))
+                               for flat in forward_moments(rank_order(schedule, rank, pp, m, vpp), stages)}
+                    top = {h for h in moments if not any(g != h and all(a[1] >= b[1] and a[2] >= b[2]
+                                                                         for a, b in zip(g, h)) for g in moments)}
+                    assert set(rank_holdings(schedule, rank, pp, vpp, m)) == top, (pp, vpp, m, rank)
+    assert moment_micro_batches(schedule, 4, 2, 100) == 12
+
+
+def test_the_bounds_fewest_in_flight_is_the_orders_from_two_rounds_on():
+    """`fewest_in_flight` answers a step of 2*pp micro-batches or more in closed form: it is what
+    the orders' moments give (the most held of a rank's least-held stage, and the rest of that
+    moment's micro-batches), for every rank, schedule and depth."""
+    from costmodel.in_flight import _long_step_least, rank_holdings
+
+    for schedule, vpps in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zero-bubble", [1, 2, 3]),
+                           ("zbv", [2])):
+        for vpp in vpps:
+            for pp in range(1, 7):
+                for m in range(2 * pp, 4 * pp + 2):
+                    if schedule == "interleaved" and m % pp:
+                        continue
+                    for rank in range(pp):
+                        holding = max(rank_holdings(schedule, rank, pp, vpp, m),
+                                      key=lambda h: (min(n for _, n, _ in h), sum(n for _, n, _ in h)))
+                        least = min(n for _, n, _ in holding)
+                        order = (least, sum(n for _, n, _ in holding) - least * len(holding))
+                        assert _long_step_least(schedule, rank, pp, vpp, m) == order, (schedule, vpp, pp, m, rank)

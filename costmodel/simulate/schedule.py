@@ -135,42 +135,34 @@ def held_at_peak(order: list[Op]) -> int:
     """The most chunk activations a rank holds at once running `order`: each forward's are kept
     to its backward, or to its weight gradients where the backward is split (torch's
     stage_backward_input retains the graph for them)."""
-    return holdings_at_peak(order)[0]
+    stages = sorted({op.stage for op in order})
+    return max((sum(moment[::2]) for moment in forward_moments(order, stages)), default=0)
 
 
-def holdings_at_peak(order: list[Op]) -> tuple[int, dict[int, int], dict[int, int]]:
-    """`held_at_peak`, and at the first moment it is reached how many micro-batches of each
-    stage the rank holds (`forward_moments`)."""
-    held = peak = 0
-    at_peak: tuple[dict[int, int], dict[int, int]] = ({}, {})
-    for saved, outputs in forward_moments(order):
-        held = sum(saved.values())
-        if held > peak:
-            peak, at_peak = held, (saved, outputs)
-    return peak, *at_peak
-
-
-def forward_moments(order: list[Op]) -> list[tuple[dict[int, int], dict[int, int]]]:
-    """After each forward of `order`, how many micro-batches of each stage the rank holds: their
-    saved activations (to the backward, or to the weight gradients where it is split: torch's
-    stage_backward_input retains the graph for them) and their outputs
-    (torch.distributed.pipelining's forward cache, popped by the backward). Only a forward adds,
-    so the rank's activation peak is at one of these moments, whatever its stages weigh; which
-    one depends on the weights (an interleaved last rank holds one micro-batch of its last chunk
-    beside pp of its first at one moment, fewer of the first and more of the last at another)."""
-    split = any(op.phase == "W" for op in order)
-    saved: dict[int, int] = {}
-    outputs: dict[int, int] = {}
+def forward_moments(order: list[Op], stages: list[int]) -> list[tuple[int, ...]]:
+    """After each forward of `order`, how many micro-batches of each of `stages` the rank holds,
+    flat: (saved, outputs) of stages[0], then of stages[1], and so on. Saved activations are kept
+    to the backward, or to the weight gradients where it is split (torch's stage_backward_input
+    retains the graph for them); outputs stay in torch.distributed.pipelining's forward cache
+    until the backward pops them. Only a forward adds, so the rank's activation peak is at one of
+    these moments, whatever its stages weigh; which one depends on the weights (an interleaved
+    last rank holds one micro-batch of its last chunk beside pp of its first at one moment,
+    none of its last and pp + 1 of its first at another)."""
+    place = {stage: 2 * i for i, stage in enumerate(stages)}
+    frees = "W" if any(op.phase == "W" for op in order) else "B"
+    counts = [0] * (2 * len(stages))
     moments = []
     for op in order:
+        i = place[op.stage]
         if op.phase == "F":
-            saved[op.stage] = saved.get(op.stage, 0) + 1
-            outputs[op.stage] = outputs.get(op.stage, 0) + 1
-            moments.append((dict(saved), dict(outputs)))
+            counts[i] += 1
+            counts[i + 1] += 1
+            moments.append(tuple(counts))
+            continue
         if op.phase == "B":
-            outputs[op.stage] -= 1
-        if op.phase == ("W" if split else "B"):
-            saved[op.stage] -= 1
+            counts[i + 1] -= 1
+        if op.phase == frees:
+            counts[i] -= 1
     return moments
 
 

@@ -190,7 +190,8 @@ def _average_rank_overflows(data: StageModelData, params: float, pp: int) -> boo
     blocks at the fewest micro-batches in flight) already exceeds one rank's capacity; the
     fullest rank holds at least the average."""
     leanest = min(data.block.activation.values()) * data.n_blocks * min(data.in_flight)
-    average = (_states(data) + leanest + sum(data.extra_bytes(r) for r in range(pp))) / pp
+    extra = sum(data.extra_bytes(r) + data.least_block_bytes(r) for r in range(pp))
+    average = (_states(data) + leanest + extra) / pp
     return average > data.capacity
 
 
@@ -213,7 +214,7 @@ class _RankCost:
         self.data, self.r, self.rebuild = data, r, data.rebuild_bytes(r)
         self.in_flight = data.in_flight[r]
         self.fixed_time = fixed.time
-        self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.saved
+        self.fixed_bytes = fixed.states + data.extra_bytes(r) + fixed.saved + data.least_block_bytes(r)
         self.table: _MixTable | None = None
 
     def blocks_time(self, n: int) -> float:

@@ -108,20 +108,24 @@ def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model:
     # the estimator's k-th may stand above the linear model's: build what could still beat it
     frontier.grow(lambda: max(frontier.kth_uniform(), tally.kth()), deadline=half)
     entries = frontier.entries
-    _tighten_bounds(entries, tally.first())
+    deadline = started + time_limit_s
     refined = 0
-    if single_block_profile(workload):
-        for entry in _refine_order(entries):
-            if (time.perf_counter() - started > time_limit_s
-                    or _gap(tally.first(), _proven_bound(entries, frontier)) <= target_gap):
-                break
-            if entry.bound >= tally.first():
-                continue
-            left = time_limit_s - (time.perf_counter() - started)
-            cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve, min(LAYOUT_SOLVE_LIMIT_S, left),
-                                        cap=tally.first())
-            refined += 1
-            if cand is not None:
+    while True:
+        _tighten_bounds(entries, tally.first())
+        if single_block_profile(workload):
+            refined += _refine_entries(workload, cluster, entries, frontier, tally, fixed, memory_reserve, target_gap,
+                                       deadline)
+        # then build what the first half of the time left unbuilt, while it could still beat the best
+        if (time.perf_counter() > deadline or _gap(tally.first(), _proven_bound(entries, frontier)) <= target_gap
+                or frontier.floor_left() >= tally.first()):
+            break
+        built, now = len(entries), time.perf_counter()
+        frontier.grow(tally.first, deadline=now + (deadline - now) / 2)  # half what is left, to refine in the rest
+        if len(entries) == built:
+            break
+        for entry in _worth_pricing(entries[built:], top_k):
+            for cand in uniform_plans(workload, cluster, entry.layout, entry.template, {"recompute": entry.uniform_policy},
+                                      memory_reserve):
                 tally.add(cand)
     ranked = sorted(tally.best.values(), key=lambda c: c.estimate.step_time_s)
     _tighten_bounds(entries, tally.first())
@@ -130,6 +134,27 @@ def search(workload: Workload, cluster: Cluster, request: PlanRequest, *, model:
     if not ranked and (not frontier.complete or frontier.floor_left() < float("inf")):
         report = report.model_copy(update={"status": "timeout"})  # layouts were left unpriced, not refused
     return SearchResult(best=ranked[:top_k], report=report)
+
+
+def _refine_entries(workload, cluster, entries: list[Entry], frontier: Frontier, tally: _Tally, fixed, memory_reserve,
+                    target_gap: float, deadline: float) -> int:
+    """Phase 2 over the entries not yet solved: CP-SAT on each that could beat the best, in
+    `_refine_order`, until the proven gap is small enough or the deadline passes. Returns how
+    many it solved."""
+    refined = 0
+    for entry in _refine_order([e for e in entries if not e.solved]):
+        if time.perf_counter() > deadline or _gap(tally.first(), _proven_bound(entries, frontier)) <= target_gap:
+            break
+        if entry.bound >= tally.first():
+            continue
+        left = deadline - time.perf_counter()
+        cand, entry.proven = refine(workload, cluster, entry, fixed, memory_reserve, min(LAYOUT_SOLVE_LIMIT_S, left),
+                                    cap=tally.first())
+        entry.solved = True
+        refined += 1
+        if cand is not None:
+            tally.add(cand)
+    return refined
 
 
 def _worth_pricing(entries: list[Entry], top_k: int, within: float = 0.01) -> list[Entry]:

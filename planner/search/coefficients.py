@@ -8,7 +8,7 @@ estimator agree on uniform plans.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
 from costmodel.accumulation import held_zero
@@ -32,6 +32,7 @@ from hardware.schema import Cluster
 from planner.search.rank_peak import rank_extra_bytes, step_fixed_bytes
 
 POLICIES = RECOMPUTE
+_CONTEXT_FIELDS = tuple(f.name for f in fields(Context) if f.name != "cluster")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class RankFixed:
     unhidden sharded collectives."""
 
     time: float
-    saved: float  # its embedding's and head's bytes kept at the rank's peak, without blocks (`StageModelData.saved_bytes`)
+    saved: float  # its embedding's and head's bytes kept at the bounds' moment (`StageModelData.bound_holding`)
     params: float
     states: float = 0.0  # see LayerCoefficients
     step_states: float = 0.0
@@ -92,6 +93,7 @@ class StageModelData:
     expert_latency: float = 0.0
     step_fixed: tuple[float, ...] = ()  # per pipeline rank: the step's temporaries that do not scale with its parameters
     holdings: tuple[tuple[Holding, ...], ...] = ()  # per pipeline rank: the moments it can peak at (`rank_holdings`)
+    in_flight_extra: tuple[float, ...] = ()  # per pipeline rank: the bounds' bytes beside `in_flight` (`fewest_in_flight`)
 
     def holding_terms(self, r: int, S: int) -> list[tuple[dict[int, int], float]]:
         """Rank r's saved bytes at each moment it can peak at (`costmodel.in_flight.saved_at_peak`),
@@ -105,10 +107,23 @@ class StageModelData:
             terms.append(({s: saved for s, saved, _ in holding}, ends))
         return terms
 
-    def saved_bytes(self, r: int, S: int, blocks: Mapping[int, float]) -> float:
+    def saved_bytes(self, r: int, S: int, blocks: Mapping[int, float],
+                    terms: list[tuple[dict[int, int], float]] | None = None) -> float:
         """Rank r's saved bytes at its peak, its blocks keeping `blocks[s]` bytes per micro-batch on
-        each virtual stage s (`holding_terms`)."""
-        return max(sum(blocks.get(s, 0.0) * n for s, n in held.items()) + ends for held, ends in self.holding_terms(r, S))
+        each virtual stage s (`holding_terms`, or `terms` where the caller holds them)."""
+        return max(sum(blocks.get(s, 0.0) * n for s, n in held.items()) + ends
+                   for held, ends in (terms if terms is not None else self.holding_terms(r, S)))
+
+    def bound_holding(self, r: int, S: int) -> tuple[dict[int, int], float]:
+        """The `holding_terms` moment the bounds take for rank r: the one `fewest_in_flight` reads
+        (the most held of its least-held stage), so its blocks' and end layers' bytes add up to
+        no more than the rank's peak."""
+        return max(self.holding_terms(r, S), key=lambda term: (min(term[0].values()), sum(term[0].values())))
+
+    def least_block_bytes(self, r: int) -> float:
+        """What rank r's blocks keep at its peak beyond `in_flight` times their bytes, at the least
+        (`costmodel.in_flight.fewest_in_flight`): for the bounds."""
+        return self.in_flight_extra[r] if self.in_flight_extra else 0.0
 
     def extra_bytes(self, r: int) -> float:
         """Rank r's memory at its peak besides states and saved activations (`rank_extra_bytes`)."""
@@ -169,8 +184,9 @@ class LayerTimes:
         self.layers: dict[tuple, LayerCoefficients] = {}  # `_layer`'s, by `layer_key`
 
     def __call__(self, layer: LayerProfile, ctx: Context, policy: str) -> LayerTime:
-        base = (id(layer), id(ctx.cluster), ctx.dtype, ctx.tp, ctx.sp, ctx.micro_batch, ctx.tp_group, ctx.cp,
-                ctx.cp_group, ctx.cp_kv_bytes, ctx.ep, ctx.ep_group, ctx.stack, ctx.tp_overlap)
+        # every field of the context (its seconds per weight element differ by accumulation and autocast), the
+        # cluster by identity
+        base = (id(layer), id(ctx.cluster), *(getattr(ctx, name) for name in _CONTEXT_FIELDS))
         key = (*base, policy)
         if key not in self._memo:
             if base not in self._parts:
@@ -261,6 +277,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     # parameters on, bound them from below at every size (a chord from zero would count the
     # latency again in the slope and overshoot beyond the probe).
     probe = 1e9
+    fewest = [fewest_in_flight(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)]
     dp_slope = (dp_time(2 * probe, plan, lay) - dp_time(probe, plan, lay)) / probe
     data = StageModelData(
         block=block,
@@ -268,9 +285,8 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         suffix=[coeff[id(layer)] for layer in layers[last:]],
         n_blocks=last - first,
         p2p=p2p_time(layers[first], plan, lay) if plan.pp > 1 else 0.0,
-        in_flight=[
-            fewest_in_flight(plan.schedule, r, plan.pp, plan.vpp, plan.num_micro_batches) for r in range(plan.pp)
-        ],
+        in_flight=[least[0] for least in fewest],
+        in_flight_extra=tuple(least[1] * min(block.activation.values()) for least in fewest),
         dp_seconds_per_param=dp_slope,
         dp_latency=dp_time(1.0, plan, lay) if plan.dp > 1 else 0.0,
         optimizer_seconds_per_param=optimizer_seconds_per_param(plan, cluster),
@@ -329,7 +345,7 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
     return RankFixed(time=sum(l.time["none"] for l in layers) + sum(data.p2p * data.sends(s, pp, S) + data.stage_fill(s, S)
                                                                    for s in stages)
                      + crossing,
-                     saved=data.saved_bytes(r, S, {}),
+                     saved=data.bound_holding(r, S)[1],
                      params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
                      weight_grad=sum(l.weight_grad for l in layers),

@@ -43,6 +43,7 @@ class Entry:
     proven: float | None = None
     tightened: bool = False  # the memory-aware bound has replaced the cheap one
     split: list[dict[str, int]] | None = None  # the bottleneck bound's split, rounded to whole blocks
+    solved: bool = False  # CP-SAT has run on it (`branch_and_bound.refine`)
 
 
 def all_entries(workload, cluster, global_batch, fixed, dtype, model, memory_reserve, dropped: list | None = None,
@@ -142,41 +143,54 @@ class Frontier:
 
 def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: float, per_rank: dict,
                      cluster: Cluster, global_batch: int) -> bool:
-    """Whether the average pipeline rank's weights, optimizer states and held gradients, with
-    its share of the activations at the leanest policy and the fewest micro-batches any rank
-    holds in flight, exceed one GPU (the fullest rank holds at least the average; experts priced at
-    the dense per-parameter figure, which shards over more ranks): such a layout's bound is
-    inf, so it is dropped before its coefficients are built. Offloaded states are on the host."""
-    return (_average_states(workload, layout, dtype, per_rank, cluster, global_batch)
-            + _average_activations(workload, layout, dtype, per_rank, global_batch)) > capacity
+    """Whether no split of the layout's blocks fits, judged on their weights, optimizer states and
+    held gradients and their activations at the leanest policy (`fewest_in_flight`: what no split
+    among a rank's stages holds less of; experts priced at the dense per-parameter figure, which
+    shards over more ranks): either the average pipeline rank overflows one GPU (the fullest
+    holds at least the average), or the blocks each rank could take before it overflows fall
+    short of the model's. Such a layout's bound is inf, so it is dropped before its coefficients
+    are built. Offloaded states are on the host."""
+    state = _state_bytes_per_param(layout, dtype, cluster, global_batch)
+    params, block_params = _params_on_rank(workload, layout, per_rank)
+    activations = _leanest_activations(workload, layout, dtype, per_rank)
+    m = global_batch // (layout.dp * layout.micro_batch)
+    least = [fewest_in_flight(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp)]
+    leanest = activations / workload.n_blocks
+    average = (params * state + activations * min(c for c, _ in least) + leanest * sum(e for _, e in least)) / layout.pp
+    per_block = block_params / workload.n_blocks * state
+    takes = sum(max(0.0, (capacity - e * leanest) / (per_block + c * leanest)) for c, e in least)
+    return average > capacity or takes < workload.n_blocks
 
 
-def _average_states(workload: Workload, layout: Layout, dtype: str, per_rank: dict, cluster: Cluster,
-                    global_batch: int) -> float:
+def _state_bytes_per_param(layout: Layout, dtype: str, cluster: Cluster, global_batch: int) -> float:
+    """A parameter's bytes on its rank at the peak: weights, optimizer states, gradients where the
+    peak holds them (at most sharded: pipelined FSDP2 holds them whole), ZeRO-2's gathered copy."""
     if states_on_host(layout, cluster):
         return 0.0
-    key = (layout.tp, layout.ep)
-    if key not in per_rank:
-        per_rank[key] = sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments)
     shard = layout.shard_degree
     states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
-    # gradients where the peak holds them, at most sharded (pipelined FSDP2 holds them whole)
     held = gradients_held(layout, global_batch // (layout.dp * layout.micro_batch))
-    state = (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
-             + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
-    return per_rank[key] / layout.pp * state
+    return (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
+            + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
 
 
-def _average_activations(workload: Workload, layout: Layout, dtype: str, per_rank: dict, global_batch: int) -> float:
+def _params_on_rank(workload: Workload, layout: Layout, per_rank: dict) -> tuple[float, float]:
+    """Every layer's parameters on a TP (and EP) rank, and the blocks' alone."""
+    key = (layout.tp, layout.ep)
+    if key not in per_rank:
+        per_rank[key] = tuple(sum(layer_params_on_rank(s.layer, layout.tp, layout.ep) * s.count for s in workload.segments
+                                  if blocks is None or s.layer.kind == "block") for blocks in (None, True))
+    return per_rank[key]
+
+
+def _leanest_activations(workload: Workload, layout: Layout, dtype: str, per_rank: dict) -> float:
+    """The blocks' activations per micro-batch at the leanest policy, summed over the model."""
     key = ("activations", layout.tp, layout.sp, layout.micro_batch, layout.cp, layout.stack, dtype)
     if key not in per_rank:
         keywords = activation_keywords(layout, kv_bytes_per_sequence(workload), dtype)
-        # the blocks alone: an end layer's stage may hold fewer of its micro-batches than the chunks' average
         per_rank[key] = sum(min(activation_bytes(s.layer, p, **keywords) for p in RECOMPUTE) * s.count
                             for s in workload.segments if s.layer.kind == "block")
-    m = global_batch // (layout.dp * layout.micro_batch)
-    fewest = min(fewest_in_flight(layout.schedule, r, layout.pp, layout.vpp, m) for r in range(layout.pp))
-    return per_rank[key] / layout.pp * fewest
+    return per_rank[key]
 
 
 def rank_uniform(workload: Workload, entries: list[Entry], fixed: dict) -> list[Entry]:

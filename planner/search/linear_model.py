@@ -82,7 +82,8 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
     counts = [{k: 0 for k in POLICIES} for _ in range(S)]
     for r in range(pp):
         stages = data.stages_of(r, pp, S)
-        held_most = {s: max(held[s] for held, _ in data.holding_terms(r, S)) for s in stages}
+        terms = data.holding_terms(r, S)
+        held_most = {s: max(held[s] for held, _ in terms) for s in stages}
         stages.sort(key=lambda s: -held_most[s])
         fixed = [l for s in stages for l in data.end_layers(s, S)]
         b = sum(blocks[s] for s in stages)
@@ -100,7 +101,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
             transient = data.rebuild_bytes(r) if rebuilt else 0.0
             kept = {s: n * block.activation[lean] + (blocks[s] - n) * block.activation[fast]
                     for s, n in leaner(f).items()}
-            return base + data.saved_bytes(r, S, kept) + transient
+            return base + data.saved_bytes(r, S, kept, terms) + transient
 
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
