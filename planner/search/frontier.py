@@ -158,7 +158,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
     leanest = activations / workload.n_blocks
     average = (params * state + activations * min(c for c, _ in least) + leanest * sum(e for _, e in least)) / layout.pp
     per_block = block_params / workload.n_blocks * state
-    takes = sum(max(0.0, (capacity - e * leanest) / (per_block + c * leanest)) for c, e in least)
+    takes = sum(max(0.0, (capacity - e * leanest) / max(per_block + c * leanest, 1e-30)) for c, e in least)
     return average > capacity or takes < workload.n_blocks
 
 
