@@ -340,3 +340,24 @@ def test_the_reported_gap_is_a_proof(model, hw, global_batch, seq_len, dtype):
             cand, _ = refine(workload, searched, e, {}, DEFAULT_MEMORY_RESERVE, 1.0)
             fitting += [cand.estimate.step_time_s] if cand is not None and cand.fits else []
     assert fitting and min(fitting) >= bound * (1 - 1e-6), (min(fitting), bound, plan.solver.gap)
+
+
+def test_a_layouts_bound_does_not_depend_on_the_layouts_built_before_it():
+    """A search memoises its layers' prices (`LayerTimes`) on every field of their context: a
+    layout holding unsharded gradients, built first, leaves the price of one reducing after every
+    micro-batch alone. Keyed on a fixed list of fields, it leaked its accumulation seconds and
+    bounded llama-3-8b dp8 ZeRO-3 at 42.44 s, above that layout's own plan (41.94 s)."""
+    from layout.layout import Layout
+    from planner.search.frontier import EntryBuilder
+    from planner.trace.workload_for import workload_for
+
+    workload, _ = workload_for("llama-3-8b", seq_len=8192)
+    cluster = hardware.load("8xh100-sxm").for_stack("eager")
+
+    def builder():
+        return EntryBuilder(workload, cluster, 256, "bf16", "llama-3-8b", DEFAULT_MEMORY_RESERVE)
+
+    target = Layout(dp=8, zero=3, micro_batch=1)
+    shared = builder()
+    assert shared(Layout(dp=8, zero=2, micro_batch=1, accumulation="hold_unsharded")) is not None
+    assert shared(target).bound == builder()(target).bound
