@@ -89,10 +89,15 @@ def fewest_in_flight(schedule: str, rank: int, pp: int, vpp: int, num_micro_batc
     rounds of micro-batches on, in closed form (`_long_step_least`; a test holds the two equal)."""
     if num_micro_batches >= 2 * pp:
         return _long_step_least(schedule, rank, pp, vpp, num_micro_batches)
-    holding = max(rank_holdings(schedule, rank, pp, vpp, num_micro_batches),
-                  key=lambda h: (min(n for _, n, _ in h), sum(n for _, n, _ in h)))
+    holding = least_held_moment(rank_holdings(schedule, rank, pp, vpp, num_micro_batches))
     least = min(n for _, n, _ in holding)
     return least, sum(n for _, n, _ in holding) - least * len(holding)
+
+
+def least_held_moment(holdings: tuple[Holding, ...]) -> Holding:
+    """The moment `fewest_in_flight` reads: the most held of the rank's least-held stage, then the
+    most held in all."""
+    return max(holdings, key=lambda h: (min(n for _, n, _ in h), sum(n for _, n, _ in h)))
 
 
 def _long_step_least(schedule: str, rank: int, pp: int, vpp: int, m: int) -> tuple[int, int]:

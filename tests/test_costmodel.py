@@ -415,7 +415,7 @@ def test_the_bounds_fewest_in_flight_is_the_orders_from_two_rounds_on():
     """`fewest_in_flight` answers a step of 2*pp micro-batches or more in closed form: it is what
     the orders' moments give (the most held of a rank's least-held stage, and the rest of that
     moment's micro-batches), for every rank, schedule and depth."""
-    from costmodel.in_flight import _long_step_least, rank_holdings
+    from costmodel.in_flight import _long_step_least, least_held_moment, rank_holdings
 
     for schedule, vpps in (("gpipe", [1]), ("1f1b", [1]), ("interleaved", [2, 3]), ("zero-bubble", [1, 2, 3]),
                            ("zbv", [2])):
@@ -425,8 +425,7 @@ def test_the_bounds_fewest_in_flight_is_the_orders_from_two_rounds_on():
                     if schedule == "interleaved" and m % pp:
                         continue
                     for rank in range(pp):
-                        holding = max(rank_holdings(schedule, rank, pp, vpp, m),
-                                      key=lambda h: (min(n for _, n, _ in h), sum(n for _, n, _ in h)))
+                        holding = least_held_moment(rank_holdings(schedule, rank, pp, vpp, m))
                         least = min(n for _, n, _ in holding)
                         order = (least, sum(n for _, n, _ in holding) - least * len(holding))
                         assert _long_step_least(schedule, rank, pp, vpp, m) == order, (schedule, vpp, pp, m, rank)

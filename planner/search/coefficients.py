@@ -21,7 +21,7 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.in_flight import Holding, fewest_in_flight, held_output_bytes, rank_holdings
+from costmodel.in_flight import Holding, fewest_in_flight, held_output_bytes, least_held_moment, rank_holdings
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
                               held_gradient_bytes, moment_bytes, optimizer_step_bytes)
 from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
@@ -118,7 +118,7 @@ class StageModelData:
         """The `holding_terms` moment the bounds take for rank r: the one `fewest_in_flight` reads
         (the most held of its least-held stage), so its blocks' and end layers' bytes add up to
         no more than the rank's peak."""
-        return max(self.holding_terms(r, S), key=lambda term: (min(term[0].values()), sum(term[0].values())))
+        return self.holding_terms(r, S)[self.holdings[r].index(least_held_moment(self.holdings[r]))]
 
     def least_block_bytes(self, r: int) -> float:
         """What rank r's blocks keep at its peak beyond `in_flight` times their bytes, at the least
