@@ -11,7 +11,7 @@ from hardware.schema import Cluster
 from .autocast import autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank
 from .accumulation import held_zero
 from .data_parallel import layer_params_on_rank
-from .in_flight import held_output_bytes, rank_holdings, saved_at_peak
+from .in_flight import held_output_bytes, rank_holdings, receive_buffer_bytes, receive_buffers, saved_at_peak
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
                      held_gradient_bytes, model_state_bytes, moment_bytes, new_gradient_bytes,
                      optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
@@ -105,8 +105,12 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                     head_saved += (kept + output) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
+    inputs, grads = stage_receive_bytes(plan, workload, kw)
+    for index in kept_by_stage:  # a held micro-batch's input is its receive buffer, counted in `receiving`
+        kept_by_stage[index] = max(0.0, kept_by_stage[index] - (inputs[index] if index > 0 else 0.0))
     holdings = rank_holdings(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
-    saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage)
+    receiving = receive_buffers(list(kept_by_stage), plan.n_virtual_stages, inputs, grads, plan.num_micro_batches)
+    saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage) + receiving
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
     moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),
@@ -129,6 +133,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     if sharded and root:  # the backward's end: every gradient but the root's, which FSDP2 copies for its reduce-scatter
         closing = {**stepping, "buffers": WEIGHT_BYTES[plan.dtype] * root, "activations": reduce_bytes(plan) * root}
         stepping = max(stepping, closing, key=lambda m: sum(m.values()))
+    stepping["activations"] += receiving
     caching = caches_blocks(cluster)
     slacks = moment_slacks(end_slack, block_slack, root_hole_bytes(plan, root, end_temporaries, sharded))
     reserved = peak_reserved_bytes([sum(states.values()) + sum(m.values()) for m in moments],
@@ -152,6 +157,15 @@ def activation_moments(saved: float, end_temporaries: float, head_saved: float, 
         {"activations": saved - head_saved, "buffers": root_buffer},
         {"activations": saved - head_saved + block_work + accumulation, "buffers": block_buffer},
     ]
+
+
+def stage_receive_bytes(plan: Plan, workload: Workload, keywords: dict) -> tuple[dict, dict]:
+    """Per virtual stage, one micro-batch's receive buffers (`in_flight.receive_buffer_bytes`):
+    of its input (the output of the layer before it) and of its output's gradient."""
+    layers = workload.layers
+    inputs = {i: receive_buffer_bytes(layers[st.start - 1], **keywords) for i, st in enumerate(plan.stages) if i > 0}
+    grads = {i: receive_buffer_bytes(layers[st.end - 1], **keywords) for i, st in enumerate(plan.stages)}
+    return inputs, grads
 
 
 def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:

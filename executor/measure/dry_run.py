@@ -15,8 +15,7 @@ pipeline rank hold the same shapes), it
   after one untimed step that creates the optimizer state.
 
 A pipeline rank runs its own chunks in the order torch's schedule gives it
-(`pipeline_order`), with stand-in tensors where the schedule would receive
-activations or gradients. The step replays at most `replay_micro_batches`
+(`pipeline_replay`), fed from receive buffers held as torch's stages hold them. The step replays at most `replay_micro_batches`
 micro-batches: past the pipeline's warm-up (and past the second micro-batch
 without stages) every further micro-batch repeats a state already measured.
 """
@@ -31,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from layout.plan import Plan
+from executor.measure.pipeline_replay import MicroBatch, replay_pipeline
 from executor.measure.dry_run_trackers import OFFLOADED, AllocationTrace, CategoryPeaks, replay_allocator, tracker_for
 from hardware.errors import PlanError
 
@@ -145,7 +145,8 @@ def dry_run(plan: Plan, model_name: str | None = None, *, cluster=None, pp_ranks
     out = []
     for pp_rank in pp_ranks if pp_ranks is not None else roles(plan):
         rank = pp_rank * plan.data_parallel * plan.tp  # (pp, dp, tp) mesh, row-major
-        measured = _measure_isolated(short, name, rank, trust_module, _device_room(plan, cluster))
+        measured = _measure_isolated(short, name, rank, trust_module, _device_room(plan, cluster),
+                                     plan.num_micro_batches)
         predicted, reserved = _predicted_stage(plan, pp_rank), _predicted_reserved(plan, pp_rank)
         out.append(RankMemory(rank=rank, pp_rank=pp_rank, measured=measured.categories, measured_peak=measured.peak,
                               at_peak=measured.at_peak, allocator=measured.allocator,
@@ -205,21 +206,23 @@ def _shortened(plan: Plan, micro_batches: int) -> Plan:
 
 
 def _measure_isolated(plan: Plan, name: str, rank: int, trust_module: bool = False,
-                      room: float | None = None) -> CategoryPeaks:
+                      room: float | None = None, receiving: int | None = None) -> CategoryPeaks:
     """`_measure_rank`, in a fresh process where the plan has TP and pipeline roles: torch's
     DTensor keeps sub-meshes of an earlier process group (by equal mesh) that a re-initialised
     fake world no longer knows."""
     if plan.pp == 1 or plan.tp == 1:
-        return _measure_rank(plan, name, rank, trust_module, room)
+        return _measure_rank(plan, name, rank, trust_module, room, receiving)
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(_measure_rank, plan, name, rank, trust_module, room).result()
+        return pool.submit(_measure_rank, plan, name, rank, trust_module, room, receiving).result()
 
 
 def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False,
-                  room: float | None = None) -> CategoryPeaks:
+                  room: float | None = None, receiving: int | None = None) -> CategoryPeaks:
+    """`plan`'s step on one rank; a pipeline's stages allocate receive buffers for `receiving`
+    micro-batches (the whole step's, where `plan` replays fewer; `pipeline_replay`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -246,7 +249,7 @@ def _measure_rank(plan: Plan, name: str, rank: int, trust_module: bool = False,
         with fake, masks_as_in_a_real_run():  # HF builds no causal mask in a real run of unpadded sequences
             _create_optimizer_state(run)  # before tracking: the trackers take existing state as optimizer state
             with tracker_for(run, peaks, trace):
-                _replay_step(run, plan, hidden)
+                _replay_step(run, plan, hidden, receiving or plan.num_micro_batches)
         replay_allocator(peaks, trace, room)
         return peaks
     finally:
@@ -278,92 +281,16 @@ def _torch_quiet():
         yield
 
 
-def _replay_step(run, plan: Plan, hidden: int) -> None:
+def _replay_step(run, plan: Plan, hidden: int, receiving: int) -> None:
     from executor.runtime.train import _plain_step, precision
 
     rows = plan.global_batch // plan.dp
     tokens = torch.zeros(rows, plan.seq_len // plan.cp, dtype=torch.long)
     with precision(plan, run.device), _torch_quiet():
         if run.schedule is None:
-            _plain_step(run, plan, tokens, tokens, call=lambda module, x: _MicroBatch(module)(x))
+            _plain_step(run, plan, tokens, tokens, call=lambda module, x: MicroBatch(module)(x))
         else:
-            _replay_pipeline(run, plan, tokens, hidden)
+            replay_pipeline(run, plan, tokens, hidden, receiving)
     run.sync_gradients()
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-
-
-def _replay_pipeline(run, plan: Plan, tokens: torch.Tensor, hidden: int) -> None:
-    """This rank's actions in torch's own schedule order, its stages fed stand-ins for what
-    the schedule would receive; FSDP2 defers resharding and the reduction to the last backward,
-    as the schedule sets it."""
-    from executor.apply.materialize import lm_loss
-
-    pp_rank = run.mesh.get_local_rank("pp")
-    stages = {s.stage_index: s for s in _stages(run.schedule)}
-    order = [a for a in run.schedule.pipeline_order[pp_rank] if a is not None]
-    n = plan.num_micro_batches
-    micro = tokens.chunk(n)
-    outputs: dict[tuple[int, int], tuple[torch.nn.Module, torch.Tensor]] = {}  # its parent kept for the trackers
-    for stage in stages.values():
-        _defer_fsdp(stage.submod, True)
-    backwards_left = {i: n for i in stages}
-    # Each stage runs its forwards, and its backwards, in micro-batch order: numbered here by
-    # their turn, as torch's 1F1B order names its last rank's first forward micro-batch 1.
-    turn = {(i, k): 0 for i in stages for k in ("F", "B")}
-    for action in order:
-        kind, index = action.computation_type.name, action.stage_index
-        stage = stages[index]
-        # a zero-bubble schedule's input-gradient backward (I) keeps the chunk's autograd graph for
-        # its weight gradients (W: torch's stage_backward_input retains it), so the whole backward
-        # runs here at W, where the chunk's activations free
-        step = ("F" if kind in ("FORWARD", "F") else
-                "B" if kind in ("FULL_BACKWARD", "B", "BACKWARD", "BACKWARD_WEIGHT", "W") else None)
-        if step is None:
-            continue
-        mb, turn[(index, step)] = turn[(index, step)], turn[(index, step)] + 1
-        if step == "F":
-            x = micro[mb] if stage.is_first else _hidden_stand_in(micro[mb], hidden, plan)
-            parent = _MicroBatch(stage.submod)
-            outputs[(index, mb)] = parent, parent(x)
-        else:
-            _, out = outputs.pop((index, mb))
-            backwards_left[index] -= 1
-            if backwards_left[index] == 0:
-                _defer_fsdp(stage.submod, False)
-            if stage.is_last:
-                (lm_loss(out, micro[mb]) / n).backward()
-            else:
-                out.backward(torch.zeros_like(out))
-
-
-class _MicroBatch(torch.nn.Module):
-    """A fresh parent per micro-batch's forward: torch's trackers refuse a top-level module
-    called again before its backward, which is what a pipeline schedule does."""
-
-    def __init__(self, chunk: torch.nn.Module) -> None:
-        super().__init__()
-        self.chunk = chunk
-
-    def forward(self, x):
-        return self.chunk(x)
-
-
-def _stages(schedule) -> list:
-    return list(getattr(schedule, "_stages", None) or [schedule._stage])
-
-
-def _hidden_stand_in(tokens: torch.Tensor, hidden: int, plan: Plan) -> torch.Tensor:
-    """What a later stage receives: hidden states in the weights' dtype (the residual stream
-    keeps it under autocast: fp32, or bf16 master weights'), as a leaf that wants its gradient;
-    under SP the local sequence shard, which the stage wraps back into its sequence-sharded DTensor."""
-    rows, seq = tokens.shape
-    dtype = torch.bfloat16 if plan.master_dtype == "bf16" and plan.dtype != "fp32" else torch.float32
-    return torch.zeros(rows, seq // plan.tp if plan.sp else seq, hidden, dtype=dtype, requires_grad=True)
-
-
-def _defer_fsdp(module, defer: bool) -> None:
-    if hasattr(module, "set_requires_gradient_sync"):
-        module.set_requires_gradient_sync(not defer)
-    if hasattr(module, "set_reshard_after_backward"):
-        module.set_reshard_after_backward(not defer)

@@ -21,7 +21,8 @@ from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradi
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
-from costmodel.in_flight import Holding, fewest_in_flight, held_output_bytes, least_held_moment, rank_holdings
+from costmodel.in_flight import (Holding, fewest_in_flight, held_output_bytes, least_held_moment, rank_holdings,
+                                receive_buffer_bytes, receive_buffers)
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
                               held_gradient_bytes, moment_bytes, optimizer_step_bytes)
 from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
@@ -94,16 +95,20 @@ class StageModelData:
     step_fixed: tuple[float, ...] = ()  # per pipeline rank: the step's temporaries that do not scale with its parameters
     holdings: tuple[tuple[Holding, ...], ...] = ()  # per pipeline rank: the moments it can peak at (`rank_holdings`)
     in_flight_extra: tuple[float, ...] = ()  # per pipeline rank: the bounds' bytes beside `in_flight` (`fewest_in_flight`)
+    stage_input: float = 0.0  # a virtual stage's input per micro-batch: its receive buffer (`receive_buffer_bytes`)
+    receiving: tuple[float, ...] = ()  # per pipeline rank: its stages' receive buffers, held through the step
 
     def holding_terms(self, r: int, S: int) -> list[tuple[dict[int, int], float]]:
         """Rank r's saved bytes at each moment it can peak at (`costmodel.in_flight.saved_at_peak`),
         as a linear form in its stages' blocks: per moment, each stage's micro-batches held (what
         its blocks' bytes per micro-batch are multiplied by) and what its embedding or head layers
-        keep then, for no recomputation (their saved activations and the head's logits)."""
+        keep then, for no recomputation (their saved activations and the head's logits), less each
+        held input of a stage but the first: its receive buffer, in `extra` (`receive_buffers`)."""
         terms = []
         for holding in self.holdings[r]:
             ends = sum(l.activation["none"] * saved + l.output * outputs
                        for s, saved, outputs in holding for l in self.end_layers(s, S))
+            ends -= sum(self.stage_input * saved for s, saved, _ in holding if s > 0)
             terms.append(({s: saved for s, saved, _ in holding}, ends))
         return terms
 
@@ -126,8 +131,13 @@ class StageModelData:
         return self.in_flight_extra[r] if self.in_flight_extra else 0.0
 
     def extra_bytes(self, r: int) -> float:
-        """Rank r's memory at its peak besides states and saved activations (`rank_extra_bytes`)."""
-        return self.extra[r] if self.extra else 0.0
+        """Rank r's memory at its peak besides states and saved activations (`rank_extra_bytes`)
+        and its receive buffers."""
+        return (self.extra[r] if self.extra else 0.0) + self.receive_bytes(r)
+
+    def receive_bytes(self, r: int) -> float:
+        """Rank r's receive buffers, there at each of its moments (`costmodel.in_flight.receive_buffers`)."""
+        return self.receiving[r] if self.receiving else 0.0
 
     def after_backward_seconds(self, params: float, experts: float) -> float:
         """What follows a rank's backward unhidden (`costmodel.terms._assemble`), linear in its
@@ -138,13 +148,14 @@ class StageModelData:
     def step_bytes(self, r: int, step_states: float) -> float:
         """Rank r's memory at its optimizer step (`costmodel.peak.peak_moments`'s stepping moment):
         activations gone, its layers' `step_states` and the temporaries of its largest weight."""
-        return step_states + (self.step_fixed[r] if self.step_fixed else 0.0)
+        return step_states + (self.step_fixed[r] if self.step_fixed else 0.0) + self.receive_bytes(r)
 
-    def closing_fixed(self, fixed: list[LayerCoefficients]) -> float:
-        """A rank's memory at a backward's end (`costmodel.peak.peak_moments`' closing moment)
+    def closing_fixed(self, fixed: list[LayerCoefficients], r: int) -> float:
+        """Rank r's memory at a backward's end (`costmodel.peak.peak_moments`' closing moment)
         besides its blocks' `states + pile` each: its embedding and head layers' states and
-        piles, and the largest cast-back of those and its blocks (`cast_back_bytes`)."""
-        return sum(l.states + l.pile for l in fixed) + max(l.cast_back for l in [*fixed, self.block])
+        piles, the largest cast-back of those and its blocks (`cast_back_bytes`), and its receive buffers."""
+        return (sum(l.states + l.pile for l in fixed) + max(l.cast_back for l in [*fixed, self.block])
+                + self.receive_bytes(r))
 
     def rebuild_bytes(self, r: int) -> float:
         """What rank r's peak grows by once it fully recomputes a block (`rank_extra_bytes`)."""
@@ -303,9 +314,21 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     caching = caches_blocks(cluster)
     extra, rebuild = rank_extra_bytes(layers[:first], layers[first], layers[last:], plan, block.activation["none"],
                                        caching)
-    return replace(data, extra=extra, rebuild=rebuild, step_fixed=step_fixed_bytes(layers[:first], layers[first], layers[last:],
-                                                                              plan, cluster, caching),
-                   fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))
+    # every stage boundary carries a block's output or its gradient (the embedding's output is alike)
+    boundary = receive_buffer_bytes(layers[first], **activation_keywords(plan, 0.0, plan.dtype))
+    data = replace(data, extra=extra, rebuild=rebuild, receiving=_receiving(data, boundary, plan),
+                   step_fixed=step_fixed_bytes(layers[:first], layers[first], layers[last:], plan, cluster, caching),
+                   stage_input=boundary if plan.pp > 1 else 0.0)
+    return replace(data, fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))
+
+
+def _receiving(data: StageModelData, boundary: float, plan: Plan) -> tuple[float, ...]:
+    """Per pipeline rank, its stages' receive buffers through the step (`receive_buffers`), each
+    `boundary` bytes per micro-batch."""
+    S = plan.n_virtual_stages
+    per_stage = dict.fromkeys(range(S), boundary)
+    return tuple(receive_buffers(data.stages_of(r, plan.pp, S), S, per_stage, per_stage, plan.num_micro_batches)
+                 for r in range(plan.pp))
 
 
 def with_crossing(data: StageModelData, crossing: list[float], vpp: int) -> StageModelData:
@@ -349,7 +372,7 @@ def rank_fixed(data: StageModelData, r: int, pp: int, S: int) -> RankFixed:
                      params=sum(l.params for l in layers),
                      states=sum(l.states for l in layers), step_states=sum(l.step_states for l in layers),
                      weight_grad=sum(l.weight_grad for l in layers),
-                     closing=data.closing_fixed(layers))
+                     closing=data.closing_fixed(layers, r))
 
 
 def _stage_fills(embedding: LayerProfile, block: LayerProfile, head: LayerProfile, plan: Plan, lay,

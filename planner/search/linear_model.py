@@ -106,7 +106,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
             return None
-        if b * (block.states + block.pile) + data.closing_fixed(fixed) > data.capacity:
+        if b * (block.states + block.pile) + data.closing_fixed(fixed, r) > data.capacity:
             return None
         for s, n in leaner(f).items():
             counts[s][lean] += n

@@ -151,7 +151,7 @@ class StageModel:
                            <= _i(d.capacity, KIB))
             if d.block.pile:  # a backward's end: states, cast copies, their gradients and the largest cast back
                 fixed = [layer for s in self._stages_of(r) for layer in self._fixed_layers(s)]
-                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(d.closing_fixed(fixed), KIB)
+                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(d.closing_fixed(fixed, r), KIB)
                                <= _i(d.capacity, KIB))
 
     def add_dp_overlap(self):
