@@ -119,11 +119,16 @@ def _long_step_least(schedule: str, rank: int, pp: int, vpp: int, m: int) -> tup
     return 2 * (pp - rank) - 1, (vpp - 1) * (2 * rank - pp + 1)
 
 
-def receive_buffer_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, **_activation_keywords) -> float:
+def receive_buffer_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
+                         **_activation_keywords) -> float:
     """Per micro-batch, one receive buffer at the pipeline boundary after `layer`: its output, or
     that output's gradient, as the rank holds it (sequence-split over TP under SP, where the
     executor hands a stage's output on as a Shard(1) DTensor; `micro_batch` is already per CP
-    rank). Takes `costmodel.memory.activation_keywords`."""
+    rank). None on the fused stack: Megatron-LM allocates each receive when it posts it and
+    drops it once used, so a held input is a saved activation like any other. Takes
+    `costmodel.memory.activation_keywords`."""
+    if stack == "fused":
+        return 0.0
     return layer.boundary_bytes * micro_batch / (tp if sp and layer.tp_shardable else 1)
 
 

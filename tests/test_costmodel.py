@@ -431,3 +431,27 @@ def test_the_bounds_fewest_in_flight_is_the_orders_from_two_rounds_on():
                         least = min(n for _, n, _ in holding)
                         order = (least, sum(n for _, n, _ in holding) - least * len(holding))
                         assert _long_step_least(schedule, rank, pp, vpp, m) == order, (schedule, vpp, pp, m, rank)
+
+
+@pytest.mark.parametrize("stack", ["eager", "fused"])
+def test_a_pipeline_stage_holds_a_receive_buffer_per_micro_batch(stack):
+    """torch 2.13's PipelineStage keeps an input buffer per micro-batch on every stage but the first
+    and an output-gradient buffer on every stage but the last; Megatron's (the fused stack's)
+    receives are each dropped once used. Eight more micro-batches add eight of each."""
+    from layout.layout import Layout
+    from planner.search.space import to_plan
+    from planner.trace.workload_for import workload_for
+
+    workload, _ = workload_for("llama-160m", seq_len=512)
+    cluster = hardware.load("8xh100-sxm")
+    layout = Layout(dp=1, tp=2, sp=True, pp=4, schedule="1f1b", zero=1, micro_batch=1, stack=stack)
+
+    def peaks(batch: int) -> list[float]:
+        plan = to_plan(layout, workload, cluster, global_batch=batch, dtype="bf16", recompute="none",
+                       model="llama-160m")
+        return [sum(s.memory_bytes.values()) for s in estimate(workload, plan, cluster).stages]
+
+    grown = [b - a for a, b in zip(peaks(16), peaks(24))]
+    buffer = 512 * 768 * 4 / 2  # one sequence's hidden states, fp32 under autocast, split over TP by SP
+    expected = [8 * buffer, 16 * buffer, 16 * buffer, 8 * buffer] if stack == "eager" else [0.0] * 4
+    assert grown == pytest.approx(expected, abs=1.0)

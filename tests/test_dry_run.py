@@ -25,6 +25,33 @@ def test_every_tracker_category_is_mapped():
     assert set(CATEGORY.values()) == {"weights", "gradients", "optimizer", "activations", "buffers"}
 
 
+def test_torchs_pipeline_stages_keep_a_receive_buffer_per_micro_batch(tmp_path):
+    """What the dry run allocates and the cost model prices (`costmodel.in_flight.receive_buffers`),
+    pinned to torch: after a step, a stage but the first keeps one input buffer per micro-batch and
+    a stage but the last one output-gradient buffer per micro-batch, each its own storage (two
+    stages on one gloo rank, handed over in place as across ranks). A torch that allocates them
+    just in time (pytorch/pytorch#196463) fails here: the term is then to be dropped."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        stages = [PipelineStage(torch.nn.Linear(16, 16), i, 2, torch.device("cpu")) for i in range(2)]
+        m = 6
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=lambda y, t: ((y - t) ** 2).mean())
+        schedule.step(torch.randn(3 * m, 16), target=torch.randn(3 * m, 16))
+
+        def storages(recv: dict) -> int:
+            return len({info.buffer.untyped_storage().data_ptr() for infos in recv.values() for info in infos
+                        if info.buffer is not None and not info.is_root_arg})
+
+        assert [storages(s.args_recv_info) for s in stages] == [0, m]
+        assert [storages(s.grad_recv_info) for s in stages] == [m, 0]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_full_size_fsdp_rank_holds_its_shard():
     """llama-3-8b under ZeRO-3 on 8 fake ranks: the rank holds 1/8 of the fp32 weights and
     of AdamW's two fp32 moments, and FSDP2's gathers show up as buffers; every second block is
