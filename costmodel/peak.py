@@ -105,11 +105,10 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                     head_saved += (kept + output) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
-    inputs, grads = stage_receive_bytes(plan, workload, kw)
+    inputs, receiving = rank_receiving(plan, workload, list(kept_by_stage))
     for index in kept_by_stage:  # a held micro-batch's input is its receive buffer, counted in `receiving`
-        kept_by_stage[index] = max(0.0, kept_by_stage[index] - (inputs[index] if index > 0 else 0.0))
+        kept_by_stage[index] = max(0.0, kept_by_stage[index] - inputs.get(index, 0.0))
     holdings = rank_holdings(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
-    receiving = receive_buffers(list(kept_by_stage), plan.n_virtual_stages, inputs, grads, plan.num_micro_batches)
     saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage) + receiving
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
@@ -159,13 +158,14 @@ def activation_moments(saved: float, end_temporaries: float, head_saved: float, 
     ]
 
 
-def stage_receive_bytes(plan: Plan, workload: Workload, keywords: dict) -> tuple[dict, dict]:
-    """Per virtual stage, one micro-batch's receive buffers (`in_flight.receive_buffer_bytes`):
-    of its input (the output of the layer before it) and of its output's gradient."""
-    layers = workload.layers
+def rank_receiving(plan: Plan, workload: Workload, stages: list[int]) -> tuple[dict[int, float], float]:
+    """A pipeline rank's receive buffers (`in_flight.receive_buffers`): per virtual stage but the
+    first, one micro-batch's input buffer (the output of the layer before it), and what the rank's
+    `stages` hold in them through the step."""
+    keywords, layers = activation_keywords(plan, 0.0, plan.dtype), workload.layers
     inputs = {i: receive_buffer_bytes(layers[st.start - 1], **keywords) for i, st in enumerate(plan.stages) if i > 0}
     grads = {i: receive_buffer_bytes(layers[st.end - 1], **keywords) for i, st in enumerate(plan.stages)}
-    return inputs, grads
+    return inputs, receive_buffers(stages, plan.n_virtual_stages, inputs, grads, plan.num_micro_batches)
 
 
 def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:

@@ -21,7 +21,7 @@ from hardware.schema import Cluster
 
 from .. import collectives as coll
 from ..data_parallel import expert_reduction_time, optimizer_time, weight_gather_time
-from ..peak import peak_moments
+from ..peak import peak_moments, rank_receiving
 from ..terms import price_ranks
 from ..layout import RankTime
 from layout.plan import Plan
@@ -163,12 +163,14 @@ def _tail(plan: Plan, cluster: Cluster, lay, r: int, rank_time: RankTime, out) -
     return end, opt
 
 
-def _rank_sim(plan, memory: dict, r, rank_time, spec, out, events, end) -> RankSim:
-    """`memory`: the rank's categories at its peak (`costmodel.estimate.peak_moments`)."""
+def _rank_sim(plan, memory: dict, receiving: float, r, rank_time, spec, out, events, end) -> RankSim:
+    """`memory`: the rank's categories at its peak (`costmodel.estimate.peak_moments`), its
+    activations with the `receiving` bytes of receive buffers the rank holds through the step."""
     ops = out.ops[r]
     tpls = [spec.templates[(op.stage, op.phase)] for op, _, _ in ops]
     busy = sum(t.duration for t in tpls)
     static = {k: v for k, v in memory.items() if k != "activations"}
+    static["receive buffers"] = receiving
     timeline, peak, when = memory_timeline(out.memory_deltas[r], sum(static.values()))
     return RankSim(
         rank=r,
@@ -195,7 +197,9 @@ def _assemble(plan, workload, clusters, lays, rank_times, spec, out, memories) -
     by_rank: list[list[Event]] = [[] for _ in range(plan.pp)]
     for e in out.events:
         by_rank[e.rank].append(e)
-    ranks = [_rank_sim(plan, memories[r], r, rank_times[r], spec, out, by_rank[r], tails[r][0]) for r in range(plan.pp)]
+    receiving = [rank_receiving(plan, workload, plan.rank_stages(r))[1] for r in range(plan.pp)]
+    ranks = [_rank_sim(plan, memories[r], receiving[r], r, rank_times[r], spec, out, by_rank[r], tails[r][0])
+             for r in range(plan.pp)]
     step = max(end for end, _ in tails)
     pipeline = max(out.compute_end)
     busiest = max(r.busy_s for r in ranks)
