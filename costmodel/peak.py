@@ -60,7 +60,8 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     - a block's backward: the saved activations less the head's one micro-batch (freed by
       then), the block's and the next's gathered weights and one block's unsharded gradients,
       the accumulation transient, and the larger of the block's temporaries and a fully
-      recomputed block being rebuilt (one layer at a time);
+      recomputed block being rebuilt (one layer at a time), and the root unit's weights where
+      it holds the embedding (`root_held_bytes`);
     - the optimizer step: every gradient and AdamW's temporaries (`optimizer_step_bytes`), or
       just before it, under ZeRO-3, the root unit's unsharded gradients and the flat copy its
       reduce-scatter reads (in the reduce dtype) beside every other gradient.
@@ -112,8 +113,10 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage) + receiving
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
     gathered = {"root": root_buffer_bytes(root, plan.dtype), "block": block_buffer_bytes(biggest, plan.dtype, reduce_bytes(plan))}
+    first_layers = 0 in kept_by_stage and workload.layers[0].kind != "block"
     moments = activation_moments(saved, end_temporaries, head_saved, max(rebuild, block_temporaries),
-                                 accumulation_transient(plan, workload, rank), gathered["root"], gathered["block"])
+                                 accumulation_transient(plan, workload, rank), gathered["root"], gathered["block"],
+                                 root_held_bytes(root, first_layers, plan.dtype) if sharded else 0.0)
     held = gathered_weight_bytes(rank.params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
     if held:
         moments = [{**m, "buffers": held} for m in moments]
@@ -144,18 +147,29 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
 
 
 def activation_moments(saved: float, end_temporaries: float, head_saved: float, block_work: float,
-                       accumulation: float, root_buffer: float, block_buffer: float) -> list[dict[str, float]]:
+                       accumulation: float, root_buffer: float, block_buffer: float,
+                       root_held: float = 0.0) -> list[dict[str, float]]:
     """The three moments of a rank's activation peak (`peak_moments`), by category: the loss
     (every in-flight micro-batch's `saved` activations and the last layers' temporaries), the
     root unit's backward (the head's one micro-batch of saved activations freed, ZeRO-3's
     gathered root weights), and a block's backward (the larger of its temporaries and a
-    rebuilt block, the accumulation transient, the block's gather buffers). The solver calls
+    rebuilt block, the accumulation transient, the block's gather buffers and the root unit's
+    weights held, `root_held`). The solver calls
     it with `saved` 0 and adds its own linear saved term (`rank_extra_bytes`)."""
     return [
         {"activations": saved + end_temporaries, "buffers": 0.0},
         {"activations": saved - head_saved, "buffers": root_buffer},
-        {"activations": saved - head_saved + block_work + accumulation, "buffers": block_buffer},
+        {"activations": saved - head_saved + block_work + accumulation, "buffers": block_buffer + root_held},
     ]
+
+
+def root_held_bytes(root_params: float, holds_first_layers: bool, dtype: str) -> float:
+    """FSDP2's root unit under ZeRO-3 through the blocks' backward: its gathered 16-bit weights
+    where it holds the layers before the blocks. One unit holds the embedding and the head; it is
+    gathered for the head's backward and resharded only once every parameter of it has its
+    gradient, the embedding's last. The dry run of llama-3-70b dp64 ZeRO-3 offloaded read 5.51 GiB
+    of unsharded parameters at a block's backward: one block's and the root's 2.1 billion."""
+    return WEIGHT_BYTES[dtype] * root_params if holds_first_layers else 0.0
 
 
 def rank_receiving(plan: Plan, workload: Workload, stages: list[int]) -> tuple[dict[int, float], float]:

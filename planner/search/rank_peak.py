@@ -9,8 +9,8 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, moment_slacks,
                                 root_hole_bytes)
-from costmodel.peak import (activation_moments, block_buffer_bytes, owned_shares,
-                            root_buffer_bytes)
+from costmodel.peak import (activation_moments, block_buffer_bytes, owned_shares, root_buffer_bytes,
+                            root_held_bytes)
 from costmodel.offload import states_on_host
 from costmodel.in_flight import held_output_bytes
 from costmodel.memory import (activation_bytes, activation_keywords, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
@@ -50,9 +50,9 @@ def rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: li
     `costmodel.peak.peak_moments` holds it, without and with a fully recomputed block
     (`rebuilt` bytes): the largest of the loss's moment (its layers' temporaries), the root
     unit's backward (ZeRO-3's gathered embedding and head, the head's saved activations
-    freed) and a block's backward (the block's gather buffers, the accumulation transient,
-    the larger of the block's temporaries and the rebuilt block, the head's saved
-    activations freed), each with the caching allocator's blocks cached then, and FSDP2's
+    freed) and a block's backward (the block's gather buffers, the root unit's weights where it
+    holds the embedding, the accumulation transient, the larger of the block's temporaries and
+    the rebuilt block, the head's saved activations freed), each with the caching allocator's blocks cached then, and FSDP2's
     all-gather pool beside them (`costmodel.reserved`; none on CPU ranks: `caching`).
     Returned as (without, with - without) per rank: a constant and the coefficient of the
     solver's per-rank full-recompute indicator."""
@@ -80,7 +80,9 @@ def rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: li
                                     for layer in own if layer.kind == "head"),
                      accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
                      root_buffer=root_buffer_bytes(params_on_rank(own, plan), plan.dtype) if sharded else 0.0,
-                     block_buffer=block_buffer)
+                     block_buffer=block_buffer,
+                     root_held=root_held_bytes(params_on_rank(own, plan), bool(prefix) and own[:len(prefix)] == prefix,
+                                               plan.dtype) if sharded else 0.0)
         slacks = _slacks(own, block, plan, kw, terms["end_temporaries"], sharded) if caching else [0.0] * 3
         pool = _pool(own + [block], block, plan) if caching else 0.0
 
