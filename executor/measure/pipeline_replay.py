@@ -91,14 +91,17 @@ def _hidden_stand_in(tokens: torch.Tensor, hidden: int, plan: Plan, wants_grad: 
 
 def _as_output(buffer: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The received gradient as the stage's output is laid out (torch rebuilds a DTensor's
-    gradient from its local buffer)."""
+    gradient from its local buffer); a fresh one where the output is not the hidden states the
+    buffer was shaped for."""
     from torch.distributed.tensor import DTensor
 
+    local_shape = out.to_local().shape if isinstance(out, DTensor) else out.shape
+    if buffer.numel() != local_shape.numel() or buffer.dtype != out.dtype:  # a stage output not of hidden states
+        return torch.zeros_like(out)
     if isinstance(out, DTensor):
-        local = buffer.view(out.to_local().shape).to(out.dtype)
-        return DTensor.from_local(local, out.device_mesh, out.placements, shape=out.shape, stride=out.stride(),
-                                  run_check=False)
-    return buffer.view(out.shape).to(out.dtype)
+        return DTensor.from_local(buffer.view(local_shape), out.device_mesh, out.placements, shape=out.shape,
+                                  stride=out.stride(), run_check=False)
+    return buffer.view(local_shape)
 
 
 def _defer_fsdp(module, defer: bool) -> None:
