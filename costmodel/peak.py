@@ -106,9 +106,9 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                     head_saved += (kept + output) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
-    inputs, receiving = rank_receiving(plan, workload, list(kept_by_stage))
+    receiving = rank_receiving(plan, workload, list(kept_by_stage))
     for index in kept_by_stage:  # a held micro-batch's input is its receive buffer, counted in `receiving`
-        kept_by_stage[index] = max(0.0, kept_by_stage[index] - inputs.get(index, 0.0))
+        kept_by_stage[index] = max(0.0, kept_by_stage[index] - stage_input_bytes(plan, workload, index))
     holdings = rank_holdings(plan.schedule, rank_index, plan.pp, plan.vpp, plan.num_micro_batches)
     saved = saved_at_peak(holdings, kept_by_stage, outputs_by_stage) + receiving
     sharded = held_zero(plan) >= 3 and plan.gathers_weights
@@ -172,14 +172,22 @@ def root_held_bytes(root_params: float, holds_first_layers: bool, dtype: str) ->
     return WEIGHT_BYTES[dtype] * root_params if holds_first_layers else 0.0
 
 
-def rank_receiving(plan: Plan, workload: Workload, stages: list[int]) -> tuple[dict[int, float], float]:
-    """A pipeline rank's receive buffers (`in_flight.receive_buffers`): per virtual stage but the
-    first, one micro-batch's input buffer (the output of the layer before it), and what the rank's
-    `stages` hold in them through the step."""
+def stage_input_bytes(plan: Plan, workload: Workload, index: int) -> float:
+    """One micro-batch's input buffer on virtual stage `index` (`in_flight.receive_buffer_bytes`
+    of the layer before it), none on the first: a held micro-batch's input, counted as the buffer."""
+    if index == 0:
+        return 0.0
+    layer = workload.layers[plan.stages[index].start - 1]
+    return receive_buffer_bytes(layer, **activation_keywords(plan, 0.0, plan.dtype))
+
+
+def rank_receiving(plan: Plan, workload: Workload, stages: list[int]) -> float:
+    """What a pipeline rank's virtual `stages` hold in receive buffers through the step
+    (`in_flight.receive_buffers`)."""
     keywords, layers = activation_keywords(plan, 0.0, plan.dtype), workload.layers
-    inputs = {i: receive_buffer_bytes(layers[st.start - 1], **keywords) for i, st in enumerate(plan.stages) if i > 0}
-    grads = {i: receive_buffer_bytes(layers[st.end - 1], **keywords) for i, st in enumerate(plan.stages)}
-    return inputs, receive_buffers(stages, plan.n_virtual_stages, inputs, grads, plan.num_micro_batches)
+    inputs = {i: stage_input_bytes(plan, workload, i) for i in stages}
+    grads = {i: receive_buffer_bytes(layers[plan.stages[i].end - 1], **keywords) for i in stages}
+    return receive_buffers(stages, plan.n_virtual_stages, inputs, grads, plan.num_micro_batches)
 
 
 def optimizer_step_temporaries(plan: Plan, workload: Workload, rank: RankTime, cluster: Cluster) -> float:

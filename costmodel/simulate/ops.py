@@ -26,7 +26,7 @@ from ..data_parallel import fsdp_serial_copies, layer_params_on_rank, sharded_co
 from ..layout import Layout
 from ..in_flight import held_output_bytes
 from ..memory import activation_bytes, activation_keywords, reduce_bytes
-from ..peak import rank_receiving
+from ..peak import stage_input_bytes
 from layout.plan import Plan
 from ..workload import LayerProfile, Workload
 
@@ -159,8 +159,7 @@ def stage_activation(plan: Plan, pricer: Pricer, index: int) -> float:
     kw = activation_keywords(plan, pricer.lay.ctx.cp_kv_bytes, plan.dtype)
     kept = sum(activation_bytes(layer, policy, **kw) + held_output_bytes(layer, pipelined=plan.pp > 1, **kw)
                for _, layer, policy in pricer.stage_layers(index))
-    # its input is a receive buffer, held through the step (`costmodel.peak.rank_receiving`)
-    return max(0.0, kept - rank_receiving(plan, pricer.workload, [])[0].get(index, 0.0))
+    return max(0.0, kept - stage_input_bytes(plan, pricer.workload, index))  # its input: a receive buffer, held all step
 
 
 def p2p_seconds(plan: Plan, workload: Workload, lay: Layout, boundary_layer: int) -> float:

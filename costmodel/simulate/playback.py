@@ -197,7 +197,7 @@ def _assemble(plan, workload, clusters, lays, rank_times, spec, out, memories) -
     by_rank: list[list[Event]] = [[] for _ in range(plan.pp)]
     for e in out.events:
         by_rank[e.rank].append(e)
-    receiving = [rank_receiving(plan, workload, plan.rank_stages(r))[1] for r in range(plan.pp)]
+    receiving = [rank_receiving(plan, workload, plan.rank_stages(r)) for r in range(plan.pp)]
     ranks = [_rank_sim(plan, memories[r], receiving[r], r, rank_times[r], spec, out, by_rank[r], tails[r][0])
              for r in range(plan.pp)]
     step = max(end for end, _ in tails)

@@ -81,8 +81,8 @@ def rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: li
                      accumulation=max(largest([block]), largest(own)) if accumulating else 0.0,
                      root_buffer=root_buffer_bytes(params_on_rank(own, plan), plan.dtype) if sharded else 0.0,
                      block_buffer=block_buffer,
-                     root_held=root_held_bytes(params_on_rank(own, plan), bool(prefix) and own[:len(prefix)] == prefix,
-                                               plan.dtype) if sharded else 0.0)
+                     # sharded only without a pipeline: its one rank holds the embedding
+                     root_held=root_held_bytes(params_on_rank(own, plan), bool(prefix), plan.dtype) if sharded else 0.0)
         slacks = _slacks(own, block, plan, kw, terms["end_temporaries"], sharded) if caching else [0.0] * 3
         pool = _pool(own + [block], block, plan) if caching else 0.0
 
