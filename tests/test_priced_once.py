@@ -89,3 +89,22 @@ def test_the_solvers_coefficients_price_every_zbv_layout_as_the_estimator_does(s
         priced = estimate(workload, plan, cluster)
         assert capacity - headroom == pytest.approx(priced.peak_reserved_bytes, rel=1e-6), plan.layout_tag
         assert step == pytest.approx(priced.step_time_s, rel=0.1 if plan.offload else 1e-4), plan.layout_tag
+
+
+def test_zero_threes_backward_end_is_priced_by_the_solver_as_by_the_estimator():
+    """A tied table under ZeRO-3 at short sequences peaks at the root unit's backward end
+    (`costmodel.peak.closing_moments`): the solver's closing constraint holds it as the
+    estimator does, under every policy."""
+    workload, _ = workload_for("llama-3.2-1b", seq_len=512)
+    cluster = hardware.load("8xh100-sxm")
+    layout = next(l for l in sorted(layouts(workload, cluster, 8), key=repr)
+                  if l.dp == 8 and l.tp == 1 and l.pp == 1 and l.zero == 3 and l.micro_batch == 1)
+    first, last = block_span(workload)
+    for policy in RECOMPUTE:
+        plan = to_plan(layout, workload, cluster, global_batch=8, dtype="bf16", recompute=policy, model="llama-3.2-1b")
+        capacity = usable_memory_bytes(cluster, 0.1, plan, workload)
+        data = stage_model_data(workload, plan, cluster, capacity)
+        assert data.closes_above_states(0)
+        _, headroom = linear_step(data, [{policy: last - first}], plan.pp, plan.vpp, plan.num_micro_batches)
+        priced = estimate(workload, plan, cluster)
+        assert capacity - headroom == pytest.approx(priced.peak_reserved_bytes, rel=1e-6), policy

@@ -30,7 +30,7 @@ from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
 from hardware.schema import Cluster
 
-from planner.search.rank_peak import rank_extra_bytes, step_fixed_bytes
+from planner.search.rank_peak import closing_extra_bytes, rank_extra_bytes, step_fixed_bytes
 
 POLICIES = RECOMPUTE
 _CONTEXT_FIELDS = tuple(f.name for f in fields(Context) if f.name != "cluster")
@@ -47,6 +47,7 @@ class LayerCoefficients:
     expert_params: float = 0.0  # of `params`: expert weights, reduced over their own replicas after the backward
     states: float = 0.0  # bytes of its states on the rank at the activation peak (experts shard over fewer ranks)
     step_states: float = 0.0  # bytes at the optimizer step: every state and AdamW's per-parameter temporaries
+    end_states: float = 0.0  # bytes at a backward's end: every state, no temporaries yet
     weight_grad: float = 0.0  # of `time`: the weight gradients a zero-bubble schedule moves into the bubble
     pile: float = 0.0  # bytes at a backward's end beside `states`: autocast's cast gradients (`cast_gradient_pile_bytes`)
     cast_back: float = 0.0  # and beside the pile while its largest is cast back (`cast_back_bytes`): the rank's largest counts
@@ -97,6 +98,7 @@ class StageModelData:
     in_flight_extra: tuple[float, ...] = ()  # per pipeline rank: the bounds' bytes beside `in_flight` (`fewest_in_flight`)
     stage_input: float = 0.0  # a virtual stage's input per micro-batch: its receive buffer (`receive_buffer_bytes`)
     receiving: tuple[float, ...] = ()  # per pipeline rank: its stages' receive buffers, held through the step
+    closing_extra: tuple[float, ...] = ()  # per pipeline rank: ZeRO-3's root unit at a backward's end (`closing_extra_bytes`)
 
     def holding_terms(self, r: int, S: int) -> list[tuple[dict[int, int], float]]:
         """Rank r's saved bytes at each moment it can peak at (`costmodel.in_flight.saved_at_peak`),
@@ -151,11 +153,21 @@ class StageModelData:
         return step_states + (self.step_fixed[r] if self.step_fixed else 0.0) + self.receive_bytes(r)
 
     def closing_fixed(self, fixed: list[LayerCoefficients], r: int) -> float:
-        """Rank r's memory at a backward's end (`costmodel.peak.peak_moments`' closing moment)
-        besides its blocks' `states + pile` each: its embedding and head layers' states and
-        piles, the largest cast-back of those and its blocks (`cast_back_bytes`), and its receive buffers."""
-        return (sum(l.states + l.pile for l in fixed) + max(l.cast_back for l in [*fixed, self.block])
+        """Rank r's memory at a backward's end (`costmodel.peak.peak_moments`' closing moments)
+        besides its blocks' `end_states + pile` each: its embedding and head layers' end states and
+        piles, the larger of the largest cast-back of those and its blocks (`cast_back_bytes`) and
+        ZeRO-3's root unit then (`closing_extra`; the two never meet), and its receive buffers."""
+        return (sum(l.end_states + l.pile for l in fixed)
+                + max(self.closing_extra_bytes(r), *(l.cast_back for l in [*fixed, self.block]))
                 + self.receive_bytes(r))
+
+    def closing_extra_bytes(self, r: int) -> float:
+        """ZeRO-3's root unit at rank r's backward end (`rank_peak.closing_extra_bytes`)."""
+        return self.closing_extra[r] if self.closing_extra else 0.0
+
+    def closes_above_states(self, r: int) -> bool:
+        """Whether rank r's backward end holds more than its states (the solver's closing constraint)."""
+        return bool(self.block.pile or self.closing_extra_bytes(r))
 
     def rebuild_bytes(self, r: int) -> float:
         """What rank r's peak grows by once it fully recomputes a block (`rank_extra_bytes`)."""
@@ -220,9 +232,10 @@ def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
 def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
-    states, step_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
+    states, step_states, end_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
     cast = cast_params_on_rank(layer, plan.tp, plan.ep)
-    states += autocast_copy_bytes(cast, plan)  # until the backward ends
+    copies = autocast_copy_bytes(cast, plan)  # until the backward ends
+    states, end_states = states + copies, end_states + copies
     time, backward, activation = {}, {}, {}
     collectives = sharded_collectives(params, plan, lay)  # the same under every policy
     kw = activation_keywords(plan, ctx.cp_kv_bytes, plan.dtype)
@@ -232,14 +245,15 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
         time[policy] = t.total + zero
         backward[policy] = t.backward + t.recompute
         activation[policy] = activation_bytes(layer, policy, **kw)
-    return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states,
+    return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states, end_states=end_states,
                              output=held_output_bytes(layer, pipelined=plan.pp > 1, **kw), step_states=step_states, expert_params=layer.expert_params / plan.ep,
                              weight_grad=times(layer, ctx, "none").weight_grad, pile=cast_gradient_pile_bytes(cast, plan),
                              cast_back=cast_back_bytes(layer, plan))
 
 
-def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float]:
-    """A layer's states on the rank at the activation peak and at the optimizer step, as
+def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float, float]:
+    """A layer's states on the rank at the activation peak, at the optimizer step and at a
+    backward's end (with autocast's copies, there until then), as
     `costmodel.peak.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
     copies, `bucket_copy_bytes`)."""
@@ -250,7 +264,8 @@ def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Clus
     at_peak = sum(device.values()) - device["gradients"] + gradients + held + bucket_copy_bytes(dense, plan, stepping=False)
     temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
         params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack, moment_bytes(plan))
-    return at_peak, sum(device.values()) + temporaries + bucket_copy_bytes(dense, plan, stepping=True)
+    ending = sum(device.values()) + bucket_copy_bytes(dense, plan, stepping=True)
+    return at_peak, ending + temporaries, ending
 
 
 def block_span(workload: Workload) -> tuple[int, int]:
@@ -317,6 +332,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     # every stage boundary carries a block's output or its gradient (the embedding's output is alike)
     boundary = receive_buffer_bytes(layers[first], **activation_keywords(plan, 0.0, plan.dtype))
     data = replace(data, extra=extra, rebuild=rebuild, receiving=_receiving(data, boundary, plan),
+                   closing_extra=closing_extra_bytes(layers[:first], layers[first], layers[last:], plan, cluster, caching),
                    step_fixed=step_fixed_bytes(layers[:first], layers[first], layers[last:], plan, cluster, caching),
                    stage_input=boundary if plan.pp > 1 else 0.0)
     return replace(data, fixed=all_rank_fixed(data, plan.pp, plan.n_virtual_stages))

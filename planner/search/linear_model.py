@@ -41,7 +41,7 @@ def linear_step(data: StageModelData, counts: list[dict[str, int]], pp: int, vpp
         used = (blocks * block.states + f.states + data.saved_bytes(r, S, kept[r])
                 + (data.rebuild_bytes(r) if rebuilt else 0.0) + data.extra_bytes(r))
         stepping = data.step_bytes(r, blocks * block.step_states + f.step_states)
-        closing = blocks * (block.states + block.pile) + f.closing  # a backward's end (`cast_gradient_pile_bytes`)
+        closing = blocks * (block.end_states + block.pile) + f.closing  # a backward's end (`closing_fixed`)
         headroom = min(headroom, data.capacity - max(used, stepping, closing))
     pipeline = pipeline_seconds(max(rank_time), sum(rank_time), m, vpp, bubble_fill(data.schedule, weight_grads, pp))
     return pipeline + max(0.0, exposed) + optimizer, headroom
@@ -106,7 +106,7 @@ def least_recompute_counts(data: StageModelData, blocks: list[int], pp: int, all
         f = next((f for f in range(b + 1) if used(f) <= data.capacity), None)
         if f is None or data.step_bytes(r, b * block.step_states + sum(l.step_states for l in fixed)) > data.capacity:
             return None
-        if b * (block.states + block.pile) + data.closing_fixed(fixed, r) > data.capacity:
+        if b * (block.end_states + block.pile) + data.closing_fixed(fixed, r) > data.capacity:
             return None
         for s, n in leaner(f).items():
             counts[s][lean] += n

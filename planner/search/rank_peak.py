@@ -9,12 +9,12 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, moment_slacks,
                                 root_hole_bytes)
-from costmodel.peak import (activation_moments, block_buffer_bytes, owned_shares, root_buffer_bytes,
-                            root_held_bytes)
+from costmodel.peak import (activation_moments, block_buffer_bytes, closing_moments, device_states, owned_shares,
+                            root_buffer_bytes, root_held_bytes)
 from costmodel.offload import states_on_host
 from costmodel.in_flight import held_output_bytes
-from costmodel.memory import (activation_bytes, activation_keywords, moment_bytes, new_gradient_bytes, optimizer_step_bytes, reduce_bytes,
-                              transient_bytes)
+from costmodel.memory import (activation_bytes, activation_keywords, held_gradient_bytes, moment_bytes,
+                              new_gradient_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
 from layout.plan import Plan
 from costmodel.workload import LayerProfile
 from hardware.schema import Cluster
@@ -36,6 +36,22 @@ def step_fixed_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: li
         largest = max(layer.largest_weight / (plan.tp if layer.tp_shardable else 1) for layer in own)
         fixed.append(optimizer_step_bytes(0.0, largest * largest_share, device, plan.stack, moment_bytes(plan)) + pool)
     return tuple(fixed)
+
+
+def closing_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: list[LayerProfile], plan: Plan,
+                        cluster: Cluster, caching: bool) -> tuple[float, ...]:
+    """Per pipeline rank, ZeRO-3's root unit at the backward's end beyond the rank's end states, at
+    the larger of `costmodel.peak.closing_moments` (sharded only without a pipeline: one rank
+    holding the embedding and the head), with FSDP2's all-gather pool cached beside (`costmodel.reserved`)."""
+    if not (held_zero(plan) >= 3 and plan.gathers_weights):
+        return ()
+    root = params_on_rank(prefix + suffix, plan)
+    tied = sum(l.tied_params / (plan.tp if l.tp_shardable else 1) for l in suffix if l.kind == "head")
+    gradients = device_states(root, 0.0, plan, cluster)["gradients"]
+    moments = closing_moments(root, tied, layer_params_on_rank(block, plan.tp, plan.ep), gradients, plan,
+                              held=bool(held_gradient_bytes(root, plan)))
+    pool = _pool(prefix + suffix + [block], block, plan) if caching else 0.0
+    return (max(sum(m.values()) for m in moments) + pool,) * plan.pp
 
 
 def _pool(own: list[LayerProfile], block: LayerProfile, plan: Plan) -> float:

@@ -149,10 +149,10 @@ class StageModel:
             fixed_step = sum(self._fixed(s, "step_states") for s in self._stages_of(r))
             self.model.Add(self._blocks(r) * _i(d.block.step_states, KIB) + _i(d.step_bytes(r, fixed_step), KIB)
                            <= _i(d.capacity, KIB))
-            if d.block.pile:  # a backward's end: states, cast copies, their gradients and the largest cast back
+            if d.closes_above_states(r):  # a backward's end: autocast's pile, or ZeRO-3's root unit
                 fixed = [layer for s in self._stages_of(r) for layer in self._fixed_layers(s)]
-                self.model.Add(states + self._blocks(r) * _i(d.block.pile, KIB) + _i(d.closing_fixed(fixed, r), KIB)
-                               <= _i(d.capacity, KIB))
+                self.model.Add(self._blocks(r) * _i(d.block.end_states + d.block.pile, KIB)
+                               + _i(d.closing_fixed(fixed, r), KIB) <= _i(d.capacity, KIB))
 
     def add_dp_overlap(self):
         E = self.model.NewIntVar(0, self.ub, "E")
