@@ -103,14 +103,7 @@ def test_zero_one_under_autocast_holds_its_cast_gradients_at_a_backwards_end():
     beside every state, with the tied table's three fp32 gradients (`cast_back_bytes`).
     Unpriced, the pile leaves this -9% and the tied table's gradients -3% (llama-3.2-1b at 512
     tokens, the README's case, measures 17.41 GiB and is predicted 17.41: a 20 s dry run)."""
-    model = "reference-tiny-tied"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        workload, _ = workload_for(model, seq_len=64, dtype="bf16")  # short: the states outweigh the activations
-    cluster = hardware.load(f"{RANKS}xh100-sxm")
-    layout = next(l for l in sorted(layouts(workload, cluster, GLOBAL_BATCH), key=repr)
-                  if l.dp == RANKS and l.tp == 1 and l.pp == 1 and l.zero == 1 and l.micro_batch == 1)
-    plan = to_plan(layout, workload, cluster, global_batch=GLOBAL_BATCH, dtype="bf16", recompute="full", model=model)
+    plan, _ = _data_parallel_plan("reference-tiny-tied", 64, zero=1, global_batch=GLOBAL_BATCH)
     assert plan.num_micro_batches == 2
     (rank,) = dry_run(plan).ranks
     assert abs(rank.error) <= 0.02, (rank.measured_peak, rank.predicted_peak)
@@ -123,14 +116,21 @@ def test_a_tied_tables_gradients_peak_at_zero_threes_embedding_backward():
     their sum) beside the gathered unit and the last block's reduce-scatter copy, and the unit's
     sharded gradients are not made yet (`costmodel.peak.closing_moments`). Priced as the root
     unit's reduce-scatter alone, this read -13.6% (4.36 GiB measured, 3.77 predicted)."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        workload, _ = workload_for(MODEL, seq_len=512, dtype="bf16")  # short: the states outweigh the activations
-    cluster = hardware.load(f"{RANKS}xh100-sxm")
-    layout = next(l for l in sorted(layouts(workload, cluster, RANKS), key=repr)
-                  if l.dp == RANKS and l.tp == 1 and l.pp == 1 and l.zero == 3 and l.micro_batch == 1)
-    plan = to_plan(layout, workload, cluster, global_batch=RANKS, dtype="bf16", recompute="full", model=MODEL)
+    plan, workload = _data_parallel_plan(MODEL, 512, zero=3, global_batch=RANKS)
     (rank,) = dry_run(plan).ranks
     assert abs(rank.error) <= 0.02, (rank.measured_peak, rank.predicted_peak)
     tied = 2 * workload.layers[-1].tied_params  # one bf16 copy of the table
     assert rank.at_peak["activations"] >= 2.9 * tied  # the peak is the tied gradients' moment
+
+
+def _data_parallel_plan(model: str, seq_len: int, zero: int, global_batch: int):
+    """`model` over dp8 at `zero`, one sequence a micro-batch, full recompute, at a sequence
+    short enough that the states outweigh the activations."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        workload, _ = workload_for(model, seq_len=seq_len, dtype="bf16")
+    cluster = hardware.load(f"{RANKS}xh100-sxm")
+    layout = next(l for l in sorted(layouts(workload, cluster, global_batch), key=repr)
+                  if l.dp == RANKS and l.tp == 1 and l.pp == 1 and l.zero == zero and l.micro_batch == 1)
+    plan = to_plan(layout, workload, cluster, global_batch=global_batch, dtype="bf16", recompute="full", model=model)
+    return plan, workload
