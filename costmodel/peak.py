@@ -13,8 +13,8 @@ from .accumulation import held_zero
 from .data_parallel import layer_params_on_rank
 from .in_flight import held_output_bytes, rank_holdings, receive_buffer_bytes, receive_buffers, saved_at_peak
 from .memory import (WEIGHT_BYTES, activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
-                     held_gradient_bytes, model_state_bytes, moment_bytes, new_gradient_bytes,
-                     optimizer_step_bytes, plan_state_bytes, reduce_bytes, transient_bytes)
+                     held_gradient_bytes, held_gradient_shards, model_state_bytes, moment_bytes, new_gradient_bytes,
+                     optimizer_step_bytes, plan_state_bytes, reduce_bytes, tied_on_rank, transient_bytes)
 from .layout import RankTime, kv_bytes_per_sequence, stage_runs
 from .offload import device_state_bytes, states_on_host
 from .reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_blocks, moment_slacks,
@@ -75,7 +75,10 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
     stepping = {**states, "activations": optimizer_step_temporaries(plan, workload, rank, cluster)}
     if not gradients_at_peak(plan):
         states["gradients"] = 0.0
-    held_gradients = held_gradient_bytes(rank.params, plan)
+    shares_table = tied_on_rank(workload, plan)
+    held_gradients = held_gradient_bytes(rank.params + sum(
+        (held_gradient_shards(layer, plan, shares_table) - 1) * layer_params_on_rank(layer, plan.tp, plan.ep) * count
+        for est in rank.stage_estimates for layer, _, count in stage_runs(plan, workload, est.index)), plan)
     if held_gradients:  # unsharded until the last micro-batch reduces them, and no sharded ones yet
         states["gradients"] = 0.0
     dense = rank.params - rank.expert_params

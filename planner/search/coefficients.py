@@ -24,7 +24,8 @@ from costmodel.offload import states_on_host
 from costmodel.in_flight import (Holding, fewest_in_flight, held_output_bytes, least_held_moment, rank_holdings,
                                 receive_buffer_bytes, receive_buffers)
 from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
-                              held_gradient_bytes, moment_bytes, optimizer_step_bytes)
+                              held_gradient_bytes, held_gradient_shards, moment_bytes, optimizer_step_bytes,
+                              tied_on_rank)
 from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, Workload
@@ -229,10 +230,13 @@ def layer_key(layer: LayerProfile, plan: Plan, cluster: Cluster) -> tuple:
             plan.num_micro_batches if plan.holds_unsharded_gradients or plan.copies_into_buckets else 0)
 
 
-def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster) -> LayerCoefficients:
+def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Cluster,
+           tied: bool = False) -> LayerCoefficients:
+    """`tied`: the model's head shares its embedding's weight on the rank (`tied_on_rank`)."""
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
-    states, step_states, end_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster)
+    states, step_states, end_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster,
+                                                    held_params=params * held_gradient_shards(layer, plan, tied))
     cast = cast_params_on_rank(layer, plan.tp, plan.ep)
     copies = autocast_copy_bytes(cast, plan)  # until the backward ends
     states, end_states = states + copies, end_states + copies
@@ -251,15 +255,18 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
                              cast_back=cast_back_bytes(layer, plan))
 
 
-def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster) -> tuple[float, float, float]:
+def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster,
+                  held_params: float | None = None) -> tuple[float, float, float]:
     """A layer's states on the rank at the activation peak, at the optimizer step and at a
     backward's end (with autocast's copies, there until then), as
     `costmodel.peak.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
-    copies, `bucket_copy_bytes`)."""
+    copies, `bucket_copy_bytes`); `held_params`: the parameters whose gradients FSDP2 holds unsharded
+    (`held_gradient_shards`), default `params`."""
     device = device_states(params, expert_params, plan, cluster)
     held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    gradients = held_gradient_bytes(params, plan) or (device["gradients"] if gradients_at_peak(plan) else 0.0)
+    gradients = held_gradient_bytes(params if held_params is None else held_params, plan) or (
+        device["gradients"] if gradients_at_peak(plan) else 0.0)
     dense = params - expert_params
     at_peak = sum(device.values()) - device["gradients"] + gradients + held + bucket_copy_bytes(dense, plan, stepping=False)
     temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
@@ -295,7 +302,7 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
         if id(layer) not in coeff:
             key = layer_key(layer, plan, cluster)
             if key not in times.layers:
-                times.layers[key] = _layer(layer, plan, lay, times, cluster)
+                times.layers[key] = _layer(layer, plan, lay, times, cluster, tied_on_rank(workload, plan))
             coeff[id(layer)] = times.layers[key]
     block = coeff[id(layers[first])]
     # Collective times are concave in their size (the cheapest of affine protocol costs): their
