@@ -50,7 +50,9 @@ allocator holds (costmodel/reserved.py); `nvidia-smi` that and the runtime's mem
 stack's default (fp32 weights and moments, each stack's reduction, a reduce-scatter per
 micro-batch); ddp_bucket_view (yes/no, blank: yes) says whether a DDP run's gradients are views
 into its buckets (torch's default, no, keeps a copy beside each); tied_embeddings (yes/no, blank:
-no for gated rows) ties a Llama-era head to its embedding. Other columns (source) are ignored.
+no for gated rows) ties a Llama-era head to its embedding; loss (torch, fused; blank torch) names the
+run's cross-entropy kernel (costmodel/loss.py: llm-foundry's MPT runs flash-attn's fused one, keeping
+16-bit logits where torch's keeps fp32). Other columns (source) are ignored.
 """
 from __future__ import annotations
 
@@ -66,6 +68,7 @@ sys.path.insert(0, str(ROOT))
 
 import hardware  # noqa: E402
 from costmodel import TransformerDims, estimate, transformer_workload  # noqa: E402
+from costmodel.loss import with_loss_kernel  # noqa: E402
 from planner.trace.workload_for import workload_for  # noqa: E402
 from planner.request import PlanRequest  # noqa: E402
 from planner.search.branch_and_bound import best_plan  # noqa: E402
@@ -107,7 +110,7 @@ def row_dims(row: dict, name: str = "row") -> TransformerDims:
 
 MODEL_COLUMNS = ("n_layers", "hidden", "heads", "kv_heads", "ffn_hidden", "gated_mlp", "vocab", "seq_len", "n_experts",
                  "top_k", "tied_embeddings", "flash_attention", "biases", "dropout", "learned_positions",
-                 "dtype")  # what `row_workload` reads
+                 "dtype", "loss")  # what `row_workload` reads
 
 
 def row_workload(row: dict):
@@ -125,7 +128,7 @@ def _traced(model: tuple):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         workload, _ = workload_for(row_dims(row), seq_len=_int(row, "seq_len"), dtype=dtype)
-    return workload
+    return with_loss_kernel(workload, row["loss"].lower() or "torch")
 
 
 def row_dims_workload(row: dict):

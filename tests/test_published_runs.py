@@ -129,3 +129,34 @@ def test_megatron_fp8_layouts_that_ran_are_not_refused():
     for row in rows:
         *_, notes = published_runs.predict(row)
         assert not [n for n in notes if "memory model" in n], (row["id"], notes)
+
+
+def test_llm_foundry_layouts_that_ran_are_not_refused():
+    """MPT 1B at 20 sequences of 2,048 tokens a micro-batch, no recomputation, ran on 80-GB H100s
+    under FSDP: llm-foundry's MPT computes its loss with flash-attn's fused cross-entropy, which
+    keeps the 16-bit logits (`costmodel.loss`). Priced with torch's fp32 log-probabilities and
+    gradients it read 84 GiB of tensors and was refused."""
+    path = Path(published_runs.ROOT) / "benchmarks" / "data" / "fsdp_runs.csv"
+    with open(path, newline="") as handle:
+        (row,) = [r for r in csv.DictReader(handle) if r["id"] == "mpt_1b_h100-sxm_16"]
+    assert row["loss"] == "fused"
+    *_, notes = published_runs.predict(row)
+    assert not [n for n in notes if "memory model" in n], notes
+    *_, torch_notes = published_runs.predict({**row, "loss": "torch"})
+    assert [n for n in torch_notes if "memory model" in n]
+
+
+def test_a_fused_loss_keeps_sixteen_bit_logits_and_an_unknown_kernel_is_named():
+    import pytest
+
+    from costmodel.loss import with_loss_kernel
+
+    workload = published_runs.row_workload({key: str(value) for key, value in ROWS[2].items()})
+    head = workload.layers[-1]
+    fused = with_loss_kernel(workload, "fused").layers[-1]
+    logits = workload.seq_len * workload.vocab * 2
+    assert fused.act_transient == logits < head.act_transient  # torch's: two fp32 copies
+    assert fused.act_replicated == head.act_input + logits + 4 * workload.seq_len
+    assert with_loss_kernel(workload, "torch") is workload
+    with pytest.raises(ValueError, match="fused"):
+        with_loss_kernel(workload, "liger")
