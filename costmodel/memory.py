@@ -176,8 +176,9 @@ def dense_gradient_split(layer: LayerProfile, tp: int, stack: str) -> int:
 
 
 def held_gradient_shards(layer: LayerProfile, plan, tied_on_rank: bool) -> float:
-    """How many TP shards of `layer`'s gradient FSDP2 holds unsharded between micro-batches
-    (`held_gradient_bytes`): an embedding's whole table where DTensor's backward makes it whole
+    """How many TP shards of `layer`'s gradient a rank keeps: FSDP2 holding it unsharded between
+    micro-batches (`held_gradient_bytes`), or `.grad` without FSDP2's units
+    (`peak.whole_gradient_params`). An embedding's whole table where DTensor's backward makes it whole
     (`dense_gradient_split`) and it is the weight's first gradient, kept as made; one otherwise,
     and for a table tied to a head on the same rank (`tied_on_rank`), whose shard-shaped gradient
     comes first. Seen in the dry run of llama-160m dp2 tp4+sp ZeRO-2 holding its gradients: 0.30
