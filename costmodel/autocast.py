@@ -20,7 +20,7 @@ Later micro-batches hold the copies' gradients to the backward's end (`cast_grad
 from __future__ import annotations
 
 from .memory import DTYPE_BYTES, WEIGHT_BYTES, dense_gradient_split
-from .workload import LayerProfile, Segment, Workload, layer_params_on_rank
+from .workload import LayerProfile, Segment, Workload, layer_params_on_rank, tied_params_on_rank
 
 # What a layer keeps and sends in the dtype its ops run in: under autocast over fp32 weights the
 # embedding's output, the residual stream and every op outside autocast's half-precision list (norms,
@@ -93,8 +93,7 @@ def cast_params_on_rank(layer: LayerProfile, tp: int, ep: int = 1) -> float:
     (a lookup, not cast), a head's own and the table it shares with a tied embedding."""
     if layer.kind == "embedding":
         return 0.0
-    tied = layer.tied_params / (tp if layer.tp_shardable else 1)
-    return layer_params_on_rank(layer, tp, ep) + tied
+    return layer_params_on_rank(layer, tp, ep) + tied_params_on_rank(layer, tp)
 
 
 def autocast_copy_bytes(cast_params: float, plan) -> float:

@@ -28,7 +28,7 @@ flight.
 from __future__ import annotations
 
 from .fp8 import runs_fp8
-from .workload import LayerProfile
+from .workload import LayerProfile, tied_params_on_rank
 
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
 WEIGHT_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # the compute copy: fp8 runs bf16 weights, gradients and collectives
@@ -198,7 +198,7 @@ def new_gradient_bytes(layer: LayerProfile, plan) -> float:
     """The largest weight gradient `layer` computes into a new tensor before it is added to
     `.grad`, on one TP rank: the embedding's dense table (`dense_gradient_split`) or, where a
     pipeline cuts a tied head from its embedding, the head's own copy of the table."""
-    tied = layer.tied_params * WEIGHT_BYTES[plan.dtype] / (plan.tp if layer.tp_shardable else 1) if plan.pp > 1 else 0.0
+    tied = tied_params_on_rank(layer, plan.tp) * WEIGHT_BYTES[plan.dtype] if plan.pp > 1 else 0.0
     return max(layer.grad_dense_bytes / dense_gradient_split(layer, plan.tp, plan.stack), tied)
 
 

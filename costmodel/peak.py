@@ -21,7 +21,7 @@ from .reserved import (all_gather_pool_bytes, allocator_slack_bytes, caches_bloc
                        peak_reserved_bytes, root_hole_bytes)
 from layout.axes import REBUILT
 from layout.plan import Plan
-from .workload import Workload
+from .workload import Workload, tied_params_on_rank
 
 
 def device_states(params: float, expert_params: float, plan: Plan, cluster: Cluster,
@@ -123,7 +123,7 @@ def peak_moments(plan: Plan, workload: Workload, rank_index: int, rank: RankTime
                 root += layer_params_on_rank(layer, plan.tp, plan.ep) * count
                 if layer.kind == "head":  # its one micro-batch, the logits with it
                     head_saved += (kept + output) * count
-                    tied += layer.tied_params / (plan.tp if layer.tp_shardable else 1) * count
+                    tied += tied_params_on_rank(layer, plan.tp) * count
             if policy in REBUILT:
                 rebuild = max(rebuild, activation_bytes(layer, "none", **kw))
     receiving = rank_receiving(plan, workload, list(kept_by_stage))

@@ -34,7 +34,7 @@ from layout.plan import Plan
 from layout.results import Estimate, StageEstimate
 from .shared_cores import shared_core_pipeline_time
 from .validate import check_plan
-from .workload import LayerProfile, Workload
+from .workload import LayerProfile, Workload, tied_params_on_rank
 
 # A share of each GPU kept free beyond what the plan is priced to reserve (its tensors and the
 # caching allocator's blocks, costmodel.reserved) and the runtime's memory: the prediction's own
@@ -76,7 +76,7 @@ def stage_time(plan: Plan, workload: Workload, lay: Layout, index: int, rank: Ra
     bwd = sum(t.backward * n for t, n in times)
     params = sum(layer_params_on_rank(layer, plan.tp, plan.ep) * n for layer, _, n in runs)
     if plan.pp > 1:  # the stage's own copy of weights tied to a layer on another stage
-        params += sum(layer.tied_params / (plan.tp if layer.tp_shardable else 1) * n for layer, _, n in runs)
+        params += sum(tied_params_on_rank(layer, plan.tp) * n for layer, _, n in runs)
     rank.forward += fwd
     rank.backward += bwd
     rank.weight_grad += sum(t.weight_grad * n for t, n in times)

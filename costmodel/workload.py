@@ -148,6 +148,12 @@ def layer_params_on_rank(layer: LayerProfile, tp: int, ep: int = 1) -> float:
     return (layer.params - layer.expert_params) / split + layer.expert_params / ep
 
 
+def tied_params_on_rank(layer: LayerProfile, tp: int) -> float:
+    """A rank's share of the weight `layer` shares with another (a head tied to its embedding),
+    split by TP as the layer's own are."""
+    return layer.tied_params / (tp if layer.tp_shardable else 1)
+
+
 class Segment(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     layer: LayerProfile

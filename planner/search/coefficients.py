@@ -297,12 +297,12 @@ def stage_model_data(workload: Workload, plan: Plan, cluster: Cluster, capacity:
     lay = layout_of(plan, cluster, workload)
     first, last = block_span(workload)
     layers = workload.layers
-    coeff = {}
+    coeff, tied = {}, tied_on_rank(workload, plan)
     for layer in layers:
         if id(layer) not in coeff:
             key = layer_key(layer, plan, cluster)
             if key not in times.layers:
-                times.layers[key] = _layer(layer, plan, lay, times, cluster, tied_on_rank(workload, plan))
+                times.layers[key] = _layer(layer, plan, lay, times, cluster, tied)
             coeff[id(layer)] = times.layers[key]
     block = coeff[id(layers[first])]
     # Collective times are concave in their size (the cheapest of affine protocol costs): their

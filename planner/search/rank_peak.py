@@ -16,7 +16,7 @@ from costmodel.in_flight import held_output_bytes
 from costmodel.memory import (activation_bytes, activation_keywords, held_gradient_bytes, moment_bytes,
                               new_gradient_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
 from layout.plan import Plan
-from costmodel.workload import LayerProfile
+from costmodel.workload import LayerProfile, tied_params_on_rank
 from hardware.schema import Cluster
 
 
@@ -46,7 +46,7 @@ def closing_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix:
     if not (held_zero(plan) >= 3 and plan.gathers_weights):
         return ()
     root = params_on_rank(prefix + suffix, plan)
-    tied = sum(l.tied_params / (plan.tp if l.tp_shardable else 1) for l in suffix if l.kind == "head")
+    tied = sum(tied_params_on_rank(l, plan.tp) for l in suffix if l.kind == "head")
     gradients = device_states(root, 0.0, plan, cluster)["gradients"]
     moments = closing_moments(root, tied, layer_params_on_rank(block, plan.tp, plan.ep), gradients, plan,
                               held=bool(held_gradient_bytes(root, plan)))
