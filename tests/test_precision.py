@@ -116,14 +116,15 @@ def test_an_untied_tables_gradient_is_kept_whole_under_tp(zero, accumulation, ke
     """Over TP4 with SP, on llama-160m (an untied head), DTensor's embedding backward makes the
     whole table's gradient, and it is kept as made, the whole table in fp32 on every TP rank
     (`held_gradient_shards`): by FSDP2 holding its unsharded gradients, and by `.grad` under
-    ZeRO-1. Priced as its shard, these read -15.7% and -15.2% at 256 tokens (now -0.0% and -5.9%,
-    an embedding transient at ZeRO-1's backward end unpriced); the category holding it is exact."""
+    ZeRO-1. Priced as its shard, these read -15.7% and -15.2% at 256 tokens; at 128 tokens they
+    read +0.01% and -0.07%, ZeRO-1's with the embedding's whole new gradient beside autocast's
+    pile (`cast_back_bytes`; -5.9% without it); the category holding it is exact."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         small = workload_for("llama-160m", seq_len=128, dtype="bf16")[0], hardware.load("8xh100-sxm")
     plan = _plan(small, recompute="none", dp=2, tp=4, sp=True, zero=zero, micro_batch=1, accumulation=accumulation)
     (rank,) = dry_run(plan.model_copy(update={"model": "llama-160m"})).ranks
-    assert abs(rank.error) <= 0.07, (rank.measured_peak, rank.predicted_peak)
+    assert abs(rank.error) <= 0.01, (rank.measured_peak, rank.predicted_peak)
     table = 32000 * 768 * 4  # the whole table's fp32 gradient
     assert rank.at_peak[kept_in] >= table
     assert rank.predicted[kept_in] == pytest.approx(rank.at_peak[kept_in], rel=0.02)

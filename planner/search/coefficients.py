@@ -15,9 +15,9 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.reserved import caches_blocks
-from costmodel.peak import device_states, gradients_at_peak, owned_shares, whole_gradient_params
+from costmodel.peak import backward_end_bytes, device_states, gradients_at_peak, owned_shares, whole_gradient_params
 from costmodel.terms import p2p_time
-from costmodel.autocast import (autocast_copy_bytes, cast_back_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
+from costmodel.autocast import (autocast_copy_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
                                under_autocast)
 from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
@@ -51,7 +51,7 @@ class LayerCoefficients:
     end_states: float = 0.0  # bytes at a backward's end: every state, no temporaries yet
     weight_grad: float = 0.0  # of `time`: the weight gradients a zero-bubble schedule moves into the bubble
     pile: float = 0.0  # bytes at a backward's end beside `states`: autocast's cast gradients (`cast_gradient_pile_bytes`)
-    cast_back: float = 0.0  # and beside the pile while its largest is cast back (`cast_back_bytes`): the rank's largest counts
+    cast_back: float = 0.0  # beside the pile at a backward's end (`backward_end_bytes`): the rank's largest counts
     output: float = 0.0  # bytes per micro-batch in the pipeline's forward cache: the head's logits (`held_output_bytes`)
 
 
@@ -156,7 +156,7 @@ class StageModelData:
     def closing_fixed(self, fixed: list[LayerCoefficients], r: int) -> float:
         """Rank r's memory at a backward's end (`costmodel.peak.peak_moments`' closing moments)
         besides its blocks' `end_states + pile` each: its embedding and head layers' end states and
-        piles, the larger of the largest cast-back of those and its blocks (`cast_back_bytes`) and
+        piles, the larger of the largest backward-end bytes of those and its blocks (`backward_end_bytes`) and
         ZeRO-3's root unit then (`closing_extra`; the two never meet), and its receive buffers."""
         return (sum(l.end_states + l.pile for l in fixed)
                 + max(self.closing_extra_bytes(r), *(l.cast_back for l in [*fixed, self.block]))
@@ -168,7 +168,8 @@ class StageModelData:
 
     def closes_above_states(self, r: int) -> bool:
         """Whether rank r's backward end holds more than its states (the solver's closing constraint)."""
-        return bool(self.block.pile or self.closing_extra_bytes(r))
+        return bool(self.block.pile or self.closing_extra_bytes(r)
+                    or any(l.cast_back for l in (self.block, *self.prefix, *self.suffix)))
 
     def rebuild_bytes(self, r: int) -> float:
         """What rank r's peak grows by once it fully recomputes a block (`rank_extra_bytes`)."""
@@ -252,7 +253,7 @@ def _layer(layer: LayerProfile, plan: Plan, lay, times: LayerTimes, cluster: Clu
     return LayerCoefficients(time=time, backward=backward, activation=activation, params=params, states=states, end_states=end_states,
                              output=held_output_bytes(layer, pipelined=plan.pp > 1, **kw), step_states=step_states, expert_params=layer.expert_params / plan.ep,
                              weight_grad=times(layer, ctx, "none").weight_grad, pile=cast_gradient_pile_bytes(cast, plan),
-                             cast_back=cast_back_bytes(layer, plan))
+                             cast_back=backward_end_bytes(layer, plan))
 
 
 def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Cluster,

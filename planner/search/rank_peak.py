@@ -9,12 +9,13 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, moment_slacks,
                                 root_hole_bytes)
-from costmodel.peak import (activation_moments, block_buffer_bytes, closing_moments, device_states, owned_shares,
-                            root_buffer_bytes, root_held_bytes)
+from costmodel.peak import (accumulated_in_a_block_moment, activation_moments, block_buffer_bytes,
+                            block_copy_bytes_per_param, closing_moments, device_states, gathers_zero3_units,
+                            owned_shares, root_buffer_bytes, root_held_bytes)
 from costmodel.offload import states_on_host
 from costmodel.in_flight import held_output_bytes
 from costmodel.memory import (activation_bytes, activation_keywords, held_gradient_bytes, moment_bytes,
-                              new_gradient_bytes, optimizer_step_bytes, reduce_bytes, transient_bytes)
+                              new_gradient_bytes, optimizer_step_bytes, transient_bytes)
 from layout.plan import Plan
 from costmodel.workload import LayerProfile, tied_params_on_rank
 from hardware.schema import Cluster
@@ -75,15 +76,15 @@ def rank_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix: li
     kw = activation_keywords(plan, 0.0, plan.dtype)
     S = plan.n_virtual_stages
     ends = [(prefix if r == 0 else []) + (suffix if r == plan.stage_rank(S - 1) else []) for r in range(plan.pp)]
-    sharded = held_zero(plan) >= 3 and plan.gathers_weights
+    sharded = gathers_zero3_units(plan)
 
     def largest(layers: list[LayerProfile]) -> float:
-        return max((new_gradient_bytes(l, plan) for l in layers), default=0.0)
+        return max((new_gradient_bytes(l, plan) for l in layers if accumulated_in_a_block_moment(l, plan)), default=0.0)
 
     accumulating = plan.num_micro_batches >= 2
     block_temporaries = transient_bytes(block, **kw)
     block_buffer = block_buffer_bytes(layer_params_on_rank(block, plan.tp, plan.ep), plan.dtype,
-                                      reduce_bytes(plan)) if sharded else 0.0
+                                      block_copy_bytes_per_param(plan)) if sharded else 0.0
     without, growth, seen = [], [], {}
     for own in ends:
         if len(own) in seen and seen[len(own)][0] == own:  # the middle ranks hold no ends: priced once
