@@ -11,11 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 
 from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer_time
-from costmodel.accumulation import held_zero
 from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.reserved import caches_blocks
-from costmodel.peak import backward_end_bytes, device_states, gradients_at_peak, owned_shares, whole_gradient_params
+from costmodel.peak import (backward_end_bytes, device_states, gathered_weights_held, gradients_at_peak, owned_shares,
+                            pipelined_fsdp, whole_gradient_params)
 from costmodel.terms import p2p_time
 from costmodel.autocast import (autocast_copy_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
                                under_autocast)
@@ -23,7 +23,7 @@ from costmodel.layout import layout_of
 from costmodel.offload import states_on_host
 from costmodel.in_flight import (Holding, fewest_in_flight, held_output_bytes, least_held_moment, rank_holdings,
                                 receive_buffer_bytes, receive_buffers)
-from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes, gathered_weight_bytes,
+from costmodel.memory import (activation_bytes, activation_keywords, bucket_copy_bytes,
                               held_gradient_bytes, held_gradient_shards, moment_bytes, optimizer_step_bytes,
                               tied_on_rank)
 from layout.axes import RECOMPUTE, V_SCHEDULES, hands_over_in_place, stage_rank
@@ -264,16 +264,19 @@ def _layer_states(params: float, expert_params: float, plan: Plan, cluster: Clus
     no gradients yet where `gradients_at_peak` says so; ZeRO-2's held 16-bit weights; DDP's bucket
     copies, `bucket_copy_bytes`); a gradient made whole over `shards` TP shards kept so, by `.grad`
     or FSDP2's held gradients (`held_gradient_shards`)."""
-    device = device_states(params, expert_params, plan, cluster, whole_gradient_params(plan, shards, params))
-    held = gathered_weight_bytes(params, plan.dtype, held_zero(plan), plan.shard_degree, plan.stack)
+    whole = whole_gradient_params(plan, shards, params)
+    device = device_states(params, expert_params, plan, cluster, whole)
+    held = gathered_weights_held(params, plan, plan.dtype, cluster)
     gradients = held_gradient_bytes(params * shards, plan) or (
         device["gradients"] if gradients_at_peak(plan) else 0.0)
     dense = params - expert_params
     at_peak = sum(device.values()) - device["gradients"] + gradients + held + bucket_copy_bytes(dense, plan, stepping=False)
     temporaries = 0.0 if states_on_host(plan, cluster) else optimizer_step_bytes(
         params * owned_shares(plan)[0], 0.0, cluster.gpu.device_type, plan.stack, moment_bytes(plan))
-    ending = sum(device.values()) + bucket_copy_bytes(dense, plan, stepping=True)
-    return at_peak, ending + temporaries, ending
+    buckets = bucket_copy_bytes(dense, plan, stepping=True)
+    stepped = sum(device_states(params, expert_params, plan, cluster, whole, stepping=True).values())
+    ending = sum(device.values()) + buckets + (held if pipelined_fsdp(plan) else 0.0)
+    return at_peak, stepped + buckets + temporaries, ending
 
 
 def block_span(workload: Workload) -> tuple[int, int]:

@@ -13,10 +13,10 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.layout import kv_bytes_per_sequence
 from costmodel.in_flight import fewest_in_flight
-from costmodel.memory import (activation_bytes, activation_keywords, gathered_weight_bytes,
+from costmodel.memory import (activation_bytes, activation_keywords,
                               model_state_bytes)
 from costmodel.offload import states_on_host
-from costmodel.peak import gradients_held
+from costmodel.peak import gathered_weights_held, gradients_held, pipelined_fsdp
 from costmodel.terms import usable_memory_bytes
 from costmodel.workload import Workload
 from hardware.schema import Cluster
@@ -164,14 +164,17 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
 
 def _state_bytes_per_param(layout: Layout, dtype: str, cluster: Cluster, global_batch: int) -> float:
     """A parameter's bytes on its rank at the peak: weights, optimizer states, gradients where the
-    peak holds them (at most sharded: pipelined FSDP2 holds them whole), ZeRO-2's gathered copy."""
+    peak holds them (at most sharded: pipelined FSDP2 holds them whole), the gathered 16-bit copy
+    FSDP2 holds (`costmodel.peak.gathered_weights_held`: ZeRO-2's, a pipelined stage's)."""
     if states_on_host(layout, cluster):
         return 0.0
     shard = layout.shard_degree
     states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
+    if pipelined_fsdp(layout):  # the master weights stay sharded
+        states["weights"] = model_state_bytes(1.0, dtype, layout.zero, shard, layout.stack)["weights"]
     held = gradients_held(layout, global_batch // (layout.dp * layout.micro_batch))
     return (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
-            + gathered_weight_bytes(1.0, dtype, held_zero(layout), shard, layout.stack))
+            + gathered_weights_held(1.0, layout, dtype, cluster))
 
 
 def _params_on_rank(workload: Workload, layout: Layout, per_rank: dict) -> tuple[float, float]:
