@@ -14,8 +14,8 @@ from costmodel.compute import Context, LayerParts, LayerTime, layer_parts, layer
 from costmodel.data_parallel import (dp_time, expert_reduction_time, layer_params_on_rank, optimizer_seconds_per_param, prefetch_fill,
                                      sharded_collectives, sharded_exposed, weight_gather_time)
 from costmodel.reserved import caches_blocks
-from costmodel.peak import (backward_end_bytes, device_states, gathered_weights_held, gradients_at_peak, owned_shares,
-                            pipelined_fsdp, whole_gradient_params)
+from costmodel.device_states import device_states, gathered_weights_held, pipelined_fsdp, whole_gradient_params
+from costmodel.peak import backward_end_bytes, gradients_at_peak, owned_shares
 from costmodel.terms import p2p_time
 from costmodel.autocast import (autocast_copy_bytes, cast_gradient_pile_bytes, cast_params_on_rank,
                                under_autocast)

@@ -16,7 +16,8 @@ from costmodel.in_flight import fewest_in_flight
 from costmodel.memory import (activation_bytes, activation_keywords,
                               model_state_bytes)
 from costmodel.offload import states_on_host
-from costmodel.peak import gathered_weights_held, gradients_held, pipelined_fsdp
+from costmodel.device_states import gathered_weights_held, pipelined_fsdp
+from costmodel.peak import gradients_held
 from costmodel.terms import usable_memory_bytes
 from costmodel.workload import Workload
 from hardware.schema import Cluster

@@ -9,8 +9,9 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, moment_slacks,
                                 root_hole_bytes)
+from costmodel.device_states import device_states
 from costmodel.peak import (accumulated_in_a_block_moment, activation_moments, block_buffer_bytes,
-                            block_copy_bytes_per_param, closing_moments, device_states, gathers_zero3_units,
+                            block_copy_bytes_per_param, closing_moments, gathers_zero3_units,
                             owned_shares, root_buffer_bytes, root_held_bytes)
 from costmodel.offload import states_on_host
 from costmodel.in_flight import held_output_bytes
