@@ -166,7 +166,7 @@ def _states_overflow(workload: Workload, layout: Layout, dtype: str, capacity: f
 def _state_bytes_per_param(layout: Layout, dtype: str, cluster: Cluster, global_batch: int) -> float:
     """A parameter's bytes on its rank at the peak: weights, optimizer states, gradients where the
     peak holds them (at most sharded: pipelined FSDP2 holds them whole), the gathered 16-bit copy
-    FSDP2 holds (`costmodel.peak.gathered_weights_held`: ZeRO-2's, a pipelined stage's)."""
+    FSDP2 holds (`costmodel.device_states.gathered_weights_held`: ZeRO-2's, a pipelined stage's)."""
     if states_on_host(layout, cluster):
         return 0.0
     shard = layout.shard_degree

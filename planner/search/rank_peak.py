@@ -5,7 +5,6 @@ states and saved activations (`rank_extra_bytes`) and its optimizer step's tempo
 from __future__ import annotations
 
 
-from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.reserved import (all_gather_pool_bytes, allocator_slack_bytes, moment_slacks,
                                 root_hole_bytes)
@@ -45,7 +44,7 @@ def closing_extra_bytes(prefix: list[LayerProfile], block: LayerProfile, suffix:
     """Per pipeline rank, ZeRO-3's root unit at the backward's end beyond the rank's end states, at
     the larger of `costmodel.peak.closing_moments` (sharded only without a pipeline: one rank
     holding the embedding and the head), with FSDP2's all-gather pool cached beside (`costmodel.reserved`)."""
-    if not (held_zero(plan) >= 3 and plan.gathers_weights):
+    if not gathers_zero3_units(plan):
         return ()
     root = params_on_rank(prefix + suffix, plan)
     tied = sum(tied_params_on_rank(l, plan.tp) for l in suffix if l.kind == "head")
