@@ -204,13 +204,6 @@ def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
     return layer.tp_allreduces_bwd * all_reduce(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
 
 
-def tp_gather_time(layer: LayerProfile, ctx: Context) -> float:
-    """One forward's all-gather of a TP-split output kept replicated (no backward collective)."""
-    if _split(layer, ctx) == 1 or not layer.tp_gather_bytes:
-        return 0.0
-    return all_gather(layer.tp_gather_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
-
-
 def fresh_page_time(tensor_bytes: float, count: float, cluster: Cluster) -> float:
     """Seconds to map `count` new tensors of `tensor_bytes` each on a host whose allocator hands
     tensors of at least `fresh_page_min_bytes` back to the OS when freed (glibc's mmap ceiling):
@@ -244,7 +237,6 @@ class LayerParts:
     memory: float
     fresh_forward: float
     comm: float
-    gather: float
     host_recompute: float = 0.0  # the host's issue of a checkpoint's replay: the forward's ops and a detach per save
     first_cast: float = 0.0  # of `plain.forward`: autocast's first cast, which a recomputed forward finds cached
 
@@ -267,7 +259,6 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
     memory += cast_forward  # a recomputed forward casts again
     compute = gemm + attention + memory
     comm = forward_collectives(layer, ctx)
-    gather = tp_gather_time(layer, ctx)
     first_cast = cast_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.first_cast_seconds
     weight_grad = (gemm + dense_gradient_time(layer, ctx) + cast_back_time(layer, ctx)
                    + layer_params_on_rank(layer, ctx.tp, ctx.ep) * ctx.accumulation_seconds)
@@ -279,9 +270,9 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
         backward=max(backward, host_issue_time(layer.host_ops_backward, ctx)),
         recompute=0.0,
         tp_comm=(comm + backward_tp_collectives(layer, ctx) + cp_gather_time(layer, ctx)
-                 + expert_exchange_time(layer, ctx) + gather),
+                 + expert_exchange_time(layer, ctx)),
     )
-    return LayerParts(plain, gemm, attention, memory, fresh_forward, comm, gather,
+    return LayerParts(plain, gemm, attention, memory, fresh_forward, comm,
                       host_issue_time(layer.host_ops_forward + layer.host_ops_saved, ctx), first_cast)
 
 
@@ -302,7 +293,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
     """The layer's time under `recompute` (`parts`: its `layer_parts`, where already known)."""
     p = parts or layer_parts(layer, ctx)
     if recompute == "full":
-        extra, extra_comm = max(p.plain.forward - p.first_cast, p.host_recompute), p.comm + p.gather
+        extra, extra_comm = max(p.plain.forward - p.first_cast, p.host_recompute), p.comm
     elif recompute == "selective" and layer.act_attention_scores > 0:
         # Re-run QK^T, softmax and AV; with flash attention (no saved scores)
         # the kernel's backward already recomputes them, so nothing is added.
@@ -313,7 +304,7 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
         recomputed_gemm = p.gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
         # the policy's dispatch mode replays every op of the forward, the saved ones answered from its cache
         extra = max(p.memory + p.fresh_forward + recomputed_gemm, p.host_recompute)
-        extra_comm = p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0) + p.gather
+        extra_comm = p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0)
     else:
         return p.plain
     return replace(p.plain, recompute=extra, tp_comm=p.plain.tp_comm + extra_comm)

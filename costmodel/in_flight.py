@@ -27,11 +27,9 @@ from .workload import LayerProfile
 def pipeline_held_logits_bytes(layer: LayerProfile, tp: int, dtype: str) -> float:
     """Per sequence, the head's output a pipeline's last stage keeps until that micro-batch's
     backward (torch.distributed.pipelining's forward cache holds each stage's output; the
-    schedule computes the loss from it): the logits in the compute dtype, whole on every TP
-    rank where the executor gathers them (`tp_gather_bytes`), else the rank's vocabulary shard.
+    schedule computes the loss from it): the logits in the compute dtype, the rank's vocabulary
+    shard (the executor's TP head leaves them split for the loss's parallel cross-entropy).
     The dry run of llama-3.2-1b dp4 pp2 at 4K tokens read this 1 GiB on the last rank."""
-    if layer.tp_gather_bytes:
-        return layer.tp_gather_bytes
     return layer.gemm_output_elements * WEIGHT_BYTES[dtype] / tp
 
 

@@ -17,6 +17,27 @@ from .workload import LayerProfile, Segment, Workload
 
 LOSS_KERNELS = ("torch", "fused")
 LOG_SUM_EXP_BYTES = 4  # one fp32 per token
+FP32_BYTES = 4  # the loss upcasts the logits to fp32, whatever the compute dtype
+# torch's loss parallelism (torch.distributed.tensor.parallel.loss, the nll-loss backward it
+# substitutes): a zeros tensor scattered with the targets, the saved log-probabilities' exp, and
+# their sum, all fp32 vocabulary shards alive at once beside the saved log-probabilities, where
+# aten's fused nll-loss and log-softmax backwards keep two
+LOSS_PARALLEL_TEMPORARIES = 3
+
+
+def runs_loss_parallel(layer: LayerProfile, tp: int, stack: str) -> bool:
+    """Whether the executor computes this layer's loss with torch's loss parallelism: the head of
+    a DTensor stack whose TP splits it (`executor.apply.tensor_parallel` leaves its logits split
+    over the vocabulary). The fused stack's Megatron-LM runs a vocabulary-parallel loss of its own."""
+    return layer.kind == "head" and tp > 1 and layer.tp_shardable and stack != "fused"
+
+
+def loss_parallel_transient(layer: LayerProfile) -> float:
+    """Per sequence and over the whole vocabulary, the temporaries at the worst moment of torch's
+    loss parallelism, its backward; each TP rank holds its vocabulary shard of them. A dry run of
+    llama-3.2-1b dp2 tp4+sp at 4096 tokens, 8 sequences, peaked there with three 4008 MiB fp32
+    shards beside the saved log-probabilities."""
+    return LOSS_PARALLEL_TEMPORARIES * layer.gemm_output_elements * FP32_BYTES
 
 
 def with_loss_kernel(workload: Workload, kernel: str) -> Workload:
@@ -40,6 +61,7 @@ def _fused(layer: LayerProfile | None, workload: Workload) -> LayerProfile | Non
     logits = workload.seq_len * workload.vocab * workload.dtype_bytes
     saved = layer.act_input + logits + workload.seq_len * LOG_SUM_EXP_BYTES
     return layer.model_copy(update={
-        "act_replicated": saved, "act_sp_whole": saved, "act_sp_dropped": saved, "act_transient": float(logits),
+        "act_replicated": saved, "act_tp_sharded": 0.0, "act_sp_whole": saved, "act_sp_dropped": saved,
+        "act_transient": float(logits),
         "act_allocator_slack": 0.0, "under_autocast": _fused(layer.under_autocast, workload),
         "other_path": _fused(layer.other_path, workload)})

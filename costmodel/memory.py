@@ -28,6 +28,7 @@ flight.
 from __future__ import annotations
 
 from .fp8 import runs_fp8
+from .loss import loss_parallel_transient, runs_loss_parallel
 from .workload import LayerProfile, tied_params_on_rank
 
 OPTIMIZER_BYTES = {"fp32": 8, "bf16": 12, "fp16": 12, "fp8": 12}
@@ -284,9 +285,11 @@ def fused_saved_bytes(layer: LayerProfile, kept: float, stack: str, dtype: str, 
 
 def transient_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
                     **_) -> float:
-    """One layer's temporaries at its worst moment on one TP rank (`LayerProfile.act_transient`):
-    split where the tensors setting them are, or are sequence-split; a gathered output's stay
-    whole except on the fused stack (Megatron's vocabulary-parallel loss)."""
+    """One layer's temporaries at its worst moment on one TP rank (`LayerProfile.act_transient`,
+    as traced on one device; a head under torch's loss parallelism, its kernels'): split where
+    the tensors setting them are, or are sequence-split."""
+    if runs_loss_parallel(layer, tp, stack):
+        return loss_parallel_transient(layer) / tp * micro_batch
     return layer.act_transient / transient_split(layer, tp, sp, stack) * micro_batch
 
 
@@ -294,7 +297,7 @@ def transient_split(layer: LayerProfile, tp: int, sp: bool, stack: str) -> int:
     """How many TP ranks share the tensors that set a layer's temporaries (`act_transient_tp`)."""
     t = tp if layer.tp_shardable else 1
     kind = layer.act_transient_tp
-    return t if kind == "S" or (kind == "R" and sp) or (kind == "whole" and stack == "fused") else 1
+    return t if kind == "S" or (kind == "R" and sp) else 1
 
 
 def activation_keywords(layout, kv_bytes: float, dtype: str) -> dict:

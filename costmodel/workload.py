@@ -58,12 +58,12 @@ class LayerProfile(BaseModel):
     elementwise_bytes: float = Field(0.0, ge=0, description="forward memory-bound traffic (norms, activations, softmax)")
     act_sp_whole: float = Field(0.0, ge=0, description="saved bytes per sequence that sequence parallelism under "
                                 "DTensor keeps whole on every TP rank: each column-split linear's gathered input, "
-                                "and what a gathered output feeds (the loss)")
+                                "and what is not computed from the hidden states (a causal mask, rotary tables)")
     act_sp_dropped: float = Field(0.0, ge=0, description="the replicated saved bytes those whole copies replace")
     act_transient: float = Field(0.0, ge=0, description="temporaries per sequence at the layer's worst moment, "
                                  "beside its saved activations (a loss's fp32 logits and their gradients)")
-    act_transient_tp: Literal["S", "R", "whole"] = Field(
-        "R", description="the TP state of what sets act_transient: split, replicated (split by SP), or whole")
+    act_transient_tp: Literal["S", "R"] = Field(
+        "R", description="the TP state of what sets act_transient: split, or replicated (split by SP)")
     act_allocator_slack: float = Field(0.0, ge=0, description="bytes per sequence torch's caching allocator reserves "
                                        "beyond the layer's live tensors at their peak: blocks it freed that its "
                                        "later requests are too large to reuse (the 16-bit logits beside the loss's "
@@ -97,9 +97,6 @@ class LayerProfile(BaseModel):
     tp_comm_bytes: float = Field(0.0, ge=0, description="bytes of one such all-reduce, per sequence")
     tp_allreduces_bwd: int | None = Field(None, ge=0, description="activation all-reduces per backward under TP, "
                                           "of tp_comm_bytes each (None: as many as the forward, Megatron's mirror)")
-    tp_gather_bytes: float = Field(0.0, ge=0, description="bytes per sequence of the layer's TP-split output that a "
-                                   "forward all-gathers (a replicated output, e.g. gathered logits; its backward is a "
-                                   "local slice)")
     boundary_bytes: float = Field(0.0, ge=0, description="output bytes sent to the next pipeline stage")
     grad_dense_bytes: float = Field(0.0, ge=0, description="bytes of dense weight gradient a backward materialises "
                                     "whatever the batch (an embedding's [vocab, hidden] table: zero-filled, "

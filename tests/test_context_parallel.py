@@ -35,7 +35,11 @@ def test_cp_divides_activations_and_adds_the_key_value_gathers(long_llama):
     one = estimate(long_llama, _plan(long_llama, cluster, dp=8, tp=8, zero=3), cluster)
     four = estimate(long_llama, _plan(long_llama, cluster, dp=2, cp=4, tp=8, zero=3), cluster)
     act = lambda e: e.stages[0].memory_bytes["activations"]  # noqa: E731
-    assert act(four) == pytest.approx(act(one) / 4, rel=0.02)
+    # a quarter of the tokens' activations, and at most one rebuilt layer's gathered keys and values
+    # and its queries' mask bias over the whole sequence (the next test's terms, for one of 32 layers)
+    kv = 2 * 8 * 128 * 131072 * 2
+    rebuilt = kv * (4 * 4 - 1) / 4 / 8 + 131072 / 4 * 131072 * 2
+    assert act(one) / 4 * 0.98 <= act(four) <= act(one) / 4 + rebuilt
     # a quarter of the tokens' TP collectives, plus the key/value gathers
     assert four.breakdown_s["tp_comm"] > one.breakdown_s["tp_comm"] / 4 * 1.05
 

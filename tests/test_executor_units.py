@@ -62,7 +62,7 @@ def test_tp_styles_follow_the_data_flow(name, prefix):
     assert all(styles[f"{a}.{p}_proj"] == "colwise" for a in ("attn", "self_attn") if f"{a}.q_proj" in styles
                for p in "qkv")
     assert [v for k, v in styles.items() if k.endswith(("o_proj", "down_proj"))] == ["rowwise", "rowwise"]
-    assert any(k.endswith("lm_head") for k in analysis.gather_output)
+    assert any(k.endswith("lm_head") for k in analysis.model_outputs)
 
 
 def test_layer_map_and_pipeline_cut_keep_names():
@@ -167,17 +167,21 @@ def _workload(plan):
     return workload_for(plan.model, seq_len=plan.seq_len, dtype=plan.dtype)[0]
 
 
-def test_prediction_keeps_gathered_logits_on_every_tp_rank():
+def test_prediction_keeps_each_tp_ranks_vocabulary_shard_of_the_logits():
+    """The executor's loss is torch's loss parallelism: the logits, their log-probabilities and
+    their gradients are split over the vocabulary like the head's weight, never whole on a rank."""
     plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
                 stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
     head = _workload(plan).segments[-1].layer
-    assert head.act_tp_sharded == 0 and head.act_replicated >= 256 * 8192 * 4
+    logits_fp32 = 256 * 8192 * 4
+    assert head.act_tp_sharded >= logits_fp32 and head.act_replicated < logits_fp32 and head.act_transient_tp == "S"
 
 
 def test_prediction_prices_the_tp_collectives_the_executor_issues():
     """DTensor TP on the reference GPT (separate q/k/v projections): a block all-reduces twice in
     forward and four times in backward (6 gloo all-reduces counted with torch.profiler); the head
-    all-gathers its logits in forward and all-reduces its input gradient; the embedding layer reduces
+    all-reduces its input gradient and keeps its logits split over the vocabulary (no all-gather:
+    the loss is torch's loss parallelism); the embedding layer reduces
     in forward only, once per table: the tokens' and the learned positions', both split rowwise."""
     plan = Plan(model="gpt-85m", hardware="4xcpu", global_batch=8, seq_len=256, dtype="fp32", dp=1, tp=4, pp=1, micro_batch=8,
                 stages=[{"start": 0, "end": 14, "recompute": ["none"] * 14}])
@@ -186,7 +190,6 @@ def test_prediction_prices_the_tp_collectives_the_executor_issues():
     assert (layers["embedding"].tp_allreduces_fwd, layers["embedding"].tp_allreduces_bwd) == (2, 0)
     head = layers["head"]
     assert (head.tp_allreduces_fwd, head.tp_allreduces_bwd) == (0, 1)
-    assert head.tp_gather_bytes == 256 * 8192 * 4
 
 
 def test_storage_write_measurement_is_bounded_and_leaves_nothing(tmp_path):

@@ -275,18 +275,19 @@ def test_dtensor_sp_keeps_each_gathered_linear_input_whole(llama):
 
 
 def test_the_loss_temporaries_are_the_fp32_logits_and_their_gradients(llama):
-    """The head's worst moment: log-softmax's fp32 gradient in and out, on the gathered (whole)
-    logits, beside the saved log-probabilities."""
+    """The head's worst moment: log-softmax's fp32 gradient in and out, beside the saved
+    log-probabilities; each TP rank's vocabulary shard of them (torch's loss parallelism under
+    DTensor, Megatron's vocabulary-parallel cross-entropy on the fused stack)."""
     from costmodel.memory import transient_bytes
 
     workload, _ = llama
     head = workload.layers[-1]
     logits_fp32 = SEQ * 128256 * 4
     assert head.act_transient == pytest.approx(2 * logits_fp32, rel=0.05)
-    assert head.act_transient_tp == "whole"
+    assert head.act_transient_tp == "S"
     kw = dict(tp=4, sp=True, micro_batch=2)
-    assert transient_bytes(head, **kw) == pytest.approx(2 * head.act_transient)  # whole under DTensor
-    assert transient_bytes(head, stack="fused", **kw) == pytest.approx(2 * head.act_transient / 4)  # vocab-parallel
+    for stack in ("eager", "fused"):
+        assert transient_bytes(head, stack=stack, **kw) == pytest.approx(2 * head.act_transient / 4)
 
 
 def test_the_autocast_trace_keeps_what_a_run_over_fp32_weights_under_autocast_saves():

@@ -15,6 +15,7 @@ The pipeline schedule is built last, around the fully wrapped chunks.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -22,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from layout.plan import Plan
 from executor.apply.recompute import apply_recompute
@@ -66,8 +69,20 @@ APPLY_ORDER = ("pipeline",) + tuple(name for name, _ in APPLIERS)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the micro-batch."""
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    """Mean next-token cross-entropy over the micro-batch, a plain tensor. Logits a TP head left
+    split over the vocabulary (a DTensor) need `loss_context`: the log-softmax and the picked
+    targets then reduce across the TP ranks, no rank holding the whole vocabulary."""
+    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    # the replicated scalar's own copy: a view of the DTensor's local tensor is refused by the
+    # in-place detach torch's zero-bubble schedules give a loss once its backward has run
+    return loss.to_local().clone() if isinstance(loss, DTensor) else loss
+
+
+def loss_context(plan: Plan):
+    """What a step's forward and backward run under for `lm_loss`: torch's loss parallelism
+    wherever TP splits the head (`executor.apply.tensor_parallel` leaves its logits split), as
+    torchtitan runs it. Tensors that are not vocabulary-split DTensors are untouched by it."""
+    return loss_parallel() if plan.tp > 1 else contextlib.nullcontext()
 
 
 @dataclass
@@ -131,5 +146,7 @@ def materialize_rank(plan: Plan, model: nn.Module, mesh: DeviceMesh | None = Non
 
 
 def materialize(plan: Plan, model: nn.Module):
-    """(stage module or list of chunks, schedule or None, optimizer) for a user's own loop."""
+    """(stage module or list of chunks, schedule or None, optimizer) for a user's own loop. Under TP
+    the model returns its logits as a vocabulary-split DTensor: run the forward and backward inside
+    `loss_context(plan)`, the loss `lm_loss`'s (or any `F.cross_entropy` over those logits)."""
     return materialize_rank(plan, model).as_tuple()

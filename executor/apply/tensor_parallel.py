@@ -3,7 +3,9 @@
 Without SP the residual stream stays a plain replicated tensor: embeddings are
 vocabulary-split (RowwiseParallel, all-reduced), linears follow the derived
 colwise/rowwise styles, and the LM head is column-split with its logits
-gathered. With SP the residual stream is a sequence-sharded DTensor (so code
+left split over the vocabulary for the loss's parallel cross-entropy (torch's
+`loss_parallel`, as torchtitan runs it): no rank holds the whole vocabulary's
+logits, their fp32 copy or their gradient. With SP the residual stream is a sequence-sharded DTensor (so code
 that reads `x.shape[1]`, e.g. rotary embeddings and causal masks, still sees
 the full sequence), norms run as SequenceParallel, column-split linears
 all-gather their input and row-split linears reduce-scatter their output.
@@ -72,9 +74,11 @@ def _style(name: str, style: str, analysis: TPAnalysis, sp: bool):
         return RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp and first else Replicate(),
                                use_local_output=not sp)
     if style == "colwise":
-        gather = name in analysis.gather_output
-        return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(),
-                               output_layouts=Replicate() if gather else Shard(-1))
+        # a split whose output leaves the model (the head's logits) stays split over the
+        # vocabulary, a DTensor, for the loss's parallel cross-entropy (materialize.loss_context)
+        leaves = name in analysis.model_outputs
+        return ColwiseParallel(input_layouts=Shard(1) if sp else Replicate(), output_layouts=Shard(-1),
+                               use_local_output=not leaves)
     return RowwiseParallel(output_layouts=Shard(1) if sp else Replicate(), use_local_output=not sp)
 
 
@@ -129,8 +133,10 @@ def retie(module: nn.Module, ties: list[tuple[str, ...]]) -> None:
 def _sequence_shard_boundaries(module: nn.Module, tp_mesh: DeviceMesh) -> None:
     """A pipeline stage takes and returns the local sequence shard of the residual
     stream: hidden states in (floating point, unlike the first stage's token ids)
-    become the Shard(1) DTensor the stage's SP layers expect; a DTensor out leaves
-    as its local shard. Registered before FSDP's hooks, so FSDP sees plain tensors."""
+    become the Shard(1) DTensor the stage's SP layers expect; a sequence-sharded
+    DTensor out leaves as its local shard (the last stage's vocabulary-split logits
+    stay a DTensor, for the loss). Registered before FSDP's hooks, so FSDP sees
+    plain tensors."""
 
     def enter(_module, args):
         if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() \
@@ -139,7 +145,7 @@ def _sequence_shard_boundaries(module: nn.Module, tp_mesh: DeviceMesh) -> None:
         return None
 
     def leave(_module, _args, output):
-        return output.to_local() if isinstance(output, DTensor) else None
+        return output.to_local() if isinstance(output, DTensor) and output.placements == (Shard(1),) else None
 
     module.register_forward_pre_hook(enter)
     module.register_forward_hook(leave)

@@ -3,7 +3,8 @@
 `run_generation` starts `tp` gloo ranks (torch.multiprocessing.spawn, file://
 rendezvous), shards the reference GPT with the same applier training uses
 (`apply_tensor_parallel`: column-split Q/K/V and MLP-up, row-split O and
-MLP-down, vocabulary-split embeddings, gathered LM head), runs prefill and
+MLP-down, vocabulary-split embeddings and LM head, the last position's logits
+gathered for the sampler), runs prefill and
 then one decode step per new token with each rank caching its own K/V heads,
 and returns the tokens, the per-step times and the single-process reference
 (same weights, same cached forward, and the plain full-recompute forward),
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from layout.plan import Plan, StagePlan
 
@@ -52,7 +54,10 @@ def _forward_cached(model: nn.Module, tokens: torch.Tensor, cache: list, start: 
         out = F.scaled_dot_product_attention(q, k, v, is_causal=s > 1)
         x = x + attn.o_proj(out.transpose(1, 2).reshape(b, s, -1))
         x = x + layer.mlp(layer.ln_2(x))
-    return model.lm_head(model.ln_f(x[:, -1:, :]))[:, -1, :]
+    logits = model.lm_head(model.ln_f(x[:, -1:, :]))[:, -1, :]
+    # TP leaves the head's logits split over the vocabulary (training's loss reads them so); the
+    # sampler needs them whole, as a serving engine gathers them
+    return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
 
 @torch.no_grad()

@@ -282,11 +282,11 @@ def _torch_quiet():
 
 
 def _replay_step(run, plan: Plan, hidden: int, receiving: int) -> None:
-    from executor.runtime.train import _plain_step, precision
+    from executor.runtime.train import _plain_step, step_context
 
     rows = plan.global_batch // plan.dp
     tokens = torch.zeros(rows, plan.seq_len // plan.cp, dtype=torch.long)
-    with precision(plan, run.device), _torch_quiet():
+    with step_context(plan, run.device), _torch_quiet():
         if run.schedule is None:
             _plain_step(run, plan, tokens, tokens, call=lambda module, x: MicroBatch(module)(x))
         else:

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from layout.plan import Plan
 from executor.apply.data_parallel import sync_context
-from executor.apply.materialize import Materialized, lm_loss, materialize_rank
+from executor.apply.materialize import Materialized, lm_loss, loss_context, materialize_rank
 from executor.measure.memory import PeakMemory, check_fits, out_of_memory
 from executor.runtime.config import RunConfig
 from executor.runtime.mesh import coords
@@ -49,6 +49,16 @@ def precision(plan: Plan, device: torch.device):
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype={"bf16": torch.bfloat16, "fp16": torch.float16,
                                               "fp8": torch.bfloat16}[plan.dtype])
+
+
+def step_context(plan: Plan, device: torch.device):
+    """What a step's forwards and backwards run under: the plan's autocast and the loss's."""
+    import contextlib
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(precision(plan, device))
+    stack.enter_context(loss_context(plan))
+    return stack
 
 
 def _plain_step(run: Materialized, plan: Plan, x, y, call=None, phase=None, replica: int = 0) -> torch.Tensor:
@@ -155,7 +165,7 @@ def _one_step(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase, on
 
 
 def _forward_backward(run: Materialized, plan: Plan, x, y, at: dict[str, int], phase):
-    with precision(plan, run.device):
+    with step_context(plan, run.device):
         if run.schedule is None:
             return _plain_step(run, plan, x, y, phase=phase, replica=at["dp"] // plan.cp)
         with phase("pipeline"):  # torch's schedules mark each action (forward/backward of micro-batch i)

@@ -18,10 +18,10 @@ scores; elementwise ops and views of scores stay scores.
 
 The split is the executor's, so that what is priced is what runs: only GEMMs
 of modules that DTensor splits (`planner.executable.TP_SPLIT_MODULES`) are
-split, anything else (GPT-2's fused Conv1D) stays replicated; a column-split
-linear from which no further split linear is reached (the LM head) has its
-output gathered (replicated, one all-gather), as ColwiseParallel with a
-replicated output does.
+split, anything else (GPT-2's fused Conv1D) stays replicated. A column-split
+linear from which no further split linear is reached (the LM head) keeps its
+output split over the vocabulary, and so does the loss computed from it: the
+executor runs torch's loss parallelism there, as torchtitan does.
 """
 from __future__ import annotations
 
@@ -127,27 +127,19 @@ def _wildcard(og: OpGraph, module: str) -> str:
     return module
 
 
-def _split_linears(og: OpGraph) -> tuple[set[int], set[int]]:
-    """(forward linear nodes the executor splits, those among them whose output is gathered whole):
-    as `tp_styles.analyse_tp` derived them where the tracer ran it, else from the graph alone (the
-    split linears that reach no later split linear)."""
+def _split_linears(og: OpGraph) -> set[int]:
+    """The forward linear nodes the executor splits: as `tp_styles.analyse_tp` derived them where
+    the tracer ran it, else from the graph alone."""
     if og.tp_module_styles is not None:
         styles = og.tp_module_styles
-        split = {n for n, d in og.nodes() if d["kind"] == "linear" and styles.get(d.get("module")) in ("colwise", "rowwise")}
-        return split, {n for n in split if og.graph.nodes[n].get("module") in og.tp_gathered}
-    g = og.graph
-    split = {n for n, d in og.nodes() if d["kind"] == "linear" and d.get("module") in og.tp_split_modules}
-    reaches: dict[int, bool] = {}
-    for node in sorted((n for n, _ in og.nodes()), reverse=True):
-        reaches[node] = any(s in split or reaches.get(s, False) for s in g.successors(node)
-                            if g.nodes[s]["phase"] == "forward")
-    return split, {n for n in split if not reaches[n]}
+        return {n for n, d in og.nodes() if d["kind"] == "linear" and styles.get(d.get("module")) in ("colwise", "rowwise")}
+    return {n for n, d in og.nodes() if d["kind"] == "linear" and d.get("module") in og.tp_split_modules}
 
 
 def split_tp(og: OpGraph) -> None:
     """Propagate R/S through the forward DAG; classify linears; mark scores."""
     g, s = og.graph, og.seq_len
-    split, gathered = _split_linears(og)
+    split = _split_linears(og)
     for node, data in og.nodes(None):
         if data["phase"] == "backward":
             continue
@@ -155,9 +147,7 @@ def split_tp(og: OpGraph) -> None:
         states = [g.nodes[p].get("tp", "R") for p in preds]
         sharded = "S" in states
         data["tp"], data["allreduce"], data["scores"] = ("S" if sharded else "R"), False, False
-        data["tp_style"], data["gather"] = None, False
-        # downstream of a gathered output: whole on every TP rank even under SP (the logits and loss)
-        data["whole"] = not sharded and any(g.nodes[p].get("whole") for p in preds)
+        data["tp_style"] = None
         # computed from the hidden states: what SP can split by sequence (a causal mask is not)
         data["stream"] = data["kind"] == "embedding" or any(g.nodes[p].get("stream") for p in preds)
         if data["kind"] == "linear" and node not in split:
@@ -166,9 +156,6 @@ def split_tp(og: OpGraph) -> None:
             style = (og.tp_module_styles or {}).get(data["module"]) or ("rowwise" if sharded else "colwise")
             data["tp"], data["allreduce"] = ("R", True) if style == "rowwise" else ("S", False)
             data["tp_style"] = style
-            data["whole"] = False
-            if node in gathered and style == "colwise":
-                data["tp"], data["gather"], data["whole"] = "R", True, True
             _set_style(og, data["module"], style)
         elif data["kind"] == "embedding":
             # as the executor splits every nn.Embedding (planner/trace/tp_styles.py): rowwise, its

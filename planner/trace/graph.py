@@ -57,10 +57,9 @@ class OpGraph:
     saves_by_module: dict[str, int] = field(default_factory=dict)  # tensors saved for backward, per module (every save)
     tp_split_modules: set[str] = field(default_factory=set)  # what the executor's TP splits
     # the split the executor applies, derived once (`planner.trace.tp_styles.analyse_tp`): module name ->
-    # colwise/rowwise/replicate, and the colwise outputs gathered whole (the logits); None: a graph without
-    # a module to run it on (an ONNX file), split by the graph's own data flow
+    # colwise/rowwise/replicate; None: a graph without a module to run it on (an ONNX file), split by the
+    # graph's own data flow
     tp_module_styles: dict[str, str] | None = None
-    tp_gathered: set[str] = field(default_factory=set)
     meta: dict[str, Any] = field(default_factory=dict)
     attention_calls: list[dict] = field(default_factory=list)  # scaled_dot_product_attention calls, traced order
     math_path: "OpGraph | None" = None  # the same model traced with those calls on torch's math path

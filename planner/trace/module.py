@@ -252,7 +252,7 @@ def trace_module(module: torch.nn.Module, example_inputs: tuple | dict, *, name:
     args = (module, example_inputs, name, seq_len, dtype, loss_fn, call_kwargs)
     fake_mode = fake_mode or FakeTensorMode(allow_non_fake_inputs=True)
     og = _trace_once(*args, fake_mode, "fused")
-    split = (og.tp_module_styles, og.tp_gathered)
+    split = (og.tp_module_styles,)  # a tuple: a None split (derivation failed) is kept, not derived again
     if og.attention_calls:
         og.math_path = _trace_once(*args, fake_mode, "math", split=split)
     if dtype in AUTOCAST_DTYPES:  # and over fp32 weights under autocast, on each attention path
@@ -301,7 +301,7 @@ def _trace_once(module, example_inputs, name, seq_len, dtype, loss_fn, call_kwar
     if split is None:
         _derive_split(og, module, state, inputs, keys, fake_mode, call_kwargs or {})
     else:  # the math path's linears are the fused path's
-        og.tp_module_styles, og.tp_gathered = split
+        (og.tp_module_styles,) = split
     analyse(og)
     return og
 
@@ -324,7 +324,7 @@ def _derive_split(og: OpGraph, module, state, inputs, keys, fake_mode, extra) ->
         og.warn_once(f"the TP split was read from the traced graph, not the executor's derivation: "
                      f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}")
         return
-    og.tp_module_styles, og.tp_gathered = dict(analysis.styles), set(analysis.gather_output)
+    og.tp_module_styles = dict(analysis.styles)
 
 
 def _fake_input(fake_mode: FakeTensorMode, value):

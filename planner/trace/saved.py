@@ -5,9 +5,9 @@ the temporaries alive at the layer's worst moment.
 Sequence parallelism under DTensor (the eager stack) all-gathers a column-split linear's
 sequence-sharded input inside that linear's input hook, so the linear saves the gathered
 tensor: one whole copy per linear (q, k and v each their own), where Megatron's SP saves the
-shard and gathers again in backward. A gathered output (the logits) and everything computed
-from it (the loss) are whole on every TP rank too, as is what is not computed from the hidden
-states at all (a causal mask, rotary tables).
+shard and gathers again in backward. What is not computed from the hidden states at all (a
+causal mask, rotary tables) is whole on every TP rank too. The logits stay split over the
+vocabulary, their loss computed by torch's loss parallelism (`executor.apply.tensor_parallel`).
 
 Temporaries are tensors autograd does not keep: in forward, those alive at once by the
 forward order (the fp32 copy of the logits beside the bf16 logits); in backward, the gradient
@@ -47,11 +47,10 @@ def sp_whole_bytes(og: OpGraph, layer: str, members: list[int], nbytes) -> tuple
         replaced |= {view_base(g, p) for p in ins}
     for base in replaced:
         data = g.nodes[base]
-        if data["saved_bytes"] and data.get("saved_layer") == layer and data.get("tp", "R") == "R" \
-                and not data.get("whole"):
+        if data["saved_bytes"] and data.get("saved_layer") == layer and data.get("tp", "R") == "R":
             dropped += data["saved_bytes"]
     for _, data in og.nodes(None):
-        unsplit = data.get("whole") or not data.get("stream", True)  # a mask or rotary table: never sequence-split
+        unsplit = not data.get("stream", True)  # a mask or rotary table: never sequence-split
         if data["saved_bytes"] and data.get("saved_layer") == layer and unsplit and data.get("tp", "R") == "R" \
                 and not data.get("scores"):
             whole += data["saved_bytes"]
@@ -60,7 +59,7 @@ def sp_whole_bytes(og: OpGraph, layer: str, members: list[int], nbytes) -> tuple
 
 
 def transient(og: OpGraph, members: list[int], nbytes) -> tuple[float, str]:
-    """(the layer's largest temporaries, the TP state of the tensor that sets them: S, R or whole)."""
+    """(the layer's largest temporaries, the TP state of the tensor that sets them: S or R)."""
     g = og.graph
     order = sorted(members)
     inside = set(order)
@@ -76,14 +75,11 @@ def transient(og: OpGraph, members: list[int], nbytes) -> tuple[float, str]:
         if data["kind"] != "view" and not data["saved_bytes"]:
             live[node] = nbytes(data)
         if sum(live.values()) > best:
-            best, kind = sum(live.values()), _state(data)
+            best, kind = sum(live.values()), data.get("tp", "R")
         for done in [n for n in live if last_use.get(n, node) <= node and n != node]:
             del live[done]
         grads = nbytes(data) + sum(nbytes(g.nodes[p]) for p in _inputs(g, node)) if data["kind"] != "view" else 0.0
         if grads > best:
-            best, kind = grads, _state(data)
+            best, kind = grads, data.get("tp", "R")
     return best, kind
 
-
-def _state(data: dict) -> str:
-    return "whole" if data.get("whole") else data.get("tp", "R")

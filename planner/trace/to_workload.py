@@ -107,7 +107,6 @@ def layer_profile(og: OpGraph, layer: str, name: str, kind: str) -> LayerProfile
         grad_dense_bytes=float(sum(d["param_bytes"] for _, d in nodes if d["kind"] == "embedding")),
         largest_weight=max((_weight_elements(d) for _, d in nodes), default=0),
         host_ops_forward=len(nodes), host_ops_backward=host_ops.get("backward", 0), host_ops_saved=host_ops.get("saved", 0),
-        tp_gather_bytes=sum(nbytes(d) for _, d in nodes if d.get("gather")) / b,
         boundary_bytes=_boundary(og, members) / b, **_gemm_operands(og, nodes))
 
 

@@ -29,7 +29,7 @@ _MIXING_OPS = {"native_layer_norm", "layer_norm", "rms_norm", "_fused_rms_norm",
 class TPAnalysis:
     styles: dict[str, str]
     groups: list[set[str]] = field(default_factory=list)
-    gather_output: set[str] = field(default_factory=set)
+    model_outputs: set[str] = field(default_factory=set)  # column-split linears whose output the model returns (the head)
     token_embedding: str | None = None
     embeddings: list[str] = field(default_factory=list)
 
@@ -118,11 +118,11 @@ def analyse_tp(model: nn.Module, example: torch.Tensor | None = None, forward=No
     finally:
         for handle in handles:
             handle.remove()
-    gather = {n for n in flow.tag(output) if styles.get(n) == "colwise"}
-    return _resolve(styles, parent, find, flow.conflicts - gather, gather, embeddings)
+    outputs = {n for n in flow.tag(output) if styles.get(n) == "colwise"}
+    return _resolve(styles, parent, find, flow.conflicts - outputs, outputs, embeddings)
 
 
-def _resolve(styles, parent, find, conflicts, gather, embeddings) -> TPAnalysis:
+def _resolve(styles, parent, find, conflicts, outputs, embeddings) -> TPAnalysis:
     groups: dict[str, set[str]] = {}
     for name in parent:
         groups.setdefault(find(name), set()).add(name)
@@ -131,7 +131,7 @@ def _resolve(styles, parent, find, conflicts, gather, embeddings) -> TPAnalysis:
         for name in groups[root]:
             styles[name] = "replicate"
     kept = [g for r, g in groups.items() if r not in bad_roots]
-    return TPAnalysis(styles, kept, gather, embeddings[0] if embeddings else None, list(embeddings))
+    return TPAnalysis(styles, kept, outputs, embeddings[0] if embeddings else None, list(embeddings))
 
 
 def derive_tp_styles(model: nn.Module, example: torch.Tensor) -> dict[str, str]:
