@@ -290,10 +290,10 @@ def transient_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: floa
     the tensors setting them are, or are sequence-split."""
     if runs_loss_parallel(layer, tp, stack):
         return loss_parallel_transient(layer) / tp * micro_batch
-    return layer.act_transient / transient_split(layer, tp, sp, stack) * micro_batch
+    return layer.act_transient / transient_split(layer, tp, sp) * micro_batch
 
 
-def transient_split(layer: LayerProfile, tp: int, sp: bool, stack: str) -> int:
+def transient_split(layer: LayerProfile, tp: int, sp: bool) -> int:
     """How many TP ranks share the tensors that set a layer's temporaries (`act_transient_tp`)."""
     t = tp if layer.tp_shardable else 1
     kind = layer.act_transient_tp

@@ -32,10 +32,9 @@ from .memory import WEIGHT_BYTES, transient_split
 from .workload import LayerProfile
 
 
-def allocator_slack_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, stack: str = "eager",
-                          **_) -> float:
+def allocator_slack_bytes(layer: LayerProfile, *, tp: int, sp: bool, micro_batch: float, **_) -> float:
     """The layer's own slack on one TP rank, split as its temporaries are (`memory.transient_bytes`)."""
-    return layer.act_allocator_slack / transient_split(layer, tp, sp, stack) * micro_batch
+    return layer.act_allocator_slack / transient_split(layer, tp, sp) * micro_batch
 
 
 def all_gather_pool_bytes(plan: Plan, root_params: float, block_params: float) -> float:

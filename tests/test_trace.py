@@ -275,9 +275,10 @@ def test_dtensor_sp_keeps_each_gathered_linear_input_whole(llama):
 
 
 def test_the_loss_temporaries_are_the_fp32_logits_and_their_gradients(llama):
-    """The head's worst moment: log-softmax's fp32 gradient in and out, beside the saved
-    log-probabilities; each TP rank's vocabulary shard of them (torch's loss parallelism under
-    DTensor, Megatron's vocabulary-parallel cross-entropy on the fused stack)."""
+    """The head's worst moment as traced on one device: log-softmax's fp32 gradient in and out,
+    beside the saved log-probabilities. Under TP each rank holds its vocabulary shard: of those
+    on the fused stack (Megatron's vocabulary-parallel cross-entropy), of the three fp32 tensors
+    torch's loss parallelism keeps in its backward under DTensor (`costmodel.loss`)."""
     from costmodel.memory import transient_bytes
 
     workload, _ = llama
@@ -286,8 +287,9 @@ def test_the_loss_temporaries_are_the_fp32_logits_and_their_gradients(llama):
     assert head.act_transient == pytest.approx(2 * logits_fp32, rel=0.05)
     assert head.act_transient_tp == "S"
     kw = dict(tp=4, sp=True, micro_batch=2)
-    for stack in ("eager", "fused"):
-        assert transient_bytes(head, stack=stack, **kw) == pytest.approx(2 * head.act_transient / 4)
+    assert transient_bytes(head, stack="fused", **kw) == pytest.approx(2 * head.act_transient / 4)
+    assert transient_bytes(head, stack="eager", **kw) == pytest.approx(2 * 3 * logits_fp32 / 4)
+    assert transient_bytes(head, stack="eager", **{**kw, "tp": 1}) == pytest.approx(2 * head.act_transient)
 
 
 def test_the_autocast_trace_keeps_what_a_run_over_fp32_weights_under_autocast_saves():
