@@ -325,5 +325,6 @@ def _layout_from_flags(model: str | None, hw: str | None, given: dict):
         if recompute != "none":
             raise PlanError("--recompute-every", f"given with --recompute {recompute}", "give one of them")
         parts = every_kth_block(parts, kinds, every)
-    plan = Plan(model=model, hardware=cluster.spec(), stages=parts, **layout)
+    # a profile file's cluster travels with the plan (its spec names no catalog GPU)
+    plan = Plan(model=model, hardware=cluster.spec(), hardware_profile=_profile(cluster), stages=parts, **layout)
     return model, cluster, plan, ""

@@ -108,6 +108,17 @@ def test_named_model_plans_end_to_end(tmp_path):
     assert main(["estimate", "gpt2", "--hw", "2xcpu", "--plan", str(out), "--json"]) == 0
 
 
+def test_a_layout_given_by_flags_is_priced_on_a_profile_file(tmp_path, capsys):
+    """`parallax estimate --hw my.json` with a layout by flags: the plan carries the profile, whose
+    spec names no catalog GPU (it read "unknown GPU type" where `parallax plan` took the file)."""
+    profile = tmp_path / "my.json"
+    profile.write_text(hardware.load("8xh100-sxm").model_copy(update={"name": "my-h100"}).model_dump_json())
+    argv = ["estimate", "gpt2", "--hw", str(profile), "--global-batch", "8", "--seq-len", "128", "--dp", "8", "--json"]
+    assert main(argv) == 0
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.cluster().name == "my-h100" and plan.estimate.step_time_s > 0
+
+
 @pytest.mark.parametrize(
     "argv, needle",
     [
