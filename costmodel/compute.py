@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from hardware.schema import Cluster
 
-from .collectives import Group, all_gather, all_reduce, all_to_all
+from .collectives import Group, all_gather, all_reduce, all_to_all, reduce_scatter
 from .autocast import cast_params_on_rank
 from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
 from .memory import dense_gradient_split, state_bytes_per_param
@@ -185,23 +185,51 @@ def exposed_tp_time(comm: float, layer: LayerProfile, ctx: Context, gemm_passes:
     return max(comm - gemm, comm / ctx.tp)
 
 
-def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
-    """One forward's TP collectives (all-reduce, or all-gather + reduce-scatter with SP: same volume)."""
-    if _split(layer, ctx) == 1 or not layer.tp_allreduces_fwd:
+def _dtensor_sp(layer: LayerProfile, ctx: Context) -> bool:
+    """Whether the layer runs DTensor's sequence parallelism, whose collectives are counted per
+    linear (`tp_allreduces_bwd`: the traced column-split count): each column-split linear
+    all-gathers its own sequence-split input (q, k and v each), each row-split one reduce-scatters
+    its output. Megatron-LM's (the fused stack) gathers once per shared input: as many collectives
+    as the all-reduces it replaces, and their volume."""
+    return ctx.sp and ctx.stack != "fused" and layer.tp_allreduces_bwd is not None
+
+
+def sp_gather_time(layer: LayerProfile, ctx: Context) -> float:
+    """One forward's all-gathers of DTensor's SP, one per column-split linear (what a recompute
+    that keeps the reduce-scatters' outputs, `op`, runs again)."""
+    if _split(layer, ctx) == 1 or not _dtensor_sp(layer, ctx):
         return 0.0
-    one = all_reduce(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
-    return layer.tp_allreduces_fwd * one
+    return layer.tp_allreduces_bwd * all_gather(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
+
+
+def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
+    """One forward's TP collectives, each kind as the library runs it (gloo's all-gather and
+    reduce-scatter cost more than half its all-reduce: `Collectives.passes`): an all-reduce per
+    row-split linear; under DTensor's SP the all-gathers of `sp_gather_time` and a reduce-scatter
+    per row-split linear; under Megatron's SP the all-reduces' volume."""
+    if _split(layer, ctx) == 1:
+        return 0.0
+    nbytes = layer.tp_comm_bytes * ctx.micro_batch
+    if _dtensor_sp(layer, ctx):
+        return sp_gather_time(layer, ctx) + layer.tp_allreduces_fwd * reduce_scatter(nbytes, ctx.tp_group, ctx.cluster)
+    return layer.tp_allreduces_fwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster) if layer.tp_allreduces_fwd else 0.0
 
 
 def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
-    """One backward's TP all-reduces: the forward's mirror unless the layer says otherwise. The
-    traced count is DTensor's, one per column-split linear; the fused stack's Megatron-LM fuses the
-    projections that share an input (QKV, and gate with up), so it mirrors the forward."""
+    """One backward's TP collectives: the forward's mirror unless the layer says otherwise. The
+    traced count is DTensor's, an all-reduce of the input gradient per column-split linear; under
+    its SP a reduce-scatter per column-split linear and an all-gather per row-split one (each
+    forward collective's backward). The fused stack's Megatron-LM fuses the projections that share
+    an input (QKV, and gate with up), so it mirrors the forward."""
     if layer.tp_allreduces_bwd is None or ctx.stack == "fused":
         return tp_collective_time(layer, ctx)
-    if _split(layer, ctx) == 1 or not layer.tp_allreduces_bwd:
+    if _split(layer, ctx) == 1:
         return 0.0
-    return layer.tp_allreduces_bwd * all_reduce(layer.tp_comm_bytes * ctx.micro_batch, ctx.tp_group, ctx.cluster)
+    nbytes = layer.tp_comm_bytes * ctx.micro_batch
+    if _dtensor_sp(layer, ctx):
+        return (layer.tp_allreduces_bwd * reduce_scatter(nbytes, ctx.tp_group, ctx.cluster)
+                + layer.tp_allreduces_fwd * all_gather(nbytes, ctx.tp_group, ctx.cluster))
+    return layer.tp_allreduces_bwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster) if layer.tp_allreduces_bwd else 0.0
 
 
 def fresh_page_time(tensor_bytes: float, count: float, cluster: Cluster) -> float:
@@ -304,7 +332,9 @@ def layer_time(layer: LayerProfile, ctx: Context, recompute: str, parts: LayerPa
         recomputed_gemm = p.gemm * layer.op_recompute_flops / layer.matmul_flops if layer.matmul_flops else 0.0
         # the policy's dispatch mode replays every op of the forward, the saved ones answered from its cache
         extra = max(p.memory + p.fresh_forward + recomputed_gemm, p.host_recompute)
-        extra_comm = p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0)
+        # it keeps the row-split products' outputs: under SP their reduce-scatters are not run again
+        extra_comm = (exposed_tp_time(sp_gather_time(layer, ctx), layer, ctx, 1.0) if _dtensor_sp(layer, ctx)
+                      else p.comm * (0.5 if ctx.sp and ctx.tp > 1 else 1.0))
     else:
         return p.plain
     return replace(p.plain, recompute=extra, tp_comm=p.plain.tp_comm + extra_comm)

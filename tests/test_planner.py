@@ -257,14 +257,14 @@ def llama_70b_plans():
 
 
 @pytest.mark.parametrize("stack, layout, policies", [
-    # eager: ZeRO-3 over TP2+SP, the states offloaded to the hosts; torch's op-level checkpointing (every second
-    # multiply's output and the attention kernels' kept, the rest recomputed) in every block, which TP's halved
-    # blocks and vocabulary-split loss (torch's loss parallelism) leave room for; dp64 without TP, whose blocks
-    # need a full recompute in some, is 0.5% slower, inside the search's proven gap. A pipeline would gather
-    # each weight once a step, but torch 2.13's stages hold a receive buffer per micro-batch (an 8-stage dp4
-    # pipeline's middle rank 2 x 256 of 64 MiB, 32 GiB: costmodel.in_flight.receive_buffers), which leaves its
-    # blocks no room
-    ("eager", dict(dp=32, tp=2, sp=True, pp=1, zero=3, micro_batch=1, offload=True), {"op"}),
+    # eager: ZeRO-3 over all 64 GPUs, the states offloaded to the hosts; torch's op-level checkpointing (every
+    # second multiply's output and the attention kernels' kept, the rest recomputed) where a block's activations
+    # do not fit, a full recompute where that is not enough. TP2+SP fits `op` in every block (its loss split over
+    # the vocabulary), but DTensor's SP all-gathers each column-split linear's input, which the op policy runs
+    # again. A pipeline would gather each weight once a step, but torch 2.13's stages hold a receive buffer per
+    # micro-batch (an 8-stage dp4 pipeline's middle rank 2 x 256 of 64 MiB, 32 GiB:
+    # costmodel.in_flight.receive_buffers), which leaves its blocks no room
+    ("eager", dict(dp=64, tp=1, pp=1, zero=3, micro_batch=1, offload=True), {"op", "full"}),
     # fused: Megatron/TE speeds (no op-level policy there); its fused kernels save a block's
     # min-cut share, so ZeRO-3 over TP4+SP keeps every block without recomputation
     ("fused", dict(dp=16, tp=4, sp=True, pp=1, zero=3, micro_batch=1), set()),
