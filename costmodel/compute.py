@@ -212,7 +212,7 @@ def tp_collective_time(layer: LayerProfile, ctx: Context) -> float:
     nbytes = layer.tp_comm_bytes * ctx.micro_batch
     if _dtensor_sp(layer, ctx):
         return sp_gather_time(layer, ctx) + layer.tp_allreduces_fwd * reduce_scatter(nbytes, ctx.tp_group, ctx.cluster)
-    return layer.tp_allreduces_fwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster) if layer.tp_allreduces_fwd else 0.0
+    return layer.tp_allreduces_fwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster)
 
 
 def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
@@ -229,7 +229,7 @@ def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
     if _dtensor_sp(layer, ctx):
         return (layer.tp_allreduces_bwd * reduce_scatter(nbytes, ctx.tp_group, ctx.cluster)
                 + layer.tp_allreduces_fwd * all_gather(nbytes, ctx.tp_group, ctx.cluster))
-    return layer.tp_allreduces_bwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster) if layer.tp_allreduces_bwd else 0.0
+    return layer.tp_allreduces_bwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster)
 
 
 def fresh_page_time(tensor_bytes: float, count: float, cluster: Cluster) -> float:
