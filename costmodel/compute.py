@@ -19,6 +19,7 @@ from hardware.schema import Cluster
 from .collectives import Group, all_gather, all_reduce, all_to_all, reduce_scatter
 from .autocast import cast_params_on_rank
 from .fp8 import amax_all_reduces, cast_bytes, gemm_dtype
+from .loss import LOSS_PARALLEL_ALL_REDUCES, loss_parallel_reduce_bytes, runs_loss_parallel
 from .memory import dense_gradient_split, state_bytes_per_param
 from .workload import LayerProfile, layer_params_on_rank
 
@@ -232,6 +233,15 @@ def tp_backward_collective_time(layer: LayerProfile, ctx: Context) -> float:
     return layer.tp_allreduces_bwd * all_reduce(nbytes, ctx.tp_group, ctx.cluster)
 
 
+def loss_parallel_time(layer: LayerProfile, ctx: Context) -> float:
+    """torch's loss parallelism's forward all-reduces over TP, one micro-batch's tokens each. They
+    run in the loss, outside the head's forward, so no recompute of the head runs them again."""
+    if ctx.seq_len is None or not runs_loss_parallel(layer, ctx.tp, ctx.stack):
+        return 0.0
+    nbytes = loss_parallel_reduce_bytes(ctx.seq_len * ctx.micro_batch)
+    return LOSS_PARALLEL_ALL_REDUCES * all_reduce(nbytes, ctx.tp_group, ctx.cluster)
+
+
 def fresh_page_time(tensor_bytes: float, count: float, cluster: Cluster) -> float:
     """Seconds to map `count` new tensors of `tensor_bytes` each on a host whose allocator hands
     tensors of at least `fresh_page_min_bytes` back to the OS when freed (glibc's mmap ceiling):
@@ -298,7 +308,7 @@ def layer_parts(layer: LayerProfile, ctx: Context) -> LayerParts:
         backward=max(backward, host_issue_time(layer.host_ops_backward, ctx)),
         recompute=0.0,
         tp_comm=(comm + backward_tp_collectives(layer, ctx) + cp_gather_time(layer, ctx)
-                 + expert_exchange_time(layer, ctx)),
+                 + expert_exchange_time(layer, ctx) + loss_parallel_time(layer, ctx)),
     )
     return LayerParts(plain, gemm, attention, memory, fresh_forward, comm,
                       host_issue_time(layer.host_ops_forward + layer.host_ops_saved, ctx), first_cast)

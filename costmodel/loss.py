@@ -23,6 +23,10 @@ FP32_BYTES = 4  # the loss upcasts the logits to fp32, whatever the compute dtyp
 # their sum, all fp32 vocabulary shards alive at once beside the saved log-probabilities, where
 # aten's fused nll-loss and log-softmax backwards keep two
 LOSS_PARALLEL_TEMPORARIES = 3
+# its forward all-reduces one fp32 per token over TP three times: the logits' maximum, the sum of
+# their exponentials, and the target's logit (torch 2.13's `_log_softmax` and `_nll_loss_forward`
+# there); its backward is local
+LOSS_PARALLEL_ALL_REDUCES = 3
 
 
 def runs_loss_parallel(layer: LayerProfile, tp: int, stack: str) -> bool:
@@ -30,6 +34,11 @@ def runs_loss_parallel(layer: LayerProfile, tp: int, stack: str) -> bool:
     a DTensor stack whose TP splits it (`executor.apply.tensor_parallel` leaves its logits split
     over the vocabulary). The fused stack's Megatron-LM runs a vocabulary-parallel loss of its own."""
     return layer.kind == "head" and tp > 1 and layer.tp_shardable and stack != "fused"
+
+
+def loss_parallel_reduce_bytes(tokens: float) -> float:
+    """Bytes of each of the forward's all-reduces over `tokens` tokens of logits."""
+    return tokens * FP32_BYTES
 
 
 def loss_parallel_transient(layer: LayerProfile) -> float:

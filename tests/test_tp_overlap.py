@@ -92,3 +92,50 @@ def test_dtensor_sp_runs_a_gather_per_column_split_linear():
     assert tp_collective_time(block, fused) == pytest.approx(2 * all_reduce(nbytes, group, cluster))
     plain = Context(**{**eager.__dict__, "sp": False})
     assert tp_backward_collective_time(block, plain) == pytest.approx(5 * all_reduce(nbytes, group, cluster))
+
+
+def test_loss_parallel_reduces_three_values_per_token_in_forward_only():
+    """torch's loss parallelism (what the executor computes a TP head's loss with) all-reduces the
+    logits' maximum, their exponentials' sum and the target's logit over TP in forward, and nothing
+    in backward: counted here on torch's own loss under its fake process group, and priced as that
+    many all-reduces of one fp32 per token, on the eager stack's TP head only."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.debug import CommDebugMode
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from costmodel.collectives import all_reduce, group_of
+    from costmodel.compute import layer_parts, loss_parallel_time
+    from costmodel.loss import LOSS_PARALLEL_ALL_REDUCES
+    from planner.resolve import resolve_workload
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        logits = distribute_tensor(torch.randn(64, 32, requires_grad=True), mesh, [Shard(1)])
+        forward, backward = CommDebugMode(), CommDebugMode()
+        with loss_parallel():
+            with forward:
+                loss = F.cross_entropy(logits, torch.randint(0, 32, (64,)))
+            with backward:
+                loss.backward()
+    finally:
+        dist.destroy_process_group()
+    assert sum(forward.get_comm_counts().values()) == LOSS_PARALLEL_ALL_REDUCES
+    assert sum(backward.get_comm_counts().values()) == 0
+
+    workload = resolve_workload("llama-3-8b", seq_len=4096, dtype="bf16")
+    head = next(layer for layer in workload.layers if layer.kind == "head")
+    cluster = hardware.load("8xh100-sxm")
+    group = group_of(8, 1, cluster)
+    eager = Context(cluster=cluster, dtype="bf16", tp=8, sp=True, micro_batch=2, tp_group=group, seq_len=4096)
+    reduces = loss_parallel_time(head, eager)
+    assert reduces == pytest.approx(3 * all_reduce(2 * 4096 * 4, group, cluster))
+    unknown_length = Context(**{**eager.__dict__, "seq_len": None})
+    assert layer_parts(head, eager).plain.tp_comm == pytest.approx(layer_parts(head, unknown_length).plain.tp_comm + reduces)
+    assert loss_parallel_time(head, Context(**{**eager.__dict__, "stack": "fused"})) == 0.0
+    assert loss_parallel_time(head, Context(**{**eager.__dict__, "tp": 1})) == 0.0
