@@ -60,10 +60,16 @@ def state_bytes_per_param(dtype: str, stack: str = "eager", master: str = "fp32"
     return w, grads, master_copy + 2 * DTYPE_BYTES[moments]
 
 
+def layout_state_bytes(layout, dtype: str) -> tuple[float, float, float]:
+    """`state_bytes_per_param` of a layout's precision policy (a Plan's, or the search's
+    layouts') at compute `dtype`."""
+    return state_bytes_per_param(dtype, layout.stack, layout.master_dtype, layout.optimizer_dtype, layout.reduce_dtype,
+                                 layout.fp8_param_gather)
+
+
 def plan_state_bytes(plan) -> tuple[float, float, float]:
-    """`state_bytes_per_param` of a plan's (or a layout with a dtype's) precision policy."""
-    return state_bytes_per_param(plan.dtype, plan.stack, plan.master_dtype, plan.optimizer_dtype, plan.reduce_dtype,
-                                 plan.fp8_param_gather)
+    """`state_bytes_per_param` of a plan's precision policy."""
+    return layout_state_bytes(plan, plan.dtype)
 
 
 def gathered_weight_element_bytes(dtype: str, fp8_weights: bool = False) -> float:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from .memory import WEIGHT_BYTES, model_state_bytes, reduce_bytes
+from .memory import WEIGHT_BYTES, model_state_bytes, plan_state_bytes, reduce_bytes
 from layout.plan import Plan
 
 
@@ -52,15 +52,18 @@ HOST_ADAMW_TRAFFIC_BYTES = 80
 # quotient by the bias correction) and frees them: a tensor above glibc's mmap threshold (32 MiB at most,
 # most of a model's weights) goes back to the OS on free, so each step maps and zeroes them again.
 HOST_ADAMW_FRESH_BYTES = 8
+FP32_ELEMENT_BYTES = 4  # the element both figures above count in
 
 
 def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     """AdamW on the host, per parameter a rank holds (it steps its 1/shard_degree share): its
     traffic at the host's bandwidth, and its temporaries' fresh pages where the profile measured
-    how fast the host maps them (every parameter counted as in a tensor above the threshold)."""
+    how fast the host maps them (every parameter counted as in a tensor above the threshold). The
+    loop's tensors are the master weights' dtype, which the moments share (bf16 states: half the bytes)."""
+    element_share = plan_state_bytes(plan)[0] / FP32_ELEMENT_BYTES
     fresh = cluster.node.host_fresh_page_gbps
     fresh_s = HOST_ADAMW_FRESH_BYTES / (fresh * 1e9) if fresh else 0.0
-    return (HOST_ADAMW_TRAFFIC_BYTES / host_bandwidths(cluster)[1] + fresh_s) / plan.shard_degree
+    return element_share * (HOST_ADAMW_TRAFFIC_BYTES / host_bandwidths(cluster)[1] + fresh_s) / plan.shard_degree
 
 
 def device_state_bytes(params: float, plan: Plan) -> dict[str, float]:
@@ -84,7 +87,7 @@ def host_state_bytes(params: float, plan: Plan) -> float:
     """A rank's offloaded weights, gradients and AdamW state in host memory."""
     if not plan.offload:
         return 0.0
-    return sum(model_state_bytes(params, plan.dtype, 3, plan.shard_degree, plan.stack).values())
+    return sum(model_state_bytes(params, plan.dtype, 3, plan.shard_degree, plan.stack, plan_state_bytes(plan)).values())
 
 
 def host_memory_per_node(rank_params: list[float], plan: Plan, cluster: Cluster) -> float:

@@ -91,8 +91,22 @@ def test_a_pinned_bf16_recipe_fits_where_fp32_states_do_not():
     with pytest.raises(InfeasibleError):
         make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192, fixed={**pins, "offload": False})
     ok = make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192,
-                   fixed={**pins, "master_dtype": "bf16", "optimizer_dtype": "bf16"})
+                   fixed={**pins, "master_dtype": "bf16", "optimizer_dtype": "bf16", "offload": False})
     assert ok.master_dtype == "bf16" and ok.estimate.peak_memory_bytes <= ok.estimate.memory_capacity_bytes
+
+
+def test_the_search_bounds_a_layouts_states_at_its_recipes_bytes(llama):
+    """The search drops a layout whose states cannot fit before pricing it; it reads the recipe's
+    bytes per parameter. llama-3-8b with bf16 states on one H100 fits unoffloaded (8 bytes a
+    parameter); bounded at fp32's 16, that layout was dropped and the pick was offloaded, 1.5
+    times slower. Offloaded, the host holds the recipe's bytes and steps AdamW over them."""
+    pins = {"master_dtype": "bf16", "optimizer_dtype": "bf16"}
+    pick = make_plan("llama-3-8b", "1xh100-sxm", global_batch=8, seq_len=2048, fixed=pins)
+    assert not pick.offload and pick.master_dtype == "bf16"
+    offloaded = _plan(llama, dp=8, zero=3, offload=True, micro_batch=1)
+    fp32, bf16 = (estimate(llama[0], p, llama[1]) for p in (offloaded, offloaded.with_overrides(**pins)))
+    assert bf16.host_memory_bytes == pytest.approx(fp32.host_memory_bytes / 2)
+    assert bf16.breakdown_s["optimizer"] == pytest.approx(fp32.breakdown_s["optimizer"] / 2, rel=0.05)
 
 
 def test_held_gradients_and_bf16_states_match_the_dry_run():

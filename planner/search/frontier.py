@@ -13,7 +13,7 @@ from costmodel.accumulation import held_zero
 from costmodel.data_parallel import layer_params_on_rank
 from costmodel.layout import kv_bytes_per_sequence
 from costmodel.in_flight import fewest_in_flight
-from costmodel.memory import (activation_bytes, activation_keywords,
+from costmodel.memory import (activation_bytes, activation_keywords, layout_state_bytes,
                               model_state_bytes)
 from costmodel.offload import states_on_host
 from costmodel.device_states import gathered_weights_held, pipelined_fsdp
@@ -169,10 +169,10 @@ def _state_bytes_per_param(layout: Layout, dtype: str, cluster: Cluster, global_
     FSDP2 holds (`costmodel.device_states.gathered_weights_held`: ZeRO-2's, a pipelined stage's)."""
     if states_on_host(layout, cluster):
         return 0.0
-    shard = layout.shard_degree
-    states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack)
+    shard, per_param = layout.shard_degree, layout_state_bytes(layout, dtype)
+    states = model_state_bytes(1.0, dtype, held_zero(layout), shard, layout.stack, per_param)
     if pipelined_fsdp(layout):  # the master weights stay sharded
-        states["weights"] = model_state_bytes(1.0, dtype, layout.zero, shard, layout.stack)["weights"]
+        states["weights"] = model_state_bytes(1.0, dtype, layout.zero, shard, layout.stack, per_param)["weights"]
     held = gradients_held(layout, global_batch // (layout.dp * layout.micro_batch))
     return (states["weights"] + states["optimizer"] + (states["gradients"] if held else 0.0)
             + gathered_weights_held(1.0, layout, dtype, cluster))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -60,7 +61,8 @@ def cached_workload(name: str, seq_len: int, dtype: str, trace) -> Workload:
     workload = trace()
     try:
         CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".tmp")
+        # a name of this process's own: two processes tracing the same model never write one file
+        partial = path.with_name(f"{path.stem}.{os.getpid()}.tmp")
         partial.write_text(workload.model_dump_json())
         partial.replace(path)
     except OSError:
