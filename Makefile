@@ -21,8 +21,10 @@ $(VENV)/.installed: pyproject.toml
 plan: $(VENV)/.installed
 	$(BIN)/parallax plan llama-3-70b --hw 64xh100-sxm --global-batch 1024 --seq-len 8192
 
+# two xdist workers, one per core of the CI machine (a third gains nothing: two keep both cores busy);
+# each test file runs on one worker, so a module's fixture is built once
 test: $(VENV)/.installed
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check .

@@ -12,6 +12,8 @@ from costmodel.offload import HOST_ADAMW_FRESH_BYTES, HOST_ADAMW_TRAFFIC_BYTES
 from hardware.errors import InfeasibleError, PlanError
 from planner.resolve import resolve_workload
 
+from conftest import NEVER_S
+
 
 def _with_host_memory(spec: str, gb: float):
     cluster = hardware.load(spec)
@@ -62,7 +64,7 @@ def test_a_measured_hosts_fresh_pages_slow_the_offloaded_adamw(llama_70b):
 
 def test_the_hosts_memory_bounds_offload(llama_70b):
     with pytest.raises(InfeasibleError, match="host memory per node"):
-        planner.plan(llama_70b, "8xa100-40g", global_batch=64, seq_len=4096)  # 1 TB hosts
+        planner.plan(llama_70b, "8xa100-40g", global_batch=64, seq_len=4096, time_limit_s=NEVER_S)  # 1 TB hosts
 
 
 def test_offload_is_not_chosen_where_the_states_fit():

@@ -15,6 +15,8 @@ from planner.search.enumerate import best_uniform
 from planner.search.branch_and_bound import search
 from planner.search.space import to_plan
 
+from conftest import NEVER_S
+
 
 def test_small_model_on_large_gpus_gets_pure_data_parallelism(small_gpt):
     plan = planner.plan(small_gpt, "8xh100-sxm", global_batch=64, seq_len=1024)
@@ -43,14 +45,14 @@ def test_infeasible_request_reports_the_numbers():
     big = transformer_workload(TransformerDims(name="405b", n_layers=126, hidden=16384, heads=128, kv_heads=8, ffn_hidden=53248,
                                                vocab=128256, seq_len=4096, gated_mlp=True, biases=False, learned_positions=False))
     with pytest.raises(InfeasibleError) as info:
-        planner.plan(big, "8xa100-80g", global_batch=64, seq_len=4096)
+        planner.plan(big, "8xa100-80g", global_batch=64, seq_len=4096, time_limit_s=NEVER_S)
     report = info.value.report  # offloaded it fits the GPUs: its 6.5 TB of states overflow the node's 2 TB
     assert report["min_memory_gib"] <= report["usable_gib"] and report["binding"] == "host_memory"
     assert "host memory per node" in str(info.value) and report["min_gpus"] is not None and report["min_gpus"] > 8
     cluster = hardware.load("8xa100-80g")
     no_host = cluster.model_copy(update={"node": cluster.node.model_copy(update={"host_memory_gb": None})})
     with pytest.raises(InfeasibleError) as info:
-        planner.plan(big, no_host, global_batch=64, seq_len=4096)  # no host figures: offload is not offered
+        planner.plan(big, no_host, global_batch=64, seq_len=4096, time_limit_s=NEVER_S)  # no host figures: offload is not offered
     report = info.value.report
     assert report["min_memory_gib"] > report["usable_gib"]
     assert report["binding"] in ("weights", "gradients", "optimizer", "activations")

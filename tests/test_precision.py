@@ -18,6 +18,8 @@ from planner import plan as make_plan
 from planner.search.space import to_plan
 from planner.trace.workload_for import workload_for
 
+from conftest import NEVER_S
+
 
 @pytest.fixture(scope="module")
 def llama():
@@ -89,7 +91,8 @@ def test_a_pinned_bf16_recipe_fits_where_fp32_states_do_not():
     """An 8B model on one H200: 16 bytes per parameter leave no room at 8K tokens, 8 do."""
     pins = {"recompute": "full", "micro_batch": 1}
     with pytest.raises(InfeasibleError):
-        make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192, fixed={**pins, "offload": False})
+        make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192, fixed={**pins, "offload": False},
+                  time_limit_s=NEVER_S)
     ok = make_plan("llama-3-8b", "1xh200", global_batch=8, seq_len=8192,
                    fixed={**pins, "master_dtype": "bf16", "optimizer_dtype": "bf16", "offload": False})
     assert ok.master_dtype == "bf16" and ok.estimate.peak_memory_bytes <= ok.estimate.memory_capacity_bytes
