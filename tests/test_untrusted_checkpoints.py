@@ -51,6 +51,31 @@ def test_a_dotted_name_through_an_allowed_module_is_refused(tmp_path):
     assert not marker.exists()
 
 
+class _ByName:
+    """Pickles as getattr(owner, name): how Python 3.11.2 (Debian 12's) pickles an enum member."""
+
+    def __init__(self, owner, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def __reduce__(self):
+        return getattr, (self.owner, self.name)
+
+
+def test_an_enum_member_pickled_by_name_reads_back_and_nothing_else_does(tmp_path):
+    """DCP's metadata holds an enum (`_MEM_FORMAT_ENCODING`); on Python 3.11.2 every resume
+    read `builtins.getattr` there and refused the run's own checkpoint. getattr is answered for
+    members of enums the allow-list admits, and refused for anything else."""
+    from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING, TensorProperties
+
+    member = _MEM_FORMAT_ENCODING.TORCH_CONTIGUOUS_FORMAT
+    (tmp_path / ".metadata").write_bytes(pickle.dumps([_ByName(_MEM_FORMAT_ENCODING, member.name)]))
+    assert read_metadata(tmp_path) == [member]
+    for owner, name in [(_MEM_FORMAT_ENCODING, "__class__"), (TensorProperties, "__reduce__"), (torch.Size, "mro")]:
+        (tmp_path / ".metadata").write_bytes(pickle.dumps(_ByName(owner, name)))
+        with pytest.raises(UnsafeCheckpoint, match="not an enum member"):
+            read_metadata(tmp_path)
+
+
 def test_dcp_metadata_that_dcp_writes_reads_back(tmp_path):
     import torch.distributed.checkpoint as dcp
 

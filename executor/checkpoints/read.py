@@ -10,6 +10,7 @@ records, torch.Size, dtypes, layouts, memory formats, paths), and byte entries l
 """
 from __future__ import annotations
 
+import enum
 import io
 import pickle
 from pathlib import Path, PurePath
@@ -35,10 +36,22 @@ class UnsafeCheckpoint(PlanError):
     """A checkpoint file that would run code when read."""
 
 
+def _enum_member(cls, name):
+    """What `builtins.getattr` may do in a checkpoint: some Pythons (3.11.2, Debian 12's) pickle an
+    enum member as getattr(its class, its name), DCP's `_MEM_FORMAT_ENCODING` among them. Only a
+    member of an enum the allow-list let in is returned."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise UnsafeCheckpoint("checkpoint", f"its metadata asks for attribute {name!r} of {cls!r}, which is not an enum "
+                           "member", "a checkpoint written by `parallax run`; do not resume from this folder")
+
+
 class _DataOnly(pickle.Unpickler):
     """Unpickles DCP's metadata records and plain torch values; refuses every other global."""
 
     def find_class(self, module: str, name: str):
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         found = super().find_class(module, name) if self._allowed(module, name) else None
         if found is None:
             raise UnsafeCheckpoint("checkpoint", f"its metadata names {module}.{name}, which is code, not checkpoint "
