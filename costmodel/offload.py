@@ -14,7 +14,7 @@ from __future__ import annotations
 from hardware.errors import PlanError
 from hardware.schema import Cluster
 
-from .memory import WEIGHT_BYTES, model_state_bytes, plan_state_bytes, reduce_bytes
+from .memory import DTYPE_BYTES, WEIGHT_BYTES, model_state_bytes, plan_state_bytes, reduce_bytes
 from layout.plan import Plan
 
 
@@ -51,8 +51,7 @@ HOST_ADAMW_TRAFFIC_BYTES = 80
 # That loop also allocates two fp32 temporaries per parameter (the second moment's square root and its
 # quotient by the bias correction) and frees them: a tensor above glibc's mmap threshold (32 MiB at most,
 # most of a model's weights) goes back to the OS on free, so each step maps and zeroes them again.
-HOST_ADAMW_FRESH_BYTES = 8
-FP32_ELEMENT_BYTES = 4  # the element both figures above count in
+HOST_ADAMW_FRESH_BYTES = 8  # both figures count fp32 elements
 
 
 def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
@@ -60,7 +59,7 @@ def host_optimizer_seconds_per_param(plan: Plan, cluster: Cluster) -> float:
     traffic at the host's bandwidth, and its temporaries' fresh pages where the profile measured
     how fast the host maps them (every parameter counted as in a tensor above the threshold). The
     loop's tensors are the master weights' dtype, which the moments share (bf16 states: half the bytes)."""
-    element_share = plan_state_bytes(plan)[0] / FP32_ELEMENT_BYTES
+    element_share = plan_state_bytes(plan)[0] / DTYPE_BYTES["fp32"]
     fresh = cluster.node.host_fresh_page_gbps
     fresh_s = HOST_ADAMW_FRESH_BYTES / (fresh * 1e9) if fresh else 0.0
     return element_share * (HOST_ADAMW_TRAFFIC_BYTES / host_bandwidths(cluster)[1] + fresh_s) / plan.shard_degree
